@@ -1,0 +1,195 @@
+"""Typed configuration for `grail-train`.
+
+The dataclasses are registered with Hydra's ConfigStore as the schema of `conf/offline_grpo.yaml`,
+so an unknown key or a value of the wrong type fails when Hydra composes the config, before any
+model loads, with an error that names the key. `validate` then checks the combinations a type
+cannot express (for example evaluation seeds that overlap the training pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    # "tiny" builds (once, cached) the offline tiny model; otherwise a local directory or hub id.
+    train_id: str = "tiny"
+    # Reference policy for the KL term; None means "the same weights as train_id at the start".
+    ref_id: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class GpuConfig:
+    strategy: str = "single"  # single: server and trainer share a device | multi: one GPU each
+    server_gpu: int = 0
+    training_gpu: int = 0
+
+
+@dataclass
+class GenerationConfig:
+    backend: str = "builtin"  # builtin | vllm | sglang
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    weight_sync: str = "in_place"  # in_place | restart
+    server_threads: int | None = None  # None: all cores (sync mode never overlaps the trainer)
+    start_timeout_s: float = 120.0
+    request_timeout_s: float = 120.0
+    max_concurrency: int = 64
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = 20
+    lr: float = 1e-3
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    batch_size: int = 32  # micro-batch, in samples
+    grad_accum_steps: int = 1
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
+    importance_sampling_level: str = "token"  # token | sequence
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    scale_rewards: str = "group"  # group | batch | none
+    tis_cap: float | None = 2.0
+    threads: int | None = None  # torch threads of the trainer; None: all cores
+
+
+@dataclass
+class DataConfig:
+    environment: str = MISSING
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    problems_per_iteration: int = 16
+    rollouts_per_problem: int = 8
+    train_seed_start: int = 0
+    num_train_seeds: int = 100_000
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    interval: int = 5
+    num_ids: int = 64
+    id_seed_start: int = 1_000_000
+    replicates: int = 4
+    report_ks: list[int] = field(default_factory=lambda: [1, 4])
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 5
+    keep_last_k: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "grail"
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    resume: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    """Reject combinations that cannot work, naming the key. Types were checked by OmegaConf."""
+    _one_of("gpu.strategy", cfg.gpu.strategy, ("single", "multi"))
+    _one_of("generation.backend", cfg.generation.backend, ("builtin", "vllm", "sglang"))
+    _one_of("generation.weight_sync", cfg.generation.weight_sync, ("in_place", "restart"))
+    _one_of("train.loss_type", cfg.train.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo"))
+    _one_of(
+        "train.importance_sampling_level", cfg.train.importance_sampling_level, ("token", "sequence")
+    )
+    _one_of("train.scale_rewards", cfg.train.scale_rewards, ("group", "batch", "none"))
+
+    _positive("generation.max_new_tokens", cfg.generation.max_new_tokens)
+    if cfg.generation.temperature <= 0:
+        raise ConfigError(
+            f"generation.temperature must be > 0 for GRPO sampling, got {cfg.generation.temperature}"
+        )
+    if not 0 < cfg.generation.top_p <= 1:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    for key in ("iterations", "lr", "batch_size", "grad_accum_steps", "epsilon"):
+        _positive(f"train.{key}", getattr(cfg.train, key))
+    for key in ("kl_coef", "entropy_coef", "warmup_steps"):
+        if getattr(cfg.train, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(cfg.train, key)}")
+    if cfg.train.epsilon_high is not None and cfg.train.epsilon_high < cfg.train.epsilon:
+        raise ConfigError(
+            f"train.epsilon_high ({cfg.train.epsilon_high}) must be >= train.epsilon "
+            f"({cfg.train.epsilon})"
+        )
+
+    if cfg.data.rollouts_per_problem < 2:
+        raise ConfigError(
+            f"data.rollouts_per_problem must be >= 2 (GRPO compares samples within a group), "
+            f"got {cfg.data.rollouts_per_problem}"
+        )
+    _positive("data.problems_per_iteration", cfg.data.problems_per_iteration)
+    _positive("data.num_train_seeds", cfg.data.num_train_seeds)
+
+    if cfg.gpu.strategy == "multi" and cfg.gpu.server_gpu == cfg.gpu.training_gpu:
+        raise ConfigError(
+            f"gpu.strategy=multi needs gpu.server_gpu ({cfg.gpu.server_gpu}) != "
+            f"gpu.training_gpu ({cfg.gpu.training_gpu}); use gpu.strategy=single to share one GPU"
+        )
+
+    if cfg.eval.enabled:
+        _positive("eval.interval", cfg.eval.interval)
+        _positive("eval.num_ids", cfg.eval.num_ids)
+        _positive("eval.replicates", cfg.eval.replicates)
+        train_lo = cfg.data.train_seed_start
+        train_hi = train_lo + cfg.data.num_train_seeds
+        eval_lo = cfg.eval.id_seed_start
+        eval_hi = eval_lo + cfg.eval.num_ids
+        if eval_lo < train_hi and train_lo < eval_hi:
+            raise ConfigError(
+                f"eval seeds [{eval_lo}, {eval_hi}) (eval.id_seed_start, eval.num_ids) overlap the "
+                f"training seeds [{train_lo}, {train_hi}) (data.train_seed_start, "
+                f"data.num_train_seeds)"
+            )
+        for k in cfg.eval.report_ks:
+            if not 1 <= k <= cfg.eval.replicates:
+                raise ConfigError(
+                    f"eval.report_ks contains {k}, which must be in [1, eval.replicates="
+                    f"{cfg.eval.replicates}]"
+                )
+
+    _positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
+    _positive("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k)

@@ -1,0 +1,200 @@
+"""One policy update: a pass over an iteration's rollouts in micro-batches.
+
+Layout of a micro-batch: each sequence is prompt + completion, LEFT-padded so that every sequence
+ends in the last column. The completions then all lie inside the last K columns (K = the longest
+completion), and the model only has to produce logits for those K positions (`logits_to_keep`),
+which keeps the [B, K, V] float32 work small even when prompts are long and the vocabulary large.
+Position ids are computed from the attention mask, so padding does not shift positions.
+
+Old log-probabilities (the policy the samples are optimised away from) follow TRL: when the
+iteration makes a single optimizer step they are the current log-probabilities detached (ratio 1,
+exactly on-policy); when it makes several, they are computed once before the first step.
+The server's behaviour log-probabilities feed the truncated importance-sampling weight and the
+mismatch metric (grpo.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grail.algo.grpo import GRPOLossConfig, grpo_loss, token_entropy, token_logprobs
+from grail.rollouts import RolloutBatch, Sample
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor  # [B, L] left-padded prompt + completion
+    attention_mask: Tensor  # [B, L]
+    position_ids: Tensor  # [B, L]
+    completion_ids: Tensor  # [B, K] the last K tokens of each row
+    completion_mask: Tensor  # [B, K] 1 on completion tokens
+    behaviour_logprobs: Tensor  # [B, K] the server's log-probs, 0 on padding
+    advantages: Tensor  # [B]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.completion_mask.sum().item())
+
+
+def pack_microbatch(
+    items: Sequence[tuple[list[int], Sample]], pad_token_id: int, device: torch.device | str
+) -> MicroBatch:
+    """Left-pad (prompt ids, sample) pairs into the tensors of one micro-batch."""
+    seqs = [list(prompt) + list(s.completion_ids) for prompt, s in items]
+    length = max(len(s) for s in seqs)
+    k = max(max(len(s.completion_ids) for _, s in items), 1)
+    batch = len(items)
+    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, length), dtype=torch.long)
+    completion_mask = torch.zeros((batch, k), dtype=torch.float32)
+    behaviour = torch.zeros((batch, k), dtype=torch.float32)
+    for row, (seq, (_, sample)) in enumerate(zip(seqs, items)):
+        input_ids[row, length - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        attention_mask[row, length - len(seq) :] = 1
+        n = len(sample.completion_ids)
+        if n:
+            completion_mask[row, k - n :] = 1.0
+            behaviour[row, k - n :] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    advantages = torch.tensor([s.advantage for _, s in items], dtype=torch.float32)
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        completion_ids=input_ids[:, length - k :].to(device),
+        completion_mask=completion_mask.to(device),
+        behaviour_logprobs=behaviour.to(device),
+        advantages=advantages.to(device),
+    )
+
+
+def completion_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
+    """Logits [B, K, V] that predict the last K tokens of every row."""
+    k = mb.completion_ids.shape[1]
+    out = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        logits_to_keep=k + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1]
+
+
+def microbatches(batch: RolloutBatch, batch_size: int) -> list[list[tuple[list[int], Sample]]]:
+    items = [(g.prompt_ids, s) for g in batch.groups for s in g.samples]
+    return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
+
+
+@dataclass
+class UpdateSettings:
+    loss: GRPOLossConfig
+    temperature: float
+    batch_size: int
+    grad_accum_steps: int
+    grad_clip: float
+
+
+def _merge(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
+    """Token-weighted mean of per-micro-batch metrics; maxima stay maxima."""
+    merged: dict[str, float] = {}
+    total = sum(weights) or 1.0
+    for key in metrics[0]:
+        values = [m[key] for m in metrics if key in m]
+        if key.endswith("_max"):
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(v * w for v, w in zip(values, weights)) / total
+    return merged
+
+
+def policy_update(
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: RolloutBatch,
+    settings: UpdateSettings,
+    *,
+    pad_token_id: int,
+    device: torch.device,
+    backward: Callable[[Tensor], None],
+    clip_grad_norm: Callable[[float], Tensor],
+    on_microbatch_done: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Train one pass over `batch`; returns the iteration's training metrics.
+
+    `backward` and `clip_grad_norm` come from accelerate (mixed precision, multi-GPU); the
+    optimizer steps every `grad_accum_steps` micro-batches and once more on a remainder.
+    Non-finite gradient norms skip the step and are counted.
+    """
+    packed = [pack_microbatch(mb, pad_token_id, device) for mb in microbatches(batch, settings.batch_size)]
+    steps = [packed[i : i + settings.grad_accum_steps] for i in range(0, len(packed), settings.grad_accum_steps)]
+    temperature = settings.temperature
+
+    def logprobs_of(m: torch.nn.Module, mb: MicroBatch) -> Tensor:
+        return token_logprobs(completion_logits(m, mb), mb.completion_ids, temperature)
+
+    # Several optimizer steps per iteration: freeze the pre-update policy's log-probs first.
+    old_logprobs: list[Tensor | None] = [None] * len(packed)
+    if len(steps) > 1:
+        with torch.no_grad():
+            old_logprobs = [logprobs_of(model, mb) for mb in packed]
+    ref_logprobs: list[Tensor | None] = [None] * len(packed)
+    if ref_model is not None and settings.loss.kl_coef > 0:
+        with torch.no_grad():
+            ref_logprobs = [logprobs_of(ref_model, mb) for mb in packed]
+
+    model.train()
+    metrics: list[dict[str, float]] = []
+    weights: list[float] = []
+    grad_norms: list[float] = []
+    skipped = 0
+    index = 0
+    for step in steps:
+        tokens_in_step = sum(mb.num_tokens for mb in step)
+        for mb in step:
+            logits = completion_logits(model, mb)
+            logprobs = token_logprobs(logits, mb.completion_ids, temperature)
+            needs_entropy_grad = settings.loss.entropy_coef > 0
+            with torch.set_grad_enabled(needs_entropy_grad):
+                entropy = token_entropy(logits if needs_entropy_grad else logits.detach(), temperature)
+            old = old_logprobs[index]
+            loss, m = grpo_loss(
+                logprobs,
+                logprobs.detach() if old is None else old,
+                mb.advantages,
+                mb.completion_mask,
+                settings.loss,
+                ref_logprobs=ref_logprobs[index],
+                behaviour_logprobs=mb.behaviour_logprobs,
+                entropy=entropy,
+                num_items_in_batch=tokens_in_step,
+            )
+            # TRL's accumulation rule: dapo is already normalised by the step's token count.
+            scale = 1.0 if settings.loss.loss_type == "dapo" else 1.0 / len(step)
+            backward(loss * scale)
+            metrics.append(m)
+            weights.append(float(mb.num_tokens))
+            index += 1
+            if on_microbatch_done is not None:
+                on_microbatch_done()
+        grad_norm = float(clip_grad_norm(settings.grad_clip))
+        if math.isfinite(grad_norm):
+            optimizer.step()
+            grad_norms.append(grad_norm)
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+    result = _merge(metrics, weights)
+    result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    result["optimizer_steps"] = float(len(steps) - skipped)
+    result["skipped_steps"] = float(skipped)
+    return result
