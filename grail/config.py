@@ -66,7 +66,10 @@ class TrainConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None
     scale_rewards: str = "group"  # group | batch | none
-    tis_cap: float | None = 2.0
+    tis_cap: float | None = 2.0  # truncated IS between trainer and server log-probs; null: off
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
+    logratio_clamp: float | None = None  # clamp |log ratio| before exp
     threads: int | None = None  # torch threads of the trainer; None: all cores
 
 
@@ -134,14 +137,18 @@ def validate(cfg: Config) -> None:
     _one_of("generation.weight_sync", cfg.generation.weight_sync, ("in_place", "restart"))
     _one_of("train.loss_type", cfg.train.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo"))
     _one_of(
-        "train.importance_sampling_level", cfg.train.importance_sampling_level, ("token", "sequence")
+        "train.importance_sampling_level",
+        cfg.train.importance_sampling_level,
+        ("token", "sequence"),
     )
     _one_of("train.scale_rewards", cfg.train.scale_rewards, ("group", "batch", "none"))
+    _one_of("train.kl_estimator", cfg.train.kl_estimator, ("k1", "k2", "k3"))
 
     _positive("generation.max_new_tokens", cfg.generation.max_new_tokens)
     if cfg.generation.temperature <= 0:
         raise ConfigError(
-            f"generation.temperature must be > 0 for GRPO sampling, got {cfg.generation.temperature}"
+            "generation.temperature must be > 0 for GRPO sampling, "
+            f"got {cfg.generation.temperature}"
         )
     if not 0 < cfg.generation.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")

@@ -149,11 +149,13 @@ class RolloutGenerator:
                 on_group_done()
             return completions
 
-        # gather keeps the input order, so groups line up with problem_seeds whatever finishes first.
-        results = await asyncio.gather(*(one(p, ids) for p, ids in zip(problems, prompt_ids)))
+        # gather keeps the input order: groups line up with problem_seeds whatever finishes first.
+        results = await asyncio.gather(
+            *(one(p, ids) for p, ids in zip(problems, prompt_ids, strict=True))
+        )
 
         groups = []
-        for problem, ids, completions in zip(problems, prompt_ids, results):
+        for problem, ids, completions in zip(problems, prompt_ids, results, strict=True):
             scores = score_completions(
                 self.env,
                 [problem] * len(completions),
@@ -170,15 +172,17 @@ class RolloutGenerator:
                     components=dict(s.components),
                     success=s.success,
                 )
-                for c, s in zip(completions, scores)
+                for c, s in zip(completions, scores, strict=True)
             ]
             groups.append(Group(problem=problem, prompt_ids=ids, samples=samples))
 
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-        advantages, stats = compute_advantages(
-            rewards, self.scale_rewards, clip_percentile=self.advantage_clip_percentile
-        )
-        for group, row in zip(groups, advantages.tolist()):
-            for sample, advantage in zip(group.samples, row):
-                sample.advantage = float(advantage)
+        stats: dict[str, float] = {}
+        if replicas > 1:  # a single sample has no group baseline (evaluation at pass@1)
+            rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+            advantages, stats = compute_advantages(
+                rewards, self.scale_rewards, clip_percentile=self.advantage_clip_percentile
+            )
+            for group, row in zip(groups, advantages.tolist(), strict=True):
+                for sample, advantage in zip(group.samples, row, strict=True):
+                    sample.advantage = float(advantage)
         return RolloutBatch(groups=groups, advantage_stats=stats)

@@ -44,7 +44,7 @@ def _group(seed: int, rewards: list[float], successes: list[bool]) -> Group:
     problem = Problem(seed=seed, prompt_messages=[{"role": "user", "content": "x"}], answer="1")
     samples = [
         Sample([1, 2], [-0.5, -0.5], "stop", "1", r, {"r": r}, ok)
-        for r, ok in zip(rewards, successes)
+        for r, ok in zip(rewards, successes, strict=True)
     ]
     return Group(problem=problem, prompt_ids=[5, 6], samples=samples)
 

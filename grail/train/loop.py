@@ -18,6 +18,7 @@ staged first, the iteration's metrics file is written, and only then the checkpo
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ from rich.table import Table
 
 from grail.algo.grpo import GRPOLossConfig
 from grail.config import Config, validate
-from grail.envs import make_env
+from grail.envs import ENVIRONMENTS, Environment, make_env
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.servers import BuiltinServer, ServerManager
 from grail.models.loading import load_model, load_tokenizer
@@ -69,6 +70,16 @@ def iteration_seeds(cfg: Config, iteration: int) -> list[int]:
     per_iter, pool = cfg.data.problems_per_iteration, cfg.data.num_train_seeds
     start = iteration * per_iter
     return [cfg.data.train_seed_start + (start + i) % pool for i in range(per_iter)]
+
+
+def make_envs(cfg: Config) -> tuple[Environment, Environment]:
+    """The training environment and the evaluation one: a dataset task with splits (gsm8k)
+    evaluates on its test split; procedural tasks evaluate on held-out seeds of the same task."""
+    name, kwargs = cfg.data.environment, dict(cfg.data.env_kwargs)
+    train_env = make_env(name, **kwargs)
+    if "split" in inspect.signature(ENVIRONMENTS[name]).parameters:
+        return train_env, make_env(name, **{**kwargs, "split": "test"})
+    return train_env, train_env
 
 
 def eval_seeds(cfg: Config) -> list[int]:
@@ -207,7 +218,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     accelerator.unwrap_model(model).save_pretrained(weights_dir, safe_serialization=True)
     tokenizer.save_pretrained(weights_dir)
 
-    env = make_env(cfg.data.environment, **cfg.data.env_kwargs)
+    env, eval_env = make_envs(cfg)
     sampling = SamplingParams(
         max_tokens=cfg.generation.max_new_tokens,
         temperature=cfg.generation.temperature,
@@ -221,6 +232,9 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             epsilon=cfg.train.epsilon,
             epsilon_high=cfg.train.epsilon_high,
             kl_coef=cfg.train.kl_coef,
+            kl_estimator=cfg.train.kl_estimator,  # type: ignore[arg-type]
+            is_ratio_max=cfg.train.is_ratio_max,
+            logratio_clamp=cfg.train.logratio_clamp,
             entropy_coef=cfg.train.entropy_coef,
             tis_cap=cfg.train.tis_cap,
             max_completion_length=cfg.generation.max_new_tokens,
@@ -246,20 +260,23 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             timeout=cfg.generation.request_timeout_s,
             max_concurrency=cfg.generation.max_concurrency,
         )
-        generator = RolloutGenerator(
-            env,
-            tokenizer,
-            client,
-            sampling,
-            base_seed=cfg.seed,
-            scale_rewards=cfg.train.scale_rewards,  # type: ignore[arg-type]
+        generator, eval_generator = (
+            RolloutGenerator(
+                e,
+                tokenizer,
+                client,
+                sampling,
+                base_seed=cfg.seed,
+                scale_rewards=cfg.train.scale_rewards,  # type: ignore[arg-type]
+            )
+            for e in (env, eval_env)
         )
 
         def evaluate(iteration: int, name: str) -> float:
             t0 = time.perf_counter()
             seeds = eval_seeds(cfg)
             tick = display.task(f"eval {name}", len(seeds))
-            batch = generator.generate(
+            batch = eval_generator.generate(
                 seeds, cfg.eval.replicates, round_index=EVAL_ROUND, on_group_done=tick
             )
             record = {
@@ -354,7 +371,9 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 "weight_sync": {"mode": sync.mode_used, "fell_back": sync.fell_back},
                 "timings": timings,
             }
-            write_metrics(metrics_dir / f"train_iter_{iteration:03d}.json", record, "train_iteration")
+            write_metrics(
+                metrics_dir / f"train_iter_{iteration:03d}.json", record, "train_iteration"
+            )
             if staged is not None:
                 commit_checkpoint(staged)
                 prune_checkpoints(checkpoints_dir, cfg.checkpoint.keep_last_k)

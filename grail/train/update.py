@@ -53,7 +53,7 @@ def pack_microbatch(
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
     completion_mask = torch.zeros((batch, k), dtype=torch.float32)
     behaviour = torch.zeros((batch, k), dtype=torch.float32)
-    for row, (seq, (_, sample)) in enumerate(zip(seqs, items)):
+    for row, (seq, (_, sample)) in enumerate(zip(seqs, items, strict=True)):
         input_ids[row, length - len(seq) :] = torch.tensor(seq, dtype=torch.long)
         attention_mask[row, length - len(seq) :] = 1
         n = len(sample.completion_ids)
@@ -109,7 +109,7 @@ def _merge(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, f
         if key.endswith("_max"):
             merged[key] = max(values)
         else:
-            merged[key] = sum(v * w for v, w in zip(values, weights)) / total
+            merged[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total
     return merged
 
 
@@ -133,8 +133,13 @@ def policy_update(
     optimizer steps every `grad_accum_steps` micro-batches and once more on a remainder.
     Non-finite gradient norms skip the step and are counted.
     """
-    packed = [pack_microbatch(mb, pad_token_id, device) for mb in microbatches(batch, settings.batch_size)]
-    steps = [packed[i : i + settings.grad_accum_steps] for i in range(0, len(packed), settings.grad_accum_steps)]
+    packed = [
+        pack_microbatch(mb, pad_token_id, device) for mb in microbatches(batch, settings.batch_size)
+    ]
+    steps = [
+        packed[i : i + settings.grad_accum_steps]
+        for i in range(0, len(packed), settings.grad_accum_steps)
+    ]
     temperature = settings.temperature
 
     def logprobs_of(m: torch.nn.Module, mb: MicroBatch) -> Tensor:
@@ -163,7 +168,9 @@ def policy_update(
             logprobs = token_logprobs(logits, mb.completion_ids, temperature)
             needs_entropy_grad = settings.loss.entropy_coef > 0
             with torch.set_grad_enabled(needs_entropy_grad):
-                entropy = token_entropy(logits if needs_entropy_grad else logits.detach(), temperature)
+                entropy = token_entropy(
+                    logits if needs_entropy_grad else logits.detach(), temperature
+                )
             old = old_logprobs[index]
             loss, m = grpo_loss(
                 logprobs,

@@ -1,0 +1,734 @@
+"""The GRPO objective: group advantages, per-token log-probs and entropy, and the policy loss.
+
+Tensors in, a loss and a dict of plain-float metrics out: no model, no I/O. The loss follows
+TRL's ``GRPOTrainer._compute_loss`` term for term, with TRL's names (``loss_type`` grpo | bnpo |
+dr_grpo | dapo, ``importance_sampling_level`` token | sequence, ``epsilon``/``epsilon_high``), so
+that a run configured here means what the same settings mean in TRL.
+
+Notation (one micro-batch of B completions padded to T tokens):
+    logp[b,t]   log π_θ(y_t | y_<t)          current policy, carries the gradient
+    old[b,t]    log π_old(y_t | y_<t)        the policy the samples are optimised away from
+    ref[b,t]    log π_ref(y_t | y_<t)        frozen reference (KL penalty)
+    beh[b,t]    log μ(y_t | y_<t)            behaviour policy: what the inference server reported
+    m[b,t]      1 on completion tokens, 0 on padding
+    A[b]        advantage of completion b
+
+The per-token objective (minimised):
+
+    ℓ[b,t] = w[b,t] · pg[b,t]  +  β · KL[b,t]  −  α · H[b,t]
+
+    pg[b,t] = −min(ρ'·A[b], clip(ρ, 1 − ε, 1 + ε_high)·A[b])
+    ρ       = exp(s),  s = logp − old per token ("token"), or the length-normalised sequence
+              log ratio  s[b] = Σ_t m·(logp − old) / max(Σ_t m, 1)  broadcast to tokens ("sequence",
+              GSPO; TRL's ``log_importance_weights``); s is first clamped to [−c, c] when
+              ``logratio_clamp`` = c is set
+    ρ'      = min(ρ, δ) with δ = ``is_ratio_max`` (TRL's ``delta``, two-sided clipping), else ρ
+    w[b,t]  = min(exp(old − beh), tis_cap)   truncated importance sampling between the trainer's
+              "old" policy and the server's sampling policy (TRL's
+              ``vllm_importance_sampling_correction``); w = 1 when ``tis_cap`` is None
+    KL      = k1: logp − ref;  k2: ½(logp − ref)²;  k3: exp(ref − logp) − (ref − logp) − 1
+    H       = entropy of the current policy at that position
+
+and the loss aggregates ℓ over tokens by ``loss_type`` (TRL's normalisers):
+
+    grpo     L = 1/B · Σ_b [ Σ_t m·ℓ / max(Σ_t m, 1) ]     per-sequence mean, then mean
+    bnpo     L = Σ_{b,t} m·ℓ / max(Σ_{b,t} m, 1)            token mean over the micro-batch
+    dr_grpo  L = Σ_{b,t} m·ℓ / (B · max_completion_length)  no length normalisation
+    dapo     L = Σ_{b,t} m·ℓ / num_items_in_batch           token mean over the generation batch
+
+Gradient accumulation: TRL divides grpo/bnpo/dr_grpo by the number of accumulation steps but not
+dapo, whose ``num_items_in_batch`` already counts the tokens of the whole generation batch. The
+caller does the same: average grpo/bnpo/dr_grpo losses over micro-batches, sum dapo losses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "GRPOLossConfig",
+    "ImportanceSamplingLevel",
+    "KLEstimator",
+    "LossType",
+    "ScaleRewards",
+    "compute_advantages",
+    "grpo_loss",
+    "token_entropy",
+    "token_logprobs",
+]
+
+ScaleRewards = Literal["group", "batch", "none"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+# Rows (token positions) per chunk in token_logprobs / token_entropy: at a 152k vocabulary one
+# chunk is 512 × 152k × 4 B ≈ 300 MB of float32, against ~10 GB for a full 16 × 1024 batch.
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(allowed)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------
+
+
+def compute_advantages(
+    rewards: Tensor,
+    scale_rewards: ScaleRewards = "group",
+    clip_percentile: float | None = None,
+    eps: float = 1e-4,
+) -> tuple[Tensor, dict[str, float]]:
+    """Group-relative advantages from rewards ``[num_groups, group_size]`` (TRL's formula).
+
+        A[g,i] = r[g,i] − mean_i r[g,i]
+        "group":  A[g,i] /= std_i r[g,i] + eps      (unbiased std within the group)
+        "batch":  A[g,i] /= std_{g,i} r[g,i] + eps  (unbiased std over the whole batch)
+        "none":   A unscaled (Dr. GRPO's recommendation: scaling biases towards easy/hard groups)
+
+    A group whose rewards are all equal carries no learning signal: its advantages are set to
+    exactly 0 (not merely ~1e-8 from rounding of the mean), so it contributes exactly zero
+    policy gradient, and it is counted in ``zero_variance_groups`` / ``zero_variance_group_frac``
+    (TRL's ``frac_reward_zero_std``).
+
+    ``clip_percentile`` = p clamps A to ±c with c the p-th percentile (linear interpolation) of
+    |A|. The percentile is taken over the groups that carry signal only: zero-variance groups
+    contribute exact zeros that would otherwise drag c towards 0 (with half the groups solved or
+    failed outright, p = 50 would zero every advantage).
+
+    Returns float32 advantages of the same shape and stats (plain floats): ``reward_mean``,
+    ``reward_std`` (whole batch), ``reward_std_group_mean`` (mean within-group std),
+    ``zero_variance_groups``, ``zero_variance_group_frac``, ``adv_abs_mean``, ``adv_clip_frac``,
+    and ``adv_clip_value`` when clipping is on.
+    """
+    _check_choice("scale_rewards", scale_rewards, get_args(ScaleRewards))
+    if not isinstance(rewards, Tensor):
+        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}"
+        )
+    num_groups, group_size = rewards.shape
+    if num_groups == 0:
+        raise ValueError("rewards has no groups (shape [0, group_size])")
+    if group_size < 2:
+        raise ValueError(
+            f"group_size must be >= 2 for group-relative advantages, got {group_size}: "
+            "a single completion per prompt has no group baseline and yields zero advantage"
+        )
+    if rewards.dtype == torch.bool or rewards.is_complex():
+        raise TypeError(f"rewards must be real numbers, got dtype {rewards.dtype}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    if clip_percentile is not None and not (0.0 < clip_percentile <= 100.0):
+        raise ValueError(f"clip_percentile must be in (0, 100], got {clip_percentile}")
+
+    # float64 so that centring and scaling add no error of their own before the float32 output.
+    r = rewards.detach().to(torch.float64)
+    finite = torch.isfinite(r)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[0].tolist()
+        raise ValueError(
+            f"rewards contain {int((~finite).sum())} non-finite value(s), first at "
+            f"[group {bad[0]}, sample {bad[1]}]"
+        )
+
+    adv = r - r.mean(dim=1, keepdim=True)
+    group_std = r.std(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        adv = adv / (group_std + eps)
+    elif scale_rewards == "batch":
+        adv = adv / (r.std() + eps)
+
+    zero_var = r.amax(dim=1) == r.amin(dim=1)  # exact: no tolerance to tune
+    adv = torch.where(zero_var.unsqueeze(1), torch.zeros_like(adv), adv)
+
+    stats: dict[str, float] = {
+        "reward_mean": float(r.mean()),
+        "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+        "reward_std_group_mean": float(group_std.mean()),
+        "zero_variance_groups": float(zero_var.sum()),
+        "zero_variance_group_frac": float(zero_var.double().mean()),
+    }
+
+    clip_frac = 0.0
+    if clip_percentile is not None:
+        signal = adv[~zero_var].abs().flatten()
+        if signal.numel() > 0:
+            c = torch.quantile(signal, clip_percentile / 100.0)
+            clipped = adv.abs() > c
+            clip_frac = float(clipped.double().mean())
+            adv = adv.clamp(-c, c)
+            stats["adv_clip_value"] = float(c)
+        else:
+            stats["adv_clip_value"] = 0.0
+    stats["adv_clip_frac"] = clip_frac
+    stats["adv_abs_mean"] = float(adv.abs().mean())
+    return adv.to(torch.float32), stats
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token log-probs and entropy, chunked
+# --------------------------------------------------------------------------------------------
+
+
+def _check_logits(logits: Tensor, temperature: float, chunk_size: int) -> None:
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got dtype {logits.dtype}")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits have an empty vocabulary dimension (V = 0)")
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    """float32 for half/bfloat16/float32 inputs; float64 inputs keep float64."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _row_blocks(x: Tensor, chunk_size: int) -> Iterator[tuple[int, int, Tensor]]:
+    """Yield ``(r0, r1, rows)``: blocks of at most ``chunk_size`` rows of ``x`` [B, T, V] as views.
+
+    ``r0:r1`` index the flattened B*T positions. When ``x`` cannot be flattened without a copy
+    (e.g. ``logits[:, :-1]``), blocks stop at sequence boundaries instead of copying the input.
+    """
+    b, t, v = x.shape
+    try:
+        flat = x.view(b * t, v)
+    except RuntimeError:
+        for i in range(b):
+            for t0 in range(0, t, chunk_size):
+                t1 = min(t0 + chunk_size, t)
+                yield i * t + t0, i * t + t1, x[i, t0:t1]
+        return
+    for r0 in range(0, b * t, chunk_size):
+        r1 = min(r0 + chunk_size, b * t)
+        yield r0, r1, flat[r0:r1]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits / T)[ids], one chunk of rows in float32 at a time, forward and backward.
+
+    Plain autograd would keep every chunk's float32 log-softmax alive for the backward pass; this
+    saves only the input logits (no copy) and the per-row log-normaliser, and recomputes the
+    softmax per chunk in backward:  ∂/∂z_j log p_y = (1[j = y] − p_j) / T.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        b, t, _ = logits.shape
+        acc = _acc_dtype(logits)
+        out = torch.empty(b * t, dtype=acc, device=logits.device)
+        lse = torch.empty(b * t, dtype=acc, device=logits.device)
+        flat_ids = ids.reshape(-1)
+        for r0, r1, rows in _row_blocks(logits, chunk_size):
+            z = rows.to(acc) / temperature
+            lse[r0:r1] = torch.logsumexp(z, dim=-1)
+            out[r0:r1] = z.gather(-1, flat_ids[r0:r1].unsqueeze(-1)).squeeze(-1) - lse[r0:r1]
+        ctx.save_for_backward(logits, flat_ids, lse)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return out.view(b, t)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        logits, flat_ids, lse = ctx.saved_tensors
+        b, t, v = logits.shape
+        g = grad_out.reshape(-1).to(lse.dtype)
+        grad = torch.empty((b * t, v), dtype=logits.dtype, device=logits.device)
+        for r0, r1, rows in _row_blocks(logits, ctx.chunk_size):
+            p = torch.exp(rows.to(lse.dtype) / ctx.temperature - lse[r0:r1].unsqueeze(-1))
+            gz = -p * g[r0:r1].unsqueeze(-1)
+            gz.scatter_add_(-1, flat_ids[r0:r1].unsqueeze(-1), g[r0:r1].unsqueeze(-1))
+            grad[r0:r1] = gz / ctx.temperature
+        return grad.view(b, t, v), None, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """H = −Σ_j p_j log p_j with log p = z − logsumexp(z), z = logits / T; chunked like
+    ``_TokenLogprobs``. Summing the non-negative terms −p log p avoids the cancellation of the
+    equivalent logsumexp(z) − Σ p z when H is small next to the logits.
+
+    Backward:  ∂H/∂z_j = −p_j (log p_j + H),  and ∂/∂logits = ∂/∂z / T.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        b, t, _ = logits.shape
+        out = torch.empty(b * t, dtype=_acc_dtype(logits), device=logits.device)
+        for r0, r1, rows in _row_blocks(logits, chunk_size):
+            logp = torch.log_softmax(rows.to(out.dtype) / temperature, dim=-1)
+            out[r0:r1] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return out.view(b, t)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        (logits,) = ctx.saved_tensors
+        b, t, v = logits.shape
+        acc = _acc_dtype(logits)
+        g = grad_out.reshape(-1).to(acc)
+        grad = torch.empty((b * t, v), dtype=logits.dtype, device=logits.device)
+        for r0, r1, rows in _row_blocks(logits, ctx.chunk_size):
+            logp = torch.log_softmax(rows.to(acc) / ctx.temperature, dim=-1)
+            p = logp.exp()
+            h = -(p * logp).sum(-1, keepdim=True)
+            grad[r0:r1] = (-p * (logp + h) * g[r0:r1].unsqueeze(-1)) / ctx.temperature
+        return grad.view(b, t, v), None, None
+
+
+def token_logprobs(
+    logits: Tensor,
+    token_ids: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Per-token log-probabilities ``log softmax(logits / T)[token_ids]``, float32 ``[B, T]``.
+
+    ``logits`` [B, T, V] must be the logits that *predict* ``token_ids`` [B, T]: for a causal LM
+    run on prompt+completion, the caller passes ``logits[:, P-1:-1]`` for completion ids
+    ``input_ids[:, P:]``. Divide by the sampling temperature so the log-probs match what the
+    inference server reports for the same tokens.
+
+    Computed in float32 for half, bfloat16 and float32 logits (float64 stays float64): a bf16
+    log-softmax loses ~3 significant digits, enough to bias the policy ratio. It runs
+    ``chunk_size`` rows at a time, so the float32 copy of a large vocabulary never exists for
+    the whole batch; the same holds in the backward pass, which recomputes the softmax per chunk
+    and returns a gradient in the logits' dtype. A non-contiguous ``logits`` view (such as
+    ``logits[:, :-1]``) is read in place, not copied.
+    """
+    _check_logits(logits, temperature, chunk_size)
+    if not isinstance(token_ids, Tensor):
+        raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
+    if token_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_ids shape {tuple(token_ids.shape)} does not match logits [B, T] = "
+            f"{tuple(logits.shape[:2])}"
+        )
+    if token_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"token_ids must be an integer tensor, got dtype {token_ids.dtype}")
+    if token_ids.device != logits.device:
+        raise ValueError(f"token_ids on {token_ids.device} but logits on {logits.device}")
+    vocab = logits.shape[-1]
+    if token_ids.numel() > 0:
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"token_ids out of range [0, {vocab}): min {lo}, max {hi} "
+                "(padding positions need a valid id too; mask them in the loss instead)"
+            )
+    if logits.shape[0] * logits.shape[1] == 0:
+        return logits.new_zeros(logits.shape[:2], dtype=_acc_dtype(logits))
+    return _TokenLogprobs.apply(logits, token_ids.long(), float(temperature), chunk_size)
+
+
+def token_entropy(
+    logits: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Per-position entropy ``H = −Σ_j p_j log p_j`` of ``p = softmax(logits / T)``, [B, T].
+
+    Chunked and float32 like ``token_logprobs``; differentiable, so it can feed the entropy
+    bonus of ``grpo_loss`` (detach it to use it as a metric only).
+    """
+    _check_logits(logits, temperature, chunk_size)
+    if logits.shape[0] * logits.shape[1] == 0:
+        return logits.new_zeros(logits.shape[:2], dtype=_acc_dtype(logits))
+    return _TokenEntropy.apply(logits, float(temperature), chunk_size)
+
+
+# --------------------------------------------------------------------------------------------
+# The loss
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """Settings of the GRPO objective; see the module docstring for the formulas.
+
+    loss_type, importance_sampling_level, epsilon, epsilon_high: as TRL's GRPOConfig.
+    kl_coef: β (TRL's ``beta``); ``ref_logprobs`` are required when > 0.
+    kl_estimator: k1 | k2 | k3 (Schulman's estimators of KL(π_θ ‖ π_ref); TRL uses k3).
+    entropy_coef: α, weight of the entropy bonus; ``entropy`` is required when > 0.
+    is_ratio_max: δ, cap on the unclipped ratio (TRL's ``delta``). It must exceed
+        1 + epsilon_high, where it only ever bites on negative advantages (a token made far
+        more likely although its completion was bad).
+    logratio_clamp: c, clamp of the log importance weight to [−c, c] before exp; tokens beyond
+        it get no policy gradient (a hard trust region that also keeps exp finite).
+    tis_cap: cap of the truncated importance weight exp(old − behaviour); None turns it off.
+    max_completion_length: the dr_grpo normaliser (required for dr_grpo).
+    """
+
+    loss_type: LossType = "grpo"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    is_ratio_max: float | None = None
+    logratio_clamp: float | None = None
+    tis_cap: float | None = None
+    max_completion_length: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("loss_type", self.loss_type, get_args(LossType))
+        _check_choice(
+            "importance_sampling_level",
+            self.importance_sampling_level,
+            get_args(ImportanceSamplingLevel),
+        )
+        _check_choice("kl_estimator", self.kl_estimator, get_args(KLEstimator))
+
+        def positive(name: str, value: float | None) -> None:
+            if value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+        def non_negative(name: str, value: float) -> None:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+        positive("epsilon", self.epsilon)
+        positive("epsilon_high", self.epsilon_high)
+        non_negative("kl_coef", self.kl_coef)
+        non_negative("entropy_coef", self.entropy_coef)
+        positive("is_ratio_max", self.is_ratio_max)
+        positive("logratio_clamp", self.logratio_clamp)
+        positive("tis_cap", self.tis_cap)
+        if self.is_ratio_max is not None and self.is_ratio_max <= 1.0 + self.eps_high:
+            raise ValueError(
+                f"is_ratio_max ({self.is_ratio_max}) must be > 1 + epsilon_high "
+                f"({1.0 + self.eps_high}); a lower cap would clip the ratio inside the trust region"
+            )
+        mcl = self.max_completion_length
+        if mcl is not None and (isinstance(mcl, bool) or not isinstance(mcl, int) or mcl < 1):
+            raise ValueError(f"max_completion_length must be a positive int, got {mcl!r}")
+        if self.loss_type == "dr_grpo" and mcl is None:
+            raise ValueError(
+                "loss_type 'dr_grpo' requires max_completion_length (its normaliser is "
+                "B * max_completion_length)"
+            )
+
+    @property
+    def eps_high(self) -> float:
+        """Upper clip width: ``epsilon_high``, or ``epsilon`` when unset (symmetric clipping)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def _check_same(name: str, x: Tensor | None, like: Tensor) -> None:
+    if x is None:
+        return
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.shape != like.shape:
+        raise ValueError(
+            f"{name} shape {tuple(x.shape)} does not match logprobs shape {tuple(like.shape)}"
+        )
+    if x.device != like.device:
+        raise ValueError(f"{name} is on {x.device} but logprobs on {like.device}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: GRPOLossConfig,
+    ref_logprobs: Tensor | None = None,
+    behaviour_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    num_items_in_batch: int | float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO loss of one micro-batch and its metrics (formulas in the module docstring).
+
+    Args:
+        logprobs: [B, T] current-policy log-probs of the completion tokens (carries the grad).
+        old_logprobs: [B, T] log-probs under the policy being optimised away from.
+        advantages: [B] one advantage per completion.
+        mask: [B, T] 1 for completion tokens, 0 for padding (bool, int or float 0/1).
+        config: the loss settings.
+        ref_logprobs: [B, T] frozen reference log-probs; required when ``kl_coef > 0``, and
+            used for the ``kl`` metric whenever given.
+        behaviour_logprobs: [B, T] what the inference server reported when sampling; required
+            when ``tis_cap`` is set; feeds the ``logprob_mismatch`` metrics whenever given.
+        entropy: [B, T] per-token entropy; required when ``entropy_coef > 0``. Unlike the other
+            inputs it is not detached: the bonus acts through its gradient.
+        num_items_in_batch: completion tokens in the whole generation batch (dapo only, where
+            it is required).
+
+    Only ``logprobs`` (and ``entropy``) receive gradient: old, ref, behaviour and advantages
+    are detached. Padding positions never matter, whatever they hold (NaN included).
+
+    Metrics (plain floats): ``loss_total``, ``loss_pg``, ``loss_kl``, ``loss_entropy`` (each
+    term aggregated like the loss, so they sum to ``loss_total``), ``ratio_mean``, ``ratio_max``
+    (ρ after ``logratio_clamp``, before ``is_ratio_max``), ``clip_frac_low`` (ρ < 1 − ε and
+    A < 0), ``clip_frac_high`` (ρ > 1 + ε_high and A > 0), ``clip_frac`` (either),
+    ``ratio_cap_frac``, ``logratio_clamp_frac``, ``tis_cap_frac``, ``tis_weight_mean``,
+    ``is_ess`` ((Σw)² / (n Σw²) over completion tokens; 1.0 with TIS off), ``num_tokens``;
+    ``kl`` when ``ref_logprobs`` is given, ``entropy`` when ``entropy`` is given,
+    ``logprob_mismatch`` and ``logprob_mismatch_max`` (|old − behaviour|) when
+    ``behaviour_logprobs`` is given. Ratio and clip fractions are over completion tokens at
+    token level and over sequences at sequence level, as TRL reports them.
+    """
+    if not isinstance(config, GRPOLossConfig):
+        raise TypeError(f"config must be a GRPOLossConfig, got {type(config).__name__}")
+    if not isinstance(logprobs, Tensor):
+        raise TypeError(f"logprobs must be a torch.Tensor, got {type(logprobs).__name__}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    if not logprobs.is_floating_point():
+        raise TypeError(f"logprobs must be floating point, got dtype {logprobs.dtype}")
+    batch = logprobs.shape[0]
+    if batch == 0:
+        raise ValueError("empty batch: logprobs has B = 0")
+    _check_same("old_logprobs", old_logprobs, logprobs)
+    _check_same("ref_logprobs", ref_logprobs, logprobs)
+    _check_same("behaviour_logprobs", behaviour_logprobs, logprobs)
+    _check_same("entropy", entropy, logprobs)
+    if old_logprobs is None:
+        raise ValueError("old_logprobs is required (pass logprobs.detach() when on-policy)")
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.shape != logprobs.shape:
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} does not match logprobs shape {tuple(logprobs.shape)}"
+        )
+    if mask.device != logprobs.device:
+        raise ValueError(f"mask is on {mask.device} but logprobs on {logprobs.device}")
+    if not isinstance(advantages, Tensor):
+        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if advantages.shape != (batch,):
+        raise ValueError(
+            f"advantages must be [B] = [{batch}] (one per completion), got shape "
+            f"{tuple(advantages.shape)}"
+        )
+    if advantages.device != logprobs.device:
+        raise ValueError(f"advantages on {advantages.device} but logprobs on {logprobs.device}")
+    if not advantages.is_floating_point():
+        raise TypeError(f"advantages must be floating point, got dtype {advantages.dtype}")
+    if not bool(torch.isfinite(advantages).all()):
+        raise ValueError("advantages contain NaN or inf")
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef = {config.kl_coef} > 0 requires ref_logprobs")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef = {config.entropy_coef} > 0 requires entropy")
+    if config.tis_cap is not None and behaviour_logprobs is None:
+        raise ValueError(f"tis_cap = {config.tis_cap} requires behaviour_logprobs")
+
+    # float32 at least (float64 stays float64): bf16 ratios of nearby log-probs are noise.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    if mask.dtype == torch.bool:
+        keep = mask
+    else:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ValueError("mask must hold only 0 and 1 (completion token or padding)")
+        keep = mask != 0
+    m = keep.to(dtype)
+    tokens_per_seq = m.sum(-1)
+    num_tokens = tokens_per_seq.sum()
+
+    if config.loss_type == "dapo":
+        if num_items_in_batch is None:
+            raise ValueError(
+                "loss_type 'dapo' requires num_items_in_batch (completion tokens in the whole "
+                "generation batch)"
+            )
+        n_items = float(num_items_in_batch)
+        if not (math.isfinite(n_items) and n_items > 0):
+            raise ValueError(f"num_items_in_batch must be a finite number > 0, got {n_items}")
+        if n_items < float(num_tokens):
+            raise ValueError(
+                f"num_items_in_batch ({n_items:g}) is smaller than the completion tokens in this "
+                f"micro-batch ({int(num_tokens)}); it must count the whole generation batch"
+            )
+    if config.loss_type == "dr_grpo":
+        longest = int(tokens_per_seq.max())
+        if longest > config.max_completion_length:  # type: ignore[operator]
+            raise ValueError(
+                f"a completion has {longest} tokens, more than max_completion_length "
+                f"({config.max_completion_length}) that dr_grpo normalises by"
+            )
+
+    def clean(x: Tensor, grad: bool = False) -> Tensor:
+        # Zero the padding before any arithmetic, so NaN/inf there cannot leak into the loss
+        # or (via 0 · inf in backward) into the gradient.
+        x = x if grad else x.detach()
+        return torch.where(keep, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
+
+    logp = clean(logprobs, grad=True)
+    old = clean(old_logprobs)
+    adv = advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
+
+    def aggregate(x: Tensor) -> Tensor:
+        x = x.expand_as(m) * m
+        if config.loss_type == "grpo":
+            return (x.sum(-1) / tokens_per_seq.clamp(min=1.0)).mean()
+        if config.loss_type == "bnpo":
+            return x.sum() / num_tokens.clamp(min=1.0)
+        if config.loss_type == "dr_grpo":
+            return x.sum() / (batch * config.max_completion_length)  # type: ignore[operator]
+        return x.sum() / n_items  # dapo
+
+    # Log importance weights: per token, or GSPO's length-normalised sequence log ratio.
+    log_ratio = logp - old
+    if config.importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = (log_ratio.sum(-1) / tokens_per_seq.clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+    if config.logratio_clamp is not None:
+        clamped = log_w.detach().abs() > config.logratio_clamp
+        log_w = log_w.clamp(-config.logratio_clamp, config.logratio_clamp)
+    else:
+        clamped = torch.zeros_like(log_w, dtype=torch.bool)
+
+    eps_low, eps_high = config.epsilon, config.eps_high
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
+    ratio = coef_1.detach()
+    if config.is_ratio_max is not None:
+        capped = ratio > config.is_ratio_max
+        coef_1 = torch.clamp(coef_1, max=config.is_ratio_max)
+    else:
+        capped = torch.zeros_like(ratio, dtype=torch.bool)
+    pg = -torch.min(coef_1 * adv, coef_2 * adv)  # [B, T] or [B, 1]
+
+    if config.tis_cap is not None:
+        beh = clean(behaviour_logprobs)  # type: ignore[arg-type]
+        tis_log = old - beh
+        tis_w = torch.clamp(torch.exp(tis_log), max=config.tis_cap)
+        tis_capped = tis_log > math.log(config.tis_cap)
+        pg = pg * tis_w
+    else:
+        tis_w = torch.ones_like(m)
+        tis_capped = torch.zeros_like(keep)
+
+    loss_pg = aggregate(pg)
+    zero = logp.new_zeros(())
+
+    kl_tok: Tensor | None = None
+    if ref_logprobs is not None:
+        ref = clean(ref_logprobs)
+        # The KL term carries gradient only when it is part of the loss.
+        cur = logp if config.kl_coef > 0 else logp.detach()
+        if config.kl_estimator == "k1":
+            kl_tok = cur - ref
+        elif config.kl_estimator == "k2":
+            kl_tok = 0.5 * (cur - ref) ** 2
+        else:
+            kl_tok = torch.exp(ref - cur) - (ref - cur) - 1.0
+    loss_kl = zero
+    if kl_tok is not None and config.kl_coef > 0:
+        loss_kl = config.kl_coef * aggregate(kl_tok)
+
+    ent: Tensor | None = None
+    if entropy is not None:
+        ent = torch.where(keep, entropy.to(dtype), torch.zeros((), dtype=dtype, device=m.device))
+    loss_entropy = zero
+    if ent is not None and config.entropy_coef > 0:
+        loss_entropy = -config.entropy_coef * aggregate(ent)
+
+    loss = loss_pg + loss_kl + loss_entropy
+
+    # Metrics: gathered into one tensor so a GPU run pays one device sync, not twenty.
+    with torch.no_grad():
+        count = num_tokens.clamp(min=1.0)
+
+        def token_mean(x: Tensor) -> Tensor:
+            return (x.to(dtype) * m).sum() / count
+
+        def unit_mean(x: Tensor) -> Tensor:
+            # TRL's masked_batch_mean: per token, or per sequence at sequence level.
+            return x.to(dtype).mean() if x.shape[-1] == 1 else token_mean(x)
+
+        def masked_max(x: Tensor) -> Tensor:
+            if x.shape[-1] == 1:
+                return x.max().to(dtype)
+            top = x.to(dtype).masked_fill(~keep, float("-inf")).max()
+            return torch.where(num_tokens > 0, top, torch.zeros_like(top))  # 0 with no tokens
+
+        low = (ratio < 1.0 - eps_low) & (adv < 0)
+        high = (ratio > 1.0 + eps_high) & (adv > 0)
+        names = [
+            "loss_total",
+            "loss_pg",
+            "loss_kl",
+            "loss_entropy",
+            "ratio_mean",
+            "ratio_max",
+            "clip_frac_low",
+            "clip_frac_high",
+            "clip_frac",
+            "ratio_cap_frac",
+            "logratio_clamp_frac",
+            "tis_cap_frac",
+            "tis_weight_mean",
+            "is_ess",
+            "num_tokens",
+        ]
+        # Normalised effective sample size of the TIS weights: 1 when all equal, 1/n when one
+        # token carries all the weight. Defined as 1 with no tokens or all-zero weights.
+        w_sum = (tis_w * m).sum()
+        w_sq = (tis_w * tis_w * m).sum()
+        ess = torch.where(
+            w_sq > 0, w_sum * w_sum / (num_tokens * w_sq).clamp(min=1e-30), torch.ones_like(w_sq)
+        ).clamp(max=1.0)
+        values = [
+            loss.detach(),
+            loss_pg.detach(),
+            loss_kl.detach(),
+            loss_entropy.detach(),
+            unit_mean(ratio),
+            masked_max(ratio),
+            unit_mean(low),
+            unit_mean(high),
+            unit_mean(low | high),
+            unit_mean(capped),
+            unit_mean(clamped),
+            token_mean(tis_capped),
+            token_mean(tis_w),
+            ess,
+            num_tokens,
+        ]
+        if kl_tok is not None:
+            names.append("kl")
+            values.append(token_mean(kl_tok.detach()))
+        if ent is not None:
+            names.append("entropy")
+            values.append(token_mean(ent.detach()))
+        if behaviour_logprobs is not None:
+            gap = (old - clean(behaviour_logprobs)).abs()
+            names += ["logprob_mismatch", "logprob_mismatch_max"]
+            values += [token_mean(gap), masked_max(gap)]
+        numbers = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist()
+    return loss, dict(zip(names, numbers, strict=True))

@@ -1,0 +1,377 @@
+"""Reward functions beyond an environment's own score: built-ins and `module:function` plugins.
+
+A reward function has the TRL signature
+
+    fn(prompts: list[str], completions: list[str], **kwargs) -> list[float]
+
+called once per batch; kwargs carry per-sample lists (`answers`, and every key of the problems'
+`meta`, e.g. `keywords`). Named parameters after the first two are fine as long as the batch
+supplies them (TRL's `def reward(prompts, completions, answer, **kwargs)` style), and `**kwargs`
+is required so that new batch keys never break an old plugin.
+
+Built-ins (see each function): `correctness`, `keyword_match`, `strict_format`.
+Plugins: `"package.module:function"` (dotted attributes allowed: `"pkg.mod:Class.method"`).
+
+`score_completions` is the one place where a batch is scored: the environment's score, then each
+extra reward, whose value v (unweighted) is stored in `components[name]` and whose weighted value
+w·v is added to `reward`:
+
+    reward = env_reward + Σ_j w_j · v_j
+
+Problems are never hidden: any plugin that cannot be imported, cannot take the arguments,
+raises, or returns something other than a list of one finite number per sample raises a
+`RewardError` naming the plugin spec (and the sample index where the problem is one sample).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from grail.envs.base import Environment, Problem, Score
+from grail.envs.tags import last_block
+
+RewardFn = Callable[..., list[float]]
+
+
+class RewardError(Exception):
+    """A reward function is unusable or misbehaved. `spec` names it; `index` is the sample."""
+
+    def __init__(self, spec: str, message: str, index: int | None = None) -> None:
+        where = f" (sample {index})" if index is not None else ""
+        super().__init__(f"reward {spec!r}{where}: {message}")
+        self.spec = spec
+        self.index = index
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-ins
+
+_STRICT_RE = re.compile(r"<reasoning>\n(.*)\n</reasoning>\n<answer>\n(.*)\n</answer>\n?", re.DOTALL)
+_TAG_RE = re.compile(r"</?(?:reasoning|answer)>")
+
+
+def _per_sample(kwargs: Mapping[str, Any], key: str, n: int) -> list[Any]:
+    if key not in kwargs:
+        raise ValueError(f"needs per-sample `{key}`; the batch has {sorted(kwargs)}")
+    values = kwargs[key]
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise ValueError(f"`{key}` must be a list with one entry per sample, got {values!r:.80}")
+    if len(values) != n:
+        raise ValueError(f"`{key}` has {len(values)} entries for {n} completions")
+    return list(values)
+
+
+def extract_answer_text(completion: str) -> str:
+    """The stripped content of the last <answer>…</answer> block, else the stripped completion."""
+    block = last_block(completion, "answer")
+    return (completion if block is None else block).strip()
+
+
+def correctness(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """1.0 where `extract_answer_text(completion)` equals the stripped reference in `answers`.
+
+    Exact string comparison: "1,000" and "1000" differ. Environments with numeric answers grade
+    numbers themselves (gsm8k's `correct` component); this is for exact-match tasks.
+    """
+    answers = _per_sample(kwargs, "answers", len(completions))
+    return [
+        1.0 if extract_answer_text(c) == str(a).strip() else 0.0
+        for c, a in zip(completions, answers, strict=True)
+    ]
+
+
+def keyword_match(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """Fraction of the sample's `keywords` found in the completion (case-insensitive substrings).
+
+    A sample's keywords may be one string or a list of strings; an empty list is an error
+    (the fraction 0/0 has no meaning, and a silent 0 or 1 would bias the group).
+    """
+    keywords = _per_sample(kwargs, "keywords", len(completions))
+    out = []
+    for i, (c, kws) in enumerate(zip(completions, keywords, strict=True)):
+        words = [kws] if isinstance(kws, str) else kws
+        if not isinstance(words, Sequence) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"sample {i}: keywords must be a string or a list of strings")
+        if not words:
+            raise ValueError(f"sample {i}: empty keyword list")
+        text = c.casefold()
+        out.append(sum(w.casefold() in text for w in words) / len(words))
+    return out
+
+
+def strict_format(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """1.0 iff the completion is exactly the GRPO-recipe layout, else 0.0:
+
+        <reasoning>\\n…\\n</reasoning>\\n<answer>\\n…\\n</answer>   (one optional trailing \\n)
+
+    with non-blank block contents that contain no <reasoning>/<answer> tags themselves.
+    """
+    # Block contents are checked in Python rather than in the pattern: a pattern that excludes
+    # tags and requires a non-space character backtracks quadratically on long completions.
+    out = []
+    for c in completions:
+        m = _STRICT_RE.fullmatch(c)
+        ok = m is not None and all(g.strip() and not _TAG_RE.search(g) for g in m.groups())
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "correctness": correctness,
+    "keyword_match": keyword_match,
+    "strict_format": strict_format,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # some C callables have no signature; a bad call is still caught when run
+
+
+def _check_signature(spec: str, fn: Callable[..., Any]) -> None:
+    sig = _signature(fn)
+    if sig is None:
+        return
+    usage = "use fn(prompts, completions, **kwargs)"
+    try:
+        sig.bind_partial([], [])
+    except TypeError:
+        raise RewardError(
+            spec, f"signature {sig} cannot take (prompts, completions) positionally; {usage}"
+        ) from None
+    if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        raise RewardError(spec, f"signature {sig} has no **kwargs; {usage}")
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """A built-in by name, or the callable at `"package.module:attr"`; checked, not yet called."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardError(str(spec), "a reward spec must be a non-empty string")
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise RewardError(
+            spec,
+            f"not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) and not a "
+            "'package.module:function' plugin spec",
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        detail = (
+            f"module {module_name!r} not found"
+            if missing == module_name or module_name.startswith(missing + ".")
+            else f"importing module {module_name!r} failed: it needs {missing!r}, which is missing"
+        )
+        raise RewardError(spec, detail) from exc
+    except Exception as exc:
+        raise RewardError(
+            spec, f"importing module {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(spec, f"module {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(spec, f"{attr_path!r} is a {type(obj).__name__}, not callable")
+    _check_signature(spec, obj)
+    return obj
+
+
+def call_reward_fn(
+    spec: str, fn: RewardFn, prompts: list[str], completions: list[str], **kwargs: Any
+) -> list[float]:
+    """Call `fn` once on the batch and check its result: a list of len(completions) finite reals."""
+    sig = _signature(fn)
+    if sig is not None:
+        try:
+            sig.bind(prompts, completions, **kwargs)
+        except TypeError as exc:
+            raise RewardError(
+                spec, f"cannot be called with this batch ({exc}); it provides {sorted(kwargs)}"
+            ) from None
+    try:
+        values = fn(prompts, completions, **kwargs)
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(spec, f"raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(values, list):
+        hint = " (convert with .tolist())" if hasattr(values, "tolist") else ""
+        raise RewardError(spec, f"returned {type(values).__name__}, expected a list{hint}")
+    if len(values) != len(completions):
+        raise RewardError(spec, f"returned {len(values)} values for {len(completions)} completions")
+    out = []
+    for i, v in enumerate(values):
+        if not isinstance(v, numbers.Real):
+            raise RewardError(spec, f"value {v!r} is not a number", index=i)
+        f = float(v)
+        if not math.isfinite(f):
+            raise RewardError(spec, f"value {f} is not finite", index=i)
+        out.append(f)
+    return out
+
+
+def _copied(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    # Fresh lists per function, so one plugin mutating its arguments cannot affect the next.
+    return {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str  # key in Score.components
+    spec: str  # what the user wrote: a built-in name or "module:function"
+    fn: RewardFn
+    weight: float
+
+
+class RewardFunctions:
+    """An ordered, weighted collection of reward functions with unique names."""
+
+    def __init__(self, rewards: Sequence[WeightedReward] = ()) -> None:
+        names = [r.name for r in rewards]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward names must be unique; repeated: {dupes} (set `name`)")
+        self.rewards = list(rewards)
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[str | Mapping[str, Any]] | None) -> RewardFunctions:
+        """From `[{"fn": "correctness", "weight": 1.0, "name": "optional"}, "strict_format"]`.
+
+        A bare string means weight 1.0. The name defaults to the spec (the built-in name, or
+        the function name of a plugin, e.g. "pkg.mod:len_penalty" -> "len_penalty").
+        """
+        if specs is None:
+            return cls()
+        if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):
+            raise ValueError(f"reward specs must be a list, got {type(specs).__name__}")
+        rewards = []
+        for i, item in enumerate(specs):
+            entry: Mapping[str, Any] = {"fn": item} if isinstance(item, str) else item
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"reward spec #{i} must be a string or a mapping, got {item!r}")
+            unknown = sorted(set(entry) - {"fn", "weight", "name"})
+            if unknown:
+                raise ValueError(
+                    f"reward spec #{i} has unknown key(s) {unknown}; allowed: fn, weight, name"
+                )
+            if "fn" not in entry:
+                raise ValueError(f"reward spec #{i} has no 'fn' key: {dict(entry)}")
+            spec = entry["fn"]
+            weight = entry.get("weight", 1.0)
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, numbers.Real)
+                or not math.isfinite(float(weight))
+            ):
+                raise ValueError(f"reward spec #{i} ({spec!r}): weight must be finite, {weight!r}")
+            fn = load_reward_fn(spec)
+            name = entry.get("name") or str(spec).strip().rpartition(":")[2]
+            rewards.append(WeightedReward(str(name), str(spec).strip(), fn, float(weight)))
+        return cls(rewards)
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+    def __iter__(self) -> Iterator[WeightedReward]:
+        return iter(self.rewards)
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], **kwargs: Any
+    ) -> dict[str, list[float]]:
+        """Unweighted values of each function on the batch, by name."""
+        return {
+            r.name: call_reward_fn(
+                r.spec, r.fn, list(prompts), list(completions), **_copied(kwargs)
+            )
+            for r in self.rewards
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring a batch
+
+
+def _last_user_message(problem: Problem) -> str:
+    for message in reversed(problem.prompt_messages):
+        if message.get("role") == "user":
+            return message.get("content", "")
+    return problem.prompt_messages[-1].get("content", "") if problem.prompt_messages else ""
+
+
+def reward_kwargs(problems: Sequence[Problem]) -> dict[str, list[Any]]:
+    """Per-sample kwargs for reward functions: `answers`, then each meta key (None where absent)."""
+    kwargs: dict[str, list[Any]] = {"answers": [p.answer for p in problems]}
+    keys: list[str] = []
+    for p in problems:
+        keys.extend(k for k in p.meta if k not in keys)
+    for key in keys:
+        if key in ("answers", "prompts", "completions"):
+            raise ValueError(f"problem meta key {key!r} clashes with a reward-function argument")
+        kwargs[key] = [p.meta.get(key) for p in problems]
+    return kwargs
+
+
+def score_completions(
+    env: Environment,
+    problems: Sequence[Problem],
+    completions: Sequence[str],
+    extra_rewards: RewardFunctions | None = None,
+    prompts: Sequence[str] | None = None,
+) -> list[Score]:
+    """Score a batch: `env.score` per sample, then each extra reward once on the whole batch.
+
+    `prompts` are what the extra rewards see as their first argument: the rendered prompt text
+    when the caller has it (chat template applied), else the last user message of each problem.
+    Extra values are stored unweighted in `components[name]` and added as weight·value to
+    `reward`; `success` stays the environment's verdict.
+    """
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+    scores = [env.score(p, c) for p, c in zip(problems, completions, strict=True)]
+    if extra_rewards is None or len(extra_rewards) == 0:
+        return scores
+    if prompts is None:
+        prompt_texts = [_last_user_message(p) for p in problems]
+    else:
+        if len(prompts) != len(problems):
+            raise ValueError(f"{len(prompts)} prompts for {len(problems)} problems")
+        prompt_texts = list(prompts)
+    kwargs = reward_kwargs(problems)
+    rewards = [s.reward for s in scores]
+    components = [dict(s.components) for s in scores]
+    for r in extra_rewards:
+        if any(r.name in c for c in components):
+            raise RewardError(
+                r.spec,
+                f"name {r.name!r} is already a component of environment {env.name!r}; "
+                "give it another `name`",
+            )
+        values = call_reward_fn(
+            r.spec, r.fn, list(prompt_texts), list(completions), **_copied(kwargs)
+        )
+        for i, v in enumerate(values):
+            rewards[i] += r.weight * v
+            components[i][r.name] = v
+    return [
+        replace(s, reward=rw, components=comp)
+        for s, rw, comp in zip(scores, rewards, components, strict=True)
+    ]
