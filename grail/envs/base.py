@@ -23,7 +23,7 @@ class Problem:
 
 @dataclass(frozen=True)
 class Score:
-    """The grade of one completion: total reward, its named parts, and whether it solved the task."""
+    """The grade of one completion: total reward, its named parts, whether it solved the task."""
 
     reward: float
     components: dict[str, float]

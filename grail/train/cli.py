@@ -8,6 +8,7 @@ naming the key; `grail.config.validate` then rejects impossible combinations bef
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +28,12 @@ CONF_DIR = str(_PACKAGED_CONF if _PACKAGED_CONF.is_dir() else _SOURCE_CONF)
 log = logging.getLogger("grail.train")
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    # SLURM and process managers stop jobs with SIGTERM; raising SystemExit runs the cleanup
+    # (context managers stop the inference server) that a bare SIGTERM would skip.
+    raise SystemExit(128 + signum)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
 def main(cfg: DictConfig) -> None:
     config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
@@ -38,6 +45,7 @@ def main(cfg: DictConfig) -> None:
     # Imported here so that `--help` and config errors answer before torch and transformers load.
     from grail.train.loop import run
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     run(config, Path(HydraConfig.get().runtime.output_dir))
 
 

@@ -169,6 +169,26 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     metrics_dir, checkpoints_dir = run_dir / "metrics", run_dir / "checkpoints"
     metrics_dir.mkdir(parents=True, exist_ok=True)
     t_run = time.perf_counter()
+    # Built first: GRPOLossConfig checks its own combinations before any model loads.
+    settings = UpdateSettings(
+        loss=GRPOLossConfig(
+            loss_type=cfg.train.loss_type,  # type: ignore[arg-type]
+            importance_sampling_level=cfg.train.importance_sampling_level,  # type: ignore[arg-type]
+            epsilon=cfg.train.epsilon,
+            epsilon_high=cfg.train.epsilon_high,
+            kl_coef=cfg.train.kl_coef,
+            kl_estimator=cfg.train.kl_estimator,  # type: ignore[arg-type]
+            is_ratio_max=cfg.train.is_ratio_max,
+            logratio_clamp=cfg.train.logratio_clamp,
+            entropy_coef=cfg.train.entropy_coef,
+            tis_cap=cfg.train.tis_cap,
+            max_completion_length=cfg.generation.max_new_tokens,
+        ),
+        temperature=cfg.generation.temperature,
+        batch_size=cfg.train.batch_size,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        grad_clip=cfg.train.grad_clip,
+    )
 
     torch.manual_seed(cfg.seed)
     on_cuda = torch.cuda.is_available()
@@ -225,25 +245,6 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         top_p=cfg.generation.top_p,
         top_k=cfg.generation.top_k,
     )
-    settings = UpdateSettings(
-        loss=GRPOLossConfig(
-            loss_type=cfg.train.loss_type,  # type: ignore[arg-type]
-            importance_sampling_level=cfg.train.importance_sampling_level,  # type: ignore[arg-type]
-            epsilon=cfg.train.epsilon,
-            epsilon_high=cfg.train.epsilon_high,
-            kl_coef=cfg.train.kl_coef,
-            kl_estimator=cfg.train.kl_estimator,  # type: ignore[arg-type]
-            is_ratio_max=cfg.train.is_ratio_max,
-            logratio_clamp=cfg.train.logratio_clamp,
-            entropy_coef=cfg.train.entropy_coef,
-            tis_cap=cfg.train.tis_cap,
-            max_completion_length=cfg.generation.max_new_tokens,
-        ),
-        temperature=cfg.generation.temperature,
-        batch_size=cfg.train.batch_size,
-        grad_accum_steps=cfg.train.grad_accum_steps,
-        grad_clip=cfg.train.grad_clip,
-    )
     console = Console()
     display = Display(console)
     evals: dict[int, dict[str, Any]] = {}
@@ -252,13 +253,13 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         evals[record["iteration"]] = record
     totals = {"prompt": 0, "completion": 0}
 
-    with make_server(cfg, weights_dir, run_dir) as server, display.progress:
-        server.launch()
+    with make_server(cfg, weights_dir, run_dir) as server, display.progress:  # starts, waits ready
         client = CompletionClient(
             server.base_url,
             server.model_name,
             timeout=cfg.generation.request_timeout_s,
             max_concurrency=cfg.generation.max_concurrency,
+            liveness_check=server.check_alive,
         )
         generator, eval_generator = (
             RolloutGenerator(
@@ -332,7 +333,11 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
             t0 = time.perf_counter()
             accelerator.unwrap_model(model).save_pretrained(weights_dir, safe_serialization=True)
-            sync = server.sync_weights(weights_dir, cfg.generation.weight_sync)  # type: ignore[arg-type]
+            sync = server.sync_weights(
+                weights_dir,
+                cfg.generation.weight_sync,  # type: ignore[arg-type]
+                weight_version=f"iter_{iteration:03d}",
+            )
             timings["weight_sync_s"] = time.perf_counter() - t0
 
             last = iteration == cfg.train.iterations - 1

@@ -59,7 +59,11 @@ def pack_microbatch(
         n = len(sample.completion_ids)
         if n:
             completion_mask[row, k - n :] = 1.0
-            behaviour[row, k - n :] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+            # A server may report -inf for a token its top-k/top-p filter excluded; keep the TIS
+            # weight and the mismatch metric finite (the weight is capped either way).
+            behaviour[row, k - n :] = torch.tensor(
+                sample.behaviour_logprobs, dtype=torch.float32
+            ).clamp(min=-1e4)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     advantages = torch.tensor([s.advantage for _, s in items], dtype=torch.float32)
     return MicroBatch(

@@ -1,6 +1,6 @@
 """Same program as `uv run grail-train`:
 
-    uv run python scripts/offline_trainer/run_offline_grpo.py [overrides]
+uv run python scripts/offline_trainer/run_offline_grpo.py [overrides]
 """
 
 from grail.train.cli import main

@@ -1,0 +1,96 @@
+"""Shared test fixtures and session checks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+# --------------------------------------------------------------------------------------------
+# Process-leak check: "no child process is left after the test session".
+#
+# At the very end of the session (after every fixture, session-scoped servers included, has been
+# torn down) list the processes that are still alive and are either children of this pytest
+# process or members of a process group that an inference server started by this process owned
+# (a server's workers stay in its group after the leader dies). Any such process fails the
+# session loudly, is listed, and is then killed so that it does not outlive the run.
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgid) of a live process from /proc/PID/stat; None if gone or a zombie."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself contain spaces or parentheses.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    state, ppid, pgid = fields[0], int(fields[1]), int(fields[2])
+    if state in ("Z", "X"):
+        return None
+    return state, ppid, pgid
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+
+
+def leaked_processes() -> dict[int, str]:
+    """Live children of this process and live members of server process groups: pid -> command."""
+    if not Path("/proc/self/stat").exists():
+        return {}
+    try:
+        from grail.inference.servers import started_process_groups
+
+        server_groups = started_process_groups()
+    except ImportError:
+        server_groups = frozenset()
+    me = os.getpid()
+    leaked: dict[int, str] = {}
+    child_groups: set[int] = set()
+    stats: dict[int, tuple[str, int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            stat = _proc_stat(int(entry))
+            if stat is not None:
+                stats[int(entry)] = stat
+    for pid, (_, ppid, pgid) in stats.items():
+        if ppid == me:
+            leaked[pid] = _cmdline(pid)
+            if pgid != os.getpgid(0):
+                child_groups.add(pgid)
+    for pid, (_, _, pgid) in stats.items():
+        if pgid in child_groups or pgid in server_groups:
+            leaked.setdefault(pid, _cmdline(pid))
+    return leaked
+
+
+@pytest.hookimpl(trylast=True)  # after the runner has torn down session-scoped fixtures
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    leaked = leaked_processes()
+    if not leaked:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"  pid {pid}: {cmd}" for pid, cmd in sorted(leaked.items())]
+    message = (
+        f"{len(leaked)} process(es) started by this test session are still alive "
+        "(an inference server or its worker leaked); killing them:\n" + "\n".join(lines)
+    )
+    if reporter is not None:
+        reporter.write_sep("!", "PROCESS LEAK", red=True, bold=True)
+        reporter.write_line(message, red=True)
+    else:
+        print(message)
+    for pid in leaked:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# --------------------------------------------------------------------------------------------
