@@ -1,0 +1,1 @@
+"""The built-in OpenAI-compatible inference server (``grail-serve``): FastAPI app + engine."""
