@@ -47,7 +47,16 @@ class GenerationConfig:
     start_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
     max_concurrency: int = 64
+    # Flags appended to the server's command line (flags the harness sets itself are refused).
     extra_args: list[str] = field(default_factory=list)
+    # vLLM/SGLang only. Fraction of the server GPU's memory for weights + KV cache; None: 0.30
+    # when gpu.strategy=single shares the GPU with the trainer, 0.85 when the server has its own.
+    gpu_memory_fraction: float | None = None
+    max_model_len: int | None = None  # vLLM --max-model-len, SGLang --context-length; None: model
+    max_num_seqs: int | None = None  # sequences decoded at once; None: the server's default
+    # A server that dies mid-run is restarted from the newest weights and the batch retried, at
+    # most this many times per batch.
+    max_restarts: int = 2
 
 
 @dataclass
@@ -77,6 +86,10 @@ class TrainConfig:
 class DataConfig:
     environment: str = MISSING
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Extra reward functions added to the environment's reward: built-in names ("correctness",
+    # "keyword_match", "strict_format") or "package.module:function", e.g.
+    # [{fn: strict_format, weight: 0.2}]. Loaded (and checked) before any model loads.
+    rewards: list[Any] = field(default_factory=list)
     problems_per_iteration: int = 16
     rollouts_per_problem: int = 8
     train_seed_start: int = 0
@@ -152,6 +165,18 @@ def validate(cfg: Config) -> None:
         )
     if not 0 < cfg.generation.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    fraction = cfg.generation.gpu_memory_fraction
+    if fraction is not None and not 0 < fraction < 1:
+        raise ConfigError(f"generation.gpu_memory_fraction must be in (0, 1), got {fraction}")
+    for key in ("max_model_len", "max_num_seqs"):
+        value = getattr(cfg.generation, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"generation.{key} must be >= 1 or null, got {value}")
+    if cfg.generation.max_restarts < 0:
+        raise ConfigError(
+            f"generation.max_restarts must be >= 0, got {cfg.generation.max_restarts}"
+        )
+    _positive("generation.start_timeout_s", cfg.generation.start_timeout_s)
     for key in ("iterations", "lr", "batch_size", "grad_accum_steps", "epsilon"):
         _positive(f"train.{key}", getattr(cfg.train, key))
     for key in ("kl_coef", "entropy_coef", "warmup_steps"):

@@ -3,21 +3,42 @@
 The typed schema (`grail.config.Config`) is registered with Hydra's ConfigStore and named first in
 `conf/offline_grpo.yaml`'s defaults, so an unknown key or a wrong type fails at composition time
 naming the key; `grail.config.validate` then rejects impossible combinations before any model loads.
+
+Sweeps (`-m`) add three things around `run()` (see grail/sweep.py and docs/sweeps.md):
+- a run that raises does not stop the sweep: its `summary.json` says "failed" and why, and
+  `SweepOutcome` (a Hydra callback) lists the failed runs at the end and exits non-zero;
+- runs that share this machine (hydra/launcher=local) get disjoint GPUs and a share of the cores;
+- with `resume=true` a rerun skips completed runs, resumes interrupted ones, retries failed ones.
+A single run (no `-m`) still raises, so its exit status is non-zero on failure.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grail.config import Config, ConfigError, validate
+from grail.config import Config, ConfigError, GenerationConfig, GpuConfig, TrainConfig, validate
+from grail.sweep import (
+    Action,
+    assign_resources,
+    decide,
+    default_parallel_runs,
+    explicit_keys,
+    launcher_shares_machine,
+    resource_overrides,
+)
 
 ConfigStore.instance().store(name="offline_grpo_schema", node=Config)
 
@@ -27,6 +48,46 @@ CONF_DIR = str(_PACKAGED_CONF if _PACKAGED_CONF.is_dir() else _SOURCE_CONF)
 
 log = logging.getLogger("grail.train")
 
+# The config fields a sweep sets per run, with their schema defaults: a field whose value differs
+# from its default was set by the user (in a YAML file or on the command line) and is left alone.
+_RESOURCE_DEFAULTS: dict[str, Any] = {
+    "train.threads": TrainConfig.threads,
+    "generation.server_threads": GenerationConfig.server_threads,
+    "gpu.server_gpu": GpuConfig.server_gpu,
+    "gpu.training_gpu": GpuConfig.training_gpu,
+}
+
+
+def available_cpus() -> int:
+    """Cores this process may run on: its CPU affinity (what SLURM or taskset grant), which can
+    be far fewer than `os.cpu_count()` (the whole node)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def visible_gpus() -> int:
+    """GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _parallel_resolver(launcher_target: str | None, strategy: str) -> int | None:
+    # Only the local launcher asks for the GPU count (and so imports torch).
+    if not launcher_shares_machine(launcher_target):
+        return None
+    return default_parallel_runs(
+        launcher_target, gpus=visible_gpus(), cpus=available_cpus(), strategy=strategy
+    )
+
+
+# Used by conf/offline_grpo.yaml (hydra.sweeper.max_batch_size) and conf/hydra/launcher/local.yaml
+# (gpus_per_node): registered on import, before Hydra composes anything.
+OmegaConf.register_new_resolver("grail_parallel", _parallel_resolver, replace=True)
+OmegaConf.register_new_resolver("grail_gpus", visible_gpus, replace=True)
+
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
     # SLURM and process managers stop jobs with SIGTERM; raising SystemExit runs the cleanup
@@ -34,19 +95,150 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
-def main(cfg: DictConfig) -> None:
+def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
+    """Config values that give this sweep job its share of the machine (see grail/sweep.py),
+    leaving out every field the user set."""
+    target = OmegaConf.select(hydra_cfg, "launcher._target_", default=None)
+    gpus = visible_gpus()
+    if launcher_shares_machine(target):
+        parallel = OmegaConf.select(hydra_cfg, "sweeper.max_batch_size", default=None)
+        if parallel is None:
+            log.warning(
+                "hydra.sweeper.max_batch_size=null: every run of this sweep starts at once and "
+                "grail cannot tell how many share this machine, so each uses all of it; set "
+                "hydra.sweeper.max_batch_size to split GPUs and cores between them"
+            )
+            parallel = 1
+    else:
+        parallel = 1  # runs one at a time, or each in its own allocation (SLURM)
+    resources = assign_resources(
+        int(hydra_cfg.job.num),
+        int(parallel),
+        gpus=gpus,
+        cpus=available_cpus(),
+        strategy=str(cfg.gpu.strategy),
+    )
+    explicit = explicit_keys(list(hydra_cfg.overrides.task), list(_RESOURCE_DEFAULTS))
+    explicit |= {
+        key for key, default in _RESOURCE_DEFAULTS.items() if OmegaConf.select(cfg, key) != default
+    }
+    return resource_overrides(resources, explicit)
+
+
+def _train(config: Config, run_dir: Path) -> None:
+    # Imported here so that `--help` and config errors answer before torch and transformers load.
+    from grail.train.loop import run
+
+    run(config, run_dir)
+
+
+def _single_run(cfg: DictConfig, run_dir: Path) -> None:
     config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     try:
         validate(config)
     except ConfigError as exc:
         log.error("invalid configuration: %s", exc)
         sys.exit(2)
-    # Imported here so that `--help` and config errors answer before torch and transformers load.
-    from grail.train.loop import run
+    _train(config, run_dir)
 
+
+def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
+    """One run of a sweep. Never raises for a failed run (that would stop the sweep): the failure
+    goes into summary.json. KeyboardInterrupt and SIGTERM still stop everything, leaving the run
+    incomplete for `resume=true` to continue."""
+    from grail.runs import SUMMARY, append_attempt, run_record, write_failure_summary
+
+    overrides = [str(o) for o in hydra_cfg.overrides.task]
+    job_num = int(hydra_cfg.job.num)
+    # A sweep whose points moved between directories raises here (SweepError): every later job
+    # would hit the same, so stopping the sweep with the reason is the useful answer.
+    decision = decide(run_record(run_dir), resume=bool(cfg.resume), overrides=overrides)
+    if decision.action is Action.SKIP:
+        log.info("run %s: %s, skipping (resume=true)", run_dir, decision.reason)
+        append_attempt(run_dir, decision.action.value, overrides, job_num)
+        return
+    if decision.action is Action.RETRY:
+        # Until this attempt ends the run is incomplete, not failed: keep the old error beside.
+        (run_dir / SUMMARY).replace(run_dir / "summary.failed.json")
+    log.info("run %s: %s (%s)", run_dir, decision.action.value, decision.reason)
+    append_attempt(run_dir, decision.action.value, overrides, job_num)
+
+    t0 = time.perf_counter()
+    try:
+        for key, value in sweep_resources(cfg, hydra_cfg).items():
+            OmegaConf.update(cfg, key, value, merge=False)
+            log.info("sweep job %d: %s=%s", job_num, key, value)
+        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+        validate(config)
+        _train(config, run_dir)
+    except Exception as exc:
+        log.exception("run %s failed; the sweep goes on", run_dir)
+        try:
+            snapshot = OmegaConf.to_container(cfg, resolve=True)
+        except Exception:
+            snapshot = None
+        write_failure_summary(
+            run_dir,
+            exc,
+            time.perf_counter() - t0,
+            environment=OmegaConf.select(cfg, "data.environment", default=None),
+            config=snapshot if isinstance(snapshot, dict) else None,
+        )
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
+def main(cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    run(config, Path(HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        _sweep_job(cfg, run_dir, hydra_cfg)
+    else:
+        _single_run(cfg, run_dir)
+
+
+class SweepOutcome(Callback):
+    """At the end of a sweep: list the runs that failed (and why) or never finished, and exit
+    non-zero if there are any, so scripts and CI see a partly failed sweep as a failure.
+
+    Reads the run directories rather than Hydra's job returns, so it sees the same thing for every
+    launcher, runs on SLURM nodes and runs skipped by a `resume=true` rerun included.
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from rich.console import Console
+        from rich.markup import escape
+
+        from grail.runs import distinguishing_overrides, find_runs, read_overrides, run_status
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        runs = find_runs(sweep_dir) if sweep_dir.is_dir() else []
+        labels = distinguishing_overrides([read_overrides(path) for path in runs])
+        bad = [
+            (s, " ".join(label))
+            for s, label in zip((run_status(path) for path in runs), labels, strict=True)
+            if s.status != "done"
+        ]
+        console = Console(stderr=True)
+        if not bad:
+            console.print(f"sweep {sweep_dir}: all {len(runs)} runs completed")
+            return
+        console.print(
+            f"[bold red]sweep {sweep_dir}: {len(bad)} of {len(runs)} runs did not complete[/]"
+        )
+        for s, label in bad:
+            why = (s.error or "no summary.json: killed, timed out or still running").strip()
+            first_line = why.splitlines()[0] if why else "(no message)"
+            console.print(
+                f"  {escape(s.path.name)} ({escape(label)}): [red]{s.status}[/] - "
+                f"{escape(first_line)}"
+            )
+        console.print(
+            f"details: grail-report {sweep_dir}; logs in each run's directory. To finish what "
+            f"is missing, rerun the same command with resume=true hydra.sweep.dir={sweep_dir}"
+        )
+        # Hydra turns an exception from a callback into a warning; SystemExit is what gets through.
+        sys.exit(1)
 
 
 if __name__ == "__main__":

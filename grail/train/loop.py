@@ -38,6 +38,7 @@ from rich.table import Table
 from grail.algo.grpo import GRPOLossConfig
 from grail.config import Config, validate
 from grail.envs import ENVIRONMENTS, Environment, make_env
+from grail.envs.rewards import RewardFunctions
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.servers import BuiltinServer, ServerManager
 from grail.models.loading import load_model, load_tokenizer
@@ -190,6 +191,9 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         grad_clip=cfg.train.grad_clip,
     )
 
+    env, eval_env = make_envs(cfg)
+    extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
+
     torch.manual_seed(cfg.seed)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
@@ -238,7 +242,6 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     accelerator.unwrap_model(model).save_pretrained(weights_dir, safe_serialization=True)
     tokenizer.save_pretrained(weights_dir)
 
-    env, eval_env = make_envs(cfg)
     sampling = SamplingParams(
         max_tokens=cfg.generation.max_new_tokens,
         temperature=cfg.generation.temperature,
@@ -269,6 +272,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 sampling,
                 base_seed=cfg.seed,
                 scale_rewards=cfg.train.scale_rewards,  # type: ignore[arg-type]
+                extra_rewards=extra_rewards,
             )
             for e in (env, eval_env)
         )
@@ -371,6 +375,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 **rollout,
                 **{k: v for k, v in train.items() if k != "grad_norm"},
                 "grad_norm": _finite_or_none(train["grad_norm"]),
+                "kl": train.get("kl"),  # None without a reference model (kl_coef = 0)
                 "lr": lr,
                 "tokens_per_s": rollout["tokens"]["completion"] / timings["generation_s"],
                 "weight_sync": {"mode": sync.mode_used, "fell_back": sync.fell_back},

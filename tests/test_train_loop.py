@@ -1,0 +1,190 @@
+"""End to end: `grail-train` on the tiny model through the built-in server, on CPU.
+
+Covers what a user relies on: the files a run writes (all valid against their schemas), resume
+after SIGKILL giving the same metrics as an uninterrupted run, and no server process surviving a
+run that fails or is interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grail.train.metrics import read_metrics, validate_metrics
+
+SMALL = [
+    "data.problems_per_iteration=4",
+    "data.rollouts_per_problem=4",
+    "eval.num_ids=8",
+    "eval.replicates=2",
+    "eval.report_ks=[1,2]",
+    "eval.interval=2",
+    "checkpoint.save_interval=1",
+    "checkpoint.keep_last_k=2",
+]
+# Things that legitimately differ between two runs of the same config.
+VOLATILE = {"timings", "tokens_per_s", "eval_s"}
+
+
+def _train(run_dir: Path, *overrides: str, **kwargs: object) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "grail.train.cli", *SMALL, *overrides, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"grail-train did not finish in {timeout}s:\n{out[-3000:]}")
+    return out
+
+
+def _stable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in VOLATILE}
+
+
+def _servers_of(run_dir: Path) -> list[int]:
+    """Live processes whose command line names the run directory (its inference server)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        pid = int(cmdline.parent.name)
+        mentions_run = any(str(run_dir).encode() in a for a in args)
+        is_server = b"grail.inference.builtin.server" in b" ".join(args)
+        if pid != os.getpid() and mentions_run and is_server and _alive(pid):
+            found.append(pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted 4-iteration run, shared by the tests below."""
+    run_dir = tmp_path_factory.mktemp("full")
+    out = _finish(_train(run_dir, "train.iterations=4"))
+    assert (run_dir / "summary.json").exists(), out[-3000:]
+    return run_dir
+
+
+def test_run_writes_every_file_valid_against_its_schema(full_run: Path) -> None:
+    metrics = full_run / "metrics"
+    names = sorted(p.name for p in metrics.iterdir())
+    assert names == [
+        "eval_baseline.json",
+        "eval_iter_001.json",
+        "eval_iter_003.json",
+        *[f"train_iter_{i:03d}.json" for i in range(4)],
+    ]
+    for path in metrics.iterdir():
+        schema = "eval" if path.name.startswith("eval") else "train_iteration"
+        validate_metrics(read_metrics(path), schema)
+    validate_metrics(read_metrics(full_run / "summary.json"), "summary")
+    record = read_metrics(metrics / "train_iter_002.json")
+    assert record["iteration"] == 2 and record["tokens"]["completion"] > 0
+    assert set(record["timings"]) >= {"generation_s", "train_s", "weight_sync_s", "iteration_s"}
+    assert record["weight_sync"] == {"mode": "in_place", "fell_back": False}
+    # newest keep_last_k checkpoints, each a directory transformers can load
+    assert sorted(p.name for p in (full_run / "checkpoints").iterdir()) == ["iter_002", "iter_003"]
+    assert (full_run / "checkpoints" / "iter_003" / "model.safetensors").exists()
+    assert any((full_run / "logs").glob("*.log"))
+    assert not list(full_run.rglob("*.tmp"))
+
+
+def test_same_seed_gives_same_metrics(full_run: Path, tmp_path: Path) -> None:
+    out = _finish(_train(tmp_path, "train.iterations=2", "eval.enabled=false"))
+    for it in range(2):
+        name = f"train_iter_{it:03d}.json"
+        assert tmp_path.joinpath("metrics", name).exists(), out[-3000:]
+        assert _stable(read_metrics(tmp_path / "metrics" / name)) == _stable(
+            read_metrics(full_run / "metrics" / name)
+        )
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(full_run: Path, tmp_path: Path) -> None:
+    proc = _train(tmp_path, "train.iterations=4")
+    _wait_for(
+        lambda: (tmp_path / "checkpoints" / "iter_001").exists() or proc.poll() is not None,
+        240,
+        "checkpoint iter_001",
+    )
+    server_pids = _servers_of(tmp_path)
+    assert server_pids, "the run should have a server process"
+    proc.kill()  # SIGKILL: no cleanup code runs in the trainer
+    proc.communicate()
+    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the orphaned server to die")
+
+    out = _finish(_train(tmp_path, "train.iterations=4", "resume=true"))
+    assert "resuming after iteration" in out, out[-3000:]
+    for it in (2, 3):
+        name = f"train_iter_{it:03d}.json"
+        resumed = read_metrics(tmp_path / "metrics" / name)
+        assert _stable(resumed) == _stable(read_metrics(full_run / "metrics" / name)), name
+    final = read_metrics(tmp_path / "metrics" / "eval_iter_003.json")
+    assert _stable(final) == _stable(read_metrics(full_run / "metrics" / "eval_iter_003.json"))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations"] == 4
+
+
+def test_failing_run_leaves_no_server_and_names_the_plugin(tmp_path: Path) -> None:
+    proc = _train(
+        tmp_path,
+        "train.iterations=2",
+        "eval.enabled=false",
+        "data.rewards=[{fn: 'tests.reward_plugins:raises', weight: 1.0}]",
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    out = _finish(proc)
+    assert proc.returncode != 0
+    assert "tests.reward_plugins:raises" in out, out[-3000:]
+    assert (tmp_path / "logs").is_dir(), "the server should have started before the failure"
+    assert not _servers_of(tmp_path)
+
+
+def test_ctrl_c_stops_the_run_and_its_server(tmp_path: Path) -> None:
+    proc = _train(tmp_path, "train.iterations=50", "eval.enabled=false")
+    _wait_for(
+        lambda: any((tmp_path / "metrics").glob("train_iter_*.json")) or proc.poll() is not None,
+        240,
+        "the first iteration",
+    )
+    server_pids = _servers_of(tmp_path)
+    assert server_pids, "the run should have a server process"
+    proc.send_signal(signal.SIGINT)
+    _finish(proc, timeout=60)
+    assert proc.returncode != 0
+    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the server to stop")
