@@ -129,7 +129,8 @@ def test_start_ready_stop_leaves_no_process(make_server, model_dir: Path) -> Non
         server.check_alive()
 
 
-def test_gpu_server_sees_only_its_gpu_as_cuda0(make_server) -> None:
+def test_gpu_server_sees_only_its_gpu_as_cuda0(make_server, monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     server = make_server(device="cuda:3")
     server.launch()
     info = debug_info(server)

@@ -7,6 +7,10 @@ Why the client is this strict (see /work/shared/PROTOCOLS.md):
 - Prompts go as token ids and the returned token ids are what we train on; text is only for
   scoring. So a response without `token_ids`, or with a log-probability list of another length, is
   an error, never an empty or misaligned completion.
+- One request path for every backend. The answers differ in two details, handled by `backend`:
+  vLLM and the built-in server send a -inf log-probability as -9999.0, SGLang as `null` (pydantic
+  writes infinities as null); vLLM may end a sample with "repetition" (read as "stop"), SGLang can
+  leave `finish_reason` null, which is an error here rather than a guess.
 - The openai SDK's own retries are off (`max_retries=0`); this client retries connection errors,
   timeouts and 5xx with capped exponential backoff and jitter, never 4xx (a bad request stays bad),
   and fails with a `GenerationError` that says what failed, how often, and the last error.
@@ -22,7 +26,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import openai
 
@@ -30,6 +34,17 @@ logger = logging.getLogger(__name__)
 
 # vLLM sends -inf log-probabilities as this value (JSON has no infinity).
 VLLM_NEG_INF = -9999.0
+Backend = Literal["builtin", "vllm", "sglang"]
+BACKENDS: tuple[str, ...] = ("builtin", "vllm", "sglang")
+#: finish reasons a Completion carries: "stop" (EOS or a stop string), "length" (max_tokens or the
+#: context length), "abort" (the server cancelled the request)
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+# Other spellings, per backend, of the same three reasons.
+_FINISH_ALIASES: dict[str, dict[str, str]] = {
+    "builtin": {},
+    "vllm": {"repetition": "stop"},  # vLLM's opt-in repetition detector ended the sample
+    "sglang": {},
+}
 # Log-probabilities are <= 0; a little slack for float round-off in the server.
 _LOGPROB_SLACK = 1e-3
 
@@ -172,12 +187,16 @@ def request_body(
     }
 
 
-def parse_completions(data: Any, n: int) -> list[Completion]:
-    """Parse a vLLM-shaped completion response into `n` Completions, ordered by choice index.
+def parse_completions(data: Any, n: int, backend: Backend = "builtin") -> list[Completion]:
+    """Parse an OpenAI completion response into `n` Completions, ordered by choice index.
 
     Each choice needs `token_ids` (ints), `logprobs.token_logprobs` (one number per token; -9999.0
-    is read as -inf), `finish_reason` and `text`. Anything else raises MalformedResponseError.
+    is read as -inf, and so is null from SGLang), `finish_reason` (one of FINISH_REASONS or a
+    backend's alias for one) and `text`. Anything else raises MalformedResponseError. The ids are
+    kept exactly as sent (EOS included when the sample stopped on it).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
     def bad(what: str) -> MalformedResponseError:
         return MalformedResponseError(f"malformed completion response: {what}", attempts=1)
@@ -198,11 +217,13 @@ def parse_completions(data: Any, n: int) -> list[Completion]:
             raise bad(f"choice {position} has index {index!r}, expected 0..{n - 1}")
         if index in by_index:
             raise bad(f"choice index {index} appears twice")
-        by_index[index] = _parse_choice(choice, index, bad)
+        by_index[index] = _parse_choice(choice, index, bad, backend)
     return [by_index[i] for i in range(n)]
 
 
-def _parse_choice(choice: dict, index: int, bad: Callable[[str], Exception]) -> Completion:
+def _parse_choice(
+    choice: dict, index: int, bad: Callable[[str], Exception], backend: str
+) -> Completion:
     where = f"choices[{index}]"
     token_ids = choice.get("token_ids")
     if token_ids is None:
@@ -222,6 +243,9 @@ def _parse_choice(choice: dict, index: int, bad: Callable[[str], Exception]) -> 
         raise bad(f"{where} has no 'logprobs.token_logprobs' list (was logprobs=0 honoured?)")
     values: list[float] = []
     for j, value in enumerate(token_logprobs):
+        if value is None and backend == "sglang":
+            values.append(-math.inf)
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad(f"{where}.logprobs.token_logprobs[{j}] = {value!r} is not a number")
         value = float(value)
@@ -234,7 +258,10 @@ def _parse_choice(choice: dict, index: int, bad: Callable[[str], Exception]) -> 
         raise bad(f"{where} has {len(token_ids)} token ids but {len(values)} log-probabilities")
     finish_reason = choice.get("finish_reason")
     if not isinstance(finish_reason, str):
-        raise bad(f"{where}.finish_reason is {finish_reason!r}, expected a string")
+        raise bad(f"{where}.finish_reason is {finish_reason!r}, expected one of {FINISH_REASONS}")
+    finish_reason = _FINISH_ALIASES[backend].get(finish_reason, finish_reason)
+    if finish_reason not in FINISH_REASONS:
+        raise bad(f"{where}.finish_reason {finish_reason!r} is not one of {FINISH_REASONS}")
     text = choice.get("text")
     if not isinstance(text, str):
         raise bad(f"{where}.text is {text!r}, expected a string")
@@ -291,6 +318,8 @@ class CompletionClient:
     liveness_check: called after a retriable failure, before sleeping; `ServerManager.check_alive`
         fits, so a dead server raises ServerDiedError at once instead of after every retry.
     extra_body: backend-specific fields added to every request.
+    backend: which server answers ("builtin", "vllm", "sglang"; `ServerManager.kind`), for the
+        details in which their answers differ (see `parse_completions`).
 
     Usable from several event loops in turn (e.g. one `asyncio.run` per iteration): the HTTP
     client and semaphore are rebuilt when the running loop changes.
@@ -307,7 +336,10 @@ class CompletionClient:
         retry: RetryPolicy | None = None,
         liveness_check: Callable[[], None] | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        backend: Backend = "builtin",
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not timeout > 0:
@@ -326,6 +358,7 @@ class CompletionClient:
         self.retry = retry or RetryPolicy()
         self.liveness_check = liveness_check
         self.extra_body = dict(extra_body or {})
+        self.backend: Backend = backend
         self.stats = ClientStats()
         # Its own generator: jitter must not consume the global RNG that seeds experiments.
         self._rng = random.Random()
@@ -415,7 +448,7 @@ class CompletionClient:
                 continue
             # A 200 with a bad body is a server bug, not a transient failure: no retry.
             try:
-                return parse_completions(_decode_json(body), n)
+                return parse_completions(_decode_json(body), n, self.backend)
             except MalformedResponseError as exc:
                 self.stats.failures += 1
                 raise MalformedResponseError(f"{what}: {exc}", attempts=attempt) from None

@@ -42,10 +42,10 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Self
+from typing import Literal, Self, TypeVar
 
 import httpx
 
@@ -264,6 +264,28 @@ def parse_device(device: str) -> tuple[int, ...]:
     return ids
 
 
+def visible_devices(gpu_ids: Sequence[int], parent_visible: str | None) -> str:
+    """The child's CUDA_VISIBLE_DEVICES for the GPUs the harness calls `gpu_ids`.
+
+    GPU indices in the config are the harness's own CUDA indices, which are positions in *its*
+    CUDA_VISIBLE_DEVICES when that is set (SLURM and shared boxes set it). The child must get the
+    entries at those positions, not the bare numbers: with CUDA_VISIBLE_DEVICES=4,5 the harness's
+    cuda:1 is physical GPU 5. Entries may be UUIDs (GPU-...), which are passed through as text.
+    """
+    if not gpu_ids:
+        return ""
+    if parent_visible is None or not parent_visible.strip():
+        return ",".join(str(i) for i in gpu_ids)
+    entries = [e.strip() for e in parent_visible.split(",") if e.strip()]
+    outside = [i for i in gpu_ids if i >= len(entries)]
+    if outside:
+        raise ValueError(
+            f"GPU index {outside[0]} does not exist: this process sees {len(entries)} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={parent_visible!r}), numbered 0..{len(entries) - 1}"
+        )
+    return ",".join(entries[i] for i in gpu_ids)
+
+
 # --------------------------------------------------------------------------------------------
 # the manager
 
@@ -315,6 +337,7 @@ class ServerManager(ABC):
         self.served_model_name = served_model_name
         self.device = device
         self.gpu_ids = parse_device(device)
+        visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))  # fail early
         self.threads = threads
         self.host = host
         self.requested_port = port
@@ -337,6 +360,8 @@ class ServerManager(ABC):
         self._stopped_by_us = False
         self._ready = False
         self._command: list[str] = []
+        #: restarts done by `recover()` (a dead server brought back), for metrics
+        self.recoveries = 0
 
     # -- what a backend supplies -------------------------------------------------------------
 
@@ -398,7 +423,9 @@ class ServerManager(ABC):
         from oversubscribing the same cores.
         """
         env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(
+            self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
             env["MKL_NUM_THREADS"] = str(self.threads)
@@ -638,6 +665,21 @@ class ServerManager(ABC):
             self.requested_port = requested
         return time.perf_counter() - t0
 
+    def recover(self) -> float:
+        """Bring back a server that died (or stopped answering): restart it on the newest weights
+        it was given (`model_path`, which every successful weight sync updates), on the same
+        port. Returns the seconds taken; raises `ServerStartError` if it does not come back."""
+        logger.warning(
+            "restarting the %s server %r from %s (recovery %d)",
+            self.kind,
+            self.served_model_name,
+            self.model_path,
+            self.recoveries + 1,
+        )
+        seconds = self.restart(self.model_path)
+        self.recoveries += 1
+        return seconds
+
     def sync_weights(
         self,
         checkpoint_dir: str | os.PathLike[str],
@@ -769,3 +811,57 @@ class BuiltinServer(ServerManager):
         seconds = time.perf_counter() - t0
         logger.info("loaded weights %s into the builtin server in %.2f s", version, seconds)
         return seconds
+
+
+# --------------------------------------------------------------------------------------------
+# surviving a server that dies mid-run
+
+T = TypeVar("T")
+
+
+def call_with_recovery(
+    server: ServerManager,
+    call: Callable[[], T],
+    *,
+    max_restarts: int,
+    what: str = "generation",
+) -> T:
+    """Run `call` (e.g. one generation batch); if it fails because the server died, restart the
+    server from its newest weights (`ServerManager.recover`) and run `call` again, at most
+    `max_restarts` times.
+
+    "Because the server died" means the failure is a `ServerDiedError` (the completion client's
+    liveness check raises it) or the server process is gone when the failure arrives. Any other
+    failure (a bad request, a bug in scoring) is re-raised at once: restarting would not help.
+    The retried call starts over, so `call` must be safe to repeat (a generation batch is: its
+    seeds are fixed). Raises `ServerDiedError` naming the attempts once restarts are used up, and
+    `ServerStartError` if a restart itself fails.
+    """
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    restarts = 0
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            died = isinstance(exc, ServerDiedError) or (
+                server.pid is not None and not server.is_alive() and not server._stopped_by_us
+            )
+            if not died:
+                raise
+            if restarts >= max_restarts:
+                raise ServerDiedError(
+                    f"{what} failed: the {server.kind} server died {restarts + 1} time(s) and "
+                    f"was restarted {restarts} time(s) (max_restarts={max_restarts}); giving "
+                    f"up. Last failure: {exc}"
+                ) from exc
+            restarts += 1
+            logger.warning(
+                "%s failed because the %s server died (%s); restart %d/%d and retry",
+                what,
+                server.kind,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                restarts,
+                max_restarts,
+            )
+            server.recover()

@@ -69,6 +69,8 @@ def available_cpus() -> int:
 
 def visible_gpus() -> int:
     """GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return 0  # hidden on purpose; answers without importing torch
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -186,8 +188,8 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
         )
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
-def main(cfg: DictConfig) -> None:
+def train_job(cfg: DictConfig) -> None:
+    """What `grail-train` does with a composed config: one run, or one job of a sweep (`-m`)."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -195,6 +197,11 @@ def main(cfg: DictConfig) -> None:
         _sweep_job(cfg, run_dir, hydra_cfg)
     else:
         _single_run(cfg, run_dir)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
+def main(cfg: DictConfig) -> None:
+    train_job(cfg)
 
 
 class SweepOutcome(Callback):
@@ -219,7 +226,7 @@ class SweepOutcome(Callback):
             for s, label in zip((run_status(path) for path in runs), labels, strict=True)
             if s.status != "done"
         ]
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)  # paths stay whole, copyable
         if not bad:
             console.print(f"sweep {sweep_dir}: all {len(runs)} runs completed")
             return

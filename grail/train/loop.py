@@ -39,8 +39,9 @@ from grail.algo.grpo import GRPOLossConfig
 from grail.config import Config, validate
 from grail.envs import ENVIRONMENTS, Environment, make_env
 from grail.envs.rewards import RewardFunctions
+from grail.inference.backends import server_manager_from_config
 from grail.inference.client import CompletionClient, SamplingParams
-from grail.inference.servers import BuiltinServer, ServerManager
+from grail.inference.servers import call_with_recovery
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.tiny import ensure_tiny_model
 from grail.rollouts import RolloutBatch, RolloutGenerator
@@ -94,22 +95,6 @@ def lr_multiplier(step: int, warmup_steps: int) -> float:
 
 def _threads(requested: int | None) -> int:
     return requested if requested else (os.cpu_count() or 1)
-
-
-def make_server(cfg: Config, model_dir: Path, run_dir: Path) -> ServerManager:
-    if cfg.generation.backend != "builtin":
-        raise NotImplementedError(
-            f"generation.backend={cfg.generation.backend} is not available yet; use builtin"
-        )
-    on_cuda = torch.cuda.is_available()
-    return BuiltinServer(
-        model_dir,
-        "policy",
-        log_dir=run_dir / "logs",
-        device=f"cuda:{cfg.gpu.server_gpu}" if on_cuda else "cpu",
-        threads=None if on_cuda else _threads(cfg.generation.server_threads),
-        start_timeout=cfg.generation.start_timeout_s,
-    )
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
@@ -256,14 +241,26 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         evals[record["iteration"]] = record
     totals = {"prompt": 0, "completion": 0}
 
-    with make_server(cfg, weights_dir, run_dir) as server, display.progress:  # starts, waits ready
+    # Entering starts the server and waits until it is ready.
+    with server_manager_from_config(cfg, weights_dir, run_dir) as server, display.progress:
         client = CompletionClient(
             server.base_url,
             server.model_name,
             timeout=cfg.generation.request_timeout_s,
             max_concurrency=cfg.generation.max_concurrency,
             liveness_check=server.check_alive,
+            backend=server.kind,
         )
+
+        def generate(gen: RolloutGenerator, seeds: list[int], replicas: int, **kw: Any) -> Any:
+            # A server that dies mid-batch is restarted from the newest weights and the batch
+            # (fixed seeds, so safe to repeat) runs again, a bounded number of times.
+            return call_with_recovery(
+                server,
+                lambda: gen.generate(seeds, replicas, **kw),
+                max_restarts=cfg.generation.max_restarts,
+            )
+
         generator, eval_generator = (
             RolloutGenerator(
                 e,
@@ -281,8 +278,12 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             t0 = time.perf_counter()
             seeds = eval_seeds(cfg)
             tick = display.task(f"eval {name}", len(seeds))
-            batch = eval_generator.generate(
-                seeds, cfg.eval.replicates, round_index=EVAL_ROUND, on_group_done=tick
+            batch = generate(
+                eval_generator,
+                seeds,
+                cfg.eval.replicates,
+                round_index=EVAL_ROUND,
+                on_group_done=tick,
             )
             record = {
                 "schema_version": SCHEMA_VERSION,
@@ -309,8 +310,12 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             seeds = iteration_seeds(cfg, iteration)
             tick = display.task(f"iter {iteration:03d} generate", len(seeds))
             t0 = time.perf_counter()
-            batch = generator.generate(
-                seeds, cfg.data.rollouts_per_problem, round_index=iteration, on_group_done=tick
+            batch = generate(
+                generator,
+                seeds,
+                cfg.data.rollouts_per_problem,
+                round_index=iteration,
+                on_group_done=tick,
             )
             timings["generation_s"] = time.perf_counter() - t0
 
