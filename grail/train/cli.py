@@ -85,7 +85,7 @@ def _parallel_resolver(launcher_target: str | None, strategy: str) -> int | None
     )
 
 
-# Used by conf/offline_grpo.yaml (hydra.sweeper.max_batch_size) and conf/hydra/launcher/local.yaml
+# Used by conf/hydra/sweeper/grail_basic.yaml (max_batch_size) and conf/hydra/launcher/local.yaml
 # (gpus_per_node): registered on import, before Hydra composes anything.
 OmegaConf.register_new_resolver("grail_parallel", _parallel_resolver, replace=True)
 OmegaConf.register_new_resolver("grail_gpus", visible_gpus, replace=True)
@@ -162,6 +162,12 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
     if decision.action is Action.RETRY:
         # Until this attempt ends the run is incomplete, not failed: keep the old error beside.
         (run_dir / SUMMARY).replace(run_dir / "summary.failed.json")
+    if decision.action is Action.START and run_record(run_dir).has_progress:
+        log.warning(
+            "run %s: starting over in a directory with an earlier attempt (resume=false); its "
+            "files are overwritten. Add resume=true to continue it instead",
+            run_dir,
+        )
     log.info("run %s: %s (%s)", run_dir, decision.action.value, decision.reason)
     append_attempt(run_dir, decision.action.value, overrides, job_num)
 

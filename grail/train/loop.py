@@ -94,7 +94,8 @@ def lr_multiplier(step: int, warmup_steps: int) -> float:
 
 
 def _threads(requested: int | None) -> int:
-    return requested if requested else (os.cpu_count() or 1)
+    # The cores this process may run on (SLURM, taskset), not every core of the machine.
+    return requested if requested else len(os.sched_getaffinity(0))
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
@@ -236,9 +237,11 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     console = Console()
     display = Display(console)
     evals: dict[int, dict[str, Any]] = {}
-    for path in sorted(metrics_dir.glob("eval_*.json")):
-        record = read_metrics(path)
-        evals[record["iteration"]] = record
+    if resume_from is not None:  # a fresh run never mixes in an older run's files
+        for path in sorted(metrics_dir.glob("eval_*.json")):
+            record = read_metrics(path)
+            if record["iteration"] <= resume_from.iteration:
+                evals[record["iteration"]] = record
     totals = {"prompt": 0, "completion": 0}
 
     # Entering starts the server and waits until it is ready.
@@ -300,7 +303,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             )
             return record["eval_s"]
 
-        if cfg.eval.enabled and not (metrics_dir / "eval_baseline.json").exists():
+        if cfg.eval.enabled and -1 not in evals:
             evaluate(-1, "baseline")
 
         for iteration in range(start_iteration, cfg.train.iterations):

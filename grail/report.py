@@ -1,0 +1,465 @@
+"""`grail-report <sweep or run dir>`: compare the runs of a sweep at a glance.
+
+    uv run grail-report multirun/2026-11-21/10-30-45 [--sort-by best_success] [--out DIR]
+
+prints a table of every run (its distinguishing overrides, status, final and best eval, the train
+reward's trend, time), and writes `summary.csv` (the same table, full precision) and `report.png`
+(one panel per key metric over training, one line per run) into DIR (default: the directory given).
+
+It reads only what runs write (`.hydra/overrides.yaml`, `metrics/*.json`, `summary.json`), each
+file atomically, so it works on a sweep that is still running and on runs that failed or were
+killed: a run is "done" (summary says completed), "failed" (summary says failed, with the error),
+or "incomplete" (no summary yet: still running, or killed; `resume=true` continues it).
+
+The x axis of every panel is the policy version, i.e. the number of updates applied: train metrics
+of iteration i were measured on rollouts of version i, the eval after iteration i is version i + 1,
+and the baseline eval is version 0. So a point always sits at the weights it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from grail.runs import (
+    SUMMARY,
+    distinguishing_overrides,
+    find_runs,
+    metric_records,
+    natural_key,
+    read_config,
+    read_json,
+    read_overrides,
+    run_status,
+)
+
+SPARK = "▁▂▃▄▅▆▇█"
+CSV_NAME = "summary.csv"
+PNG_NAME = "report.png"
+
+
+@dataclass
+class RunReport:
+    """One run, reduced to what the table, the CSV and the plot show."""
+
+    name: str
+    path: Path
+    overrides: list[str]
+    status: str  # done | failed | incomplete
+    error: str | None
+    iterations: int  # train iterations with metrics
+    target_iterations: int | None  # train.iterations of its config
+    baseline: dict[str, Any] | None  # eval before training
+    final: dict[str, Any] | None  # newest eval after training started
+    best_success: dict[str, Any] | None  # trained eval with the highest success rate
+    best_reward: dict[str, Any] | None  # trained eval with the highest mean reward
+    train_rewards: list[float]
+    time_s: float | None  # training time summed over attempts (see load_run)
+    wall_time_s: float | None  # the last attempt's wall time, from its summary
+    # metric name -> [(policy version, value)], for the plot
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    label: str = ""
+
+    def value(self, key: str) -> float | None:
+        """A sortable number for `key` (see SORT_KEYS); None when the run has none yet."""
+        return SORT_KEYS[key][0](self)
+
+
+def _get(record: dict[str, Any] | None, key: str) -> float | None:
+    if record is None:
+        return None
+    value = record.get(key)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _first_last_gain(r: RunReport) -> float | None:
+    return r.train_rewards[-1] - r.train_rewards[0] if len(r.train_rewards) >= 2 else None
+
+
+# name -> (value of a run, higher is better)
+SORT_KEYS: dict[str, tuple[Callable[[RunReport], float | None], bool]] = {
+    "final_success": (lambda r: _get(r.final, "success_rate"), True),
+    "best_success": (lambda r: _get(r.best_success, "success_rate"), True),
+    "final_reward": (lambda r: _get(r.final, "reward_mean"), True),
+    "best_reward": (lambda r: _get(r.best_reward, "reward_mean"), True),
+    "train_reward": (lambda r: r.train_rewards[-1] if r.train_rewards else None, True),
+    "reward_gain": (_first_last_gain, True),
+    "iterations": (lambda r: float(r.iterations), True),
+    "time": (lambda r: r.time_s, False),
+}
+PLOT_PANELS = (
+    ("eval_success", "eval success rate"),
+    ("eval_reward", "eval mean reward"),
+    ("train_reward", "train reward (mean)"),
+    ("kl", "KL to reference"),
+    ("entropy", "entropy"),
+)
+# What an empty panel says: why there may be nothing to draw.
+_EMPTY = {"kl": "no KL recorded\n(it needs train.kl_coef > 0)"}
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def load_run(run_dir: Path, name: str) -> RunReport:
+    """Everything the report shows about one run directory, whatever state it is in."""
+    status = run_status(run_dir)
+    trains = metric_records(run_dir, "train")
+    evals = metric_records(run_dir, "eval")
+    trained = [e for e in evals if e["iteration"] >= 0]
+    baseline = next((e for e in evals if e["iteration"] == -1), None)
+    # Time spent training (iterations, their evals and checkpoints, plus the baseline eval) summed
+    # over every attempt: comparable between runs whatever their start-up cost or number of
+    # resumes, and defined for runs still going. The last attempt's wall time is in the CSV.
+    spent = [_get(t.get("timings"), "iteration_s") for t in trains] + [_get(baseline, "eval_s")]
+    known = [s for s in spent if s is not None]
+    summary = read_json(run_dir / SUMMARY)
+    target = read_config(run_dir).get("train", {}).get("iterations")
+
+    series: dict[str, list[tuple[int, float]]] = {name: [] for name, _ in PLOT_PANELS}
+    for e in evals:  # version = updates applied before this eval
+        version = e["iteration"] + 1
+        for key, metric in (("eval_success", "success_rate"), ("eval_reward", "reward_mean")):
+            if (v := _get(e, metric)) is not None:
+                series[key].append((version, v))
+    for t in trains:  # rollouts and loss of iteration i come from version i
+        for key, metric in (("train_reward", "reward_mean"), ("kl", "kl"), ("entropy", "entropy")):
+            if (v := _get(t, metric)) is not None and math.isfinite(v):
+                series[key].append((t["iteration"], v))
+
+    return RunReport(
+        name=name,
+        path=run_dir,
+        overrides=read_overrides(run_dir),
+        status=status.status,
+        error=status.error,
+        iterations=len(trains),
+        target_iterations=target if isinstance(target, int) else None,
+        baseline=baseline,
+        final=trained[-1] if trained else None,
+        best_success=max(trained, key=lambda e: (e["success_rate"], e["iteration"]))
+        if trained
+        else None,
+        best_reward=max(trained, key=lambda e: (e["reward_mean"], e["iteration"]))
+        if trained
+        else None,
+        train_rewards=[v for _, v in series["train_reward"]],
+        time_s=sum(known) if known else None,
+        wall_time_s=_get(summary, "wall_time_s"),
+        series=series,
+    )
+
+
+def load_runs(root: Path) -> list[RunReport]:
+    """Every run under `root` (or `root` itself), labelled by what sets it apart."""
+    root = Path(root)
+    paths = find_runs(root)
+    runs = [load_run(p, p.relative_to(root).as_posix() if p != root else p.name) for p in paths]
+    for run, label in zip(runs, distinguishing_overrides([r.overrides for r in runs]), strict=True):
+        run.label = " ".join(label)
+    return runs
+
+
+# ---- pure presentation ------------------------------------------------------------------------
+
+
+def sparkline(values: Sequence[float], width: int = 16) -> str:
+    """Values as block characters, lowest ▁ to highest █; longer series are averaged into `width`
+    buckets. A flat series is drawn mid-height."""
+    if not values:
+        return ""
+    if len(values) > width:
+        edges = [round(i * len(values) / width) for i in range(width + 1)]
+        values = [
+            sum(values[a:b]) / (b - a) for a, b in zip(edges, edges[1:], strict=False) if b > a
+        ]
+    lo, hi = min(values), max(values)
+    if hi - lo < 1e-12:
+        return SPARK[len(SPARK) // 2] * len(values)
+    top = len(SPARK) - 1
+    return "".join(SPARK[round((v - lo) / (hi - lo) * top)] for v in values)
+
+
+def sort_runs(runs: list[RunReport], key: str, reverse: bool = False) -> list[RunReport]:
+    """Best first by `key` (highest, or lowest for time); runs without a value last, in name
+    order. `reverse` flips the order of the runs that have a value."""
+    if key == "name":
+        return sorted(runs, key=lambda r: natural_key(r.name), reverse=reverse)
+    if key not in SORT_KEYS:
+        raise ValueError(f"unknown sort key {key!r}; known: name, {', '.join(SORT_KEYS)}")
+    higher_is_better = SORT_KEYS[key][1]
+    have = [r for r in runs if r.value(key) is not None]
+    missing = sorted((r for r in runs if r.value(key) is None), key=lambda r: natural_key(r.name))
+    # Stable sorts: ties keep name order whichever way the values go.
+    have.sort(key=lambda r: natural_key(r.name))
+    have.sort(key=lambda r: r.value(key), reverse=higher_is_better != reverse)  # type: ignore[arg-type,return-value]
+    return have + missing
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, s = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{s:02d}s"
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m"
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _at(record: dict[str, Any] | None, key: str) -> str:
+    value = _get(record, key)
+    return "–" if value is None or record is None else f"{value:.3f} @{record['iteration']}"
+
+
+def trend(rewards: Sequence[float]) -> str:
+    if not rewards:
+        return "–"
+    return f"{rewards[0]:.3f}→{rewards[-1]:.3f} {sparkline(rewards)}"
+
+
+_STATUS_STYLE = {"done": "green", "failed": "red", "incomplete": "yellow"}
+
+
+def build_table(runs: Sequence[RunReport], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("run", no_wrap=True)
+    table.add_column("overrides")
+    table.add_column("status", no_wrap=True)
+    table.add_column("iters", justify="right", no_wrap=True)
+    table.add_column("final success", justify="right")
+    table.add_column("best success", justify="right")
+    table.add_column("final reward", justify="right")
+    table.add_column("best reward", justify="right")
+    table.add_column("train reward first→last", no_wrap=True)
+    table.add_column("train time", justify="right", no_wrap=True)
+    for r in runs:
+        target = f"/{r.target_iterations}" if r.target_iterations is not None else ""
+        table.add_row(
+            escape(r.name),
+            escape(r.label or "–"),
+            f"[{_STATUS_STYLE[r.status]}]{r.status}[/]",
+            f"{r.iterations}{target}",
+            _num(_get(r.final, "success_rate")),
+            _at(r.best_success, "success_rate"),
+            _num(_get(r.final, "reward_mean")),
+            _at(r.best_reward, "reward_mean"),
+            trend(r.train_rewards),
+            format_duration(r.time_s),
+        )
+    return table
+
+
+CSV_COLUMNS = (
+    "run",
+    "overrides",
+    "label",
+    "status",
+    "iterations",
+    "target_iterations",
+    "baseline_success",
+    "baseline_reward",
+    "final_iteration",
+    "final_success",
+    "final_reward",
+    "best_success_iteration",
+    "best_success",
+    "best_reward_iteration",
+    "best_reward",
+    "first_train_reward",
+    "last_train_reward",
+    "time_s",
+    "wall_time_s",
+    "error",
+    "path",
+)
+
+
+def csv_row(r: RunReport) -> dict[str, Any]:
+    def iteration(record: dict[str, Any] | None) -> int | None:
+        return None if record is None else record["iteration"]
+
+    return {
+        "run": r.name,
+        "overrides": " ".join(r.overrides),
+        "label": r.label,
+        "status": r.status,
+        "iterations": r.iterations,
+        "target_iterations": r.target_iterations,
+        "baseline_success": _get(r.baseline, "success_rate"),
+        "baseline_reward": _get(r.baseline, "reward_mean"),
+        "final_iteration": iteration(r.final),
+        "final_success": _get(r.final, "success_rate"),
+        "final_reward": _get(r.final, "reward_mean"),
+        "best_success_iteration": iteration(r.best_success),
+        "best_success": _get(r.best_success, "success_rate"),
+        "best_reward_iteration": iteration(r.best_reward),
+        "best_reward": _get(r.best_reward, "reward_mean"),
+        "first_train_reward": r.train_rewards[0] if r.train_rewards else None,
+        "last_train_reward": r.train_rewards[-1] if r.train_rewards else None,
+        "time_s": r.time_s,
+        "wall_time_s": r.wall_time_s,
+        "error": r.error,
+        "path": str(r.path),
+    }
+
+
+def write_csv(runs: Sequence[RunReport], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for r in runs:
+            writer.writerow({k: "" if v is None else v for k, v in csv_row(r).items()})
+
+
+# ---- the plot -----------------------------------------------------------------------------------
+
+_LINESTYLE = {"done": "-", "incomplete": "--", "failed": ":"}
+
+
+def plot(runs: Sequence[RunReport], path: Path, title: str) -> None:
+    """One panel per key metric over policy versions, one line per run (solid: done, dashed:
+    incomplete, dotted with an x at its last point: failed); the legend fills the last panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
+    flat = axes.ravel()
+    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    # Colours follow run names, not the sort order, so a run keeps its colour between reports.
+    by_name = {r.name: i for i, r in enumerate(sorted(runs, key=lambda r: natural_key(r.name)))}
+    handles = []
+    for order, r in enumerate(runs):
+        color = colors[by_name[r.name] % len(colors)]
+        # Runs with identical curves (common early in a sweep) would hide each other: lines drawn
+        # first are wider, so each later one shows inside the earlier ones.
+        width = max(1.2, 5.0 - 1.3 * order)
+        label = f"{r.name}: {r.label}" if r.label else r.name
+        if r.status != "done":
+            label += f" [{r.status}]"
+        handle = None
+        for ax, (key, _) in zip(flat, PLOT_PANELS, strict=False):
+            points = r.series.get(key, [])
+            if not points:
+                continue
+            xs, ys = zip(*points, strict=True)
+            (line,) = ax.plot(
+                xs,
+                ys,
+                linestyle=_LINESTYLE[r.status],
+                marker="o" if len(points) <= 30 else None,
+                markersize=3,
+                color=color,
+                linewidth=width,
+            )
+            if r.status == "failed":
+                ax.plot(xs[-1], ys[-1], marker="x", markersize=9, color=color, mew=2)
+            handle = handle or line
+        if handle is None:  # no metrics yet: still listed in the legend
+            (handle,) = flat[0].plot([], [], linestyle=_LINESTYLE[r.status], color=color)
+        handle.set_label(label)
+        handles.append(handle)
+
+    for ax, (key, name) in zip(flat, PLOT_PANELS, strict=False):
+        ax.set_title(name)
+        ax.set_xlabel("policy version (updates applied)")
+        ax.grid(alpha=0.3)
+        if key == "eval_success":
+            ax.set_ylim(-0.03, 1.03)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # versions are whole numbers
+        if not any(len(line.get_xdata()) for line in ax.lines):
+            ax.text(
+                0.5,
+                0.5,
+                _EMPTY.get(key, "no data yet"),
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+    legend_ax = flat[-1]
+    legend_ax.axis("off")
+    if handles:
+        legend_ax.legend(
+            handles=handles,
+            loc="upper left",
+            fontsize=9 if len(handles) <= 12 else 7,
+            ncol=1 if len(handles) <= 16 else 2,
+            frameon=False,
+            title="run: overrides",
+        )
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+
+def _counts(runs: Sequence[RunReport]) -> str:
+    parts = [f"{sum(r.status == s for r in runs)} {s}" for s in ("done", "failed", "incomplete")]
+    return f"{len(runs)} runs: " + ", ".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="grail-report",
+        description="Compare the runs of a sweep (or look at one run): a table, summary.csv "
+        "and report.png.",
+    )
+    parser.add_argument("path", type=Path, help="a sweep directory (multirun/DATE/TIME) or a run")
+    parser.add_argument(
+        "--sort-by",
+        default="final_success",
+        choices=["name", *SORT_KEYS],
+        help="order of the table and CSV, best first (default: final_success)",
+    )
+    parser.add_argument("--reverse", action="store_true", help="worst first")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where summary.csv and report.png go (default: PATH)"
+    )
+    args = parser.parse_args(argv)
+
+    root: Path = args.path
+    if not root.is_dir():
+        parser.error(f"{root} is not a directory")
+    runs = load_runs(root)
+    if not runs:
+        parser.error(f"no runs under {root}: a run directory has .hydra/, metrics/ or summary.json")
+    runs = sort_runs(runs, args.sort_by, args.reverse)
+    out: Path = args.out if args.out is not None else root
+    title = f"{root} — {_counts(runs)}"
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(build_table(runs, title))
+    for r in runs:
+        if r.error:
+            console.print(f"[red]{escape(r.name)} failed:[/] {escape(r.error.splitlines()[0])}")
+    write_csv(runs, out / CSV_NAME)
+    plot(runs, out / PNG_NAME, title)
+    console.print(f"wrote {out / CSV_NAME} and {out / PNG_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
