@@ -95,7 +95,9 @@ class CopyDigitsEnv:
         length = 1.0 / (1.0 + abs(len(text) - len(target))) if text else 0.0
         total = self.correct_weight + self.digits_weight + self.length_weight
         reward = (
-            self.correct_weight * correct + self.digits_weight * digits + self.length_weight * length
+            self.correct_weight * correct
+            + self.digits_weight * digits
+            + self.length_weight * length
         ) / total
         return Score(
             reward=reward,
