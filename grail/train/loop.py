@@ -21,7 +21,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict
@@ -36,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grail.algo.grpo import GRPOLossConfig
-from grail.config import Config, validate
+from grail.config import Config, default_threads, validate
 from grail.envs import ENVIRONMENTS, Environment, make_env
 from grail.envs.rewards import RewardFunctions
 from grail.inference.backends import server_manager_from_config
@@ -91,11 +90,6 @@ def eval_seeds(cfg: Config) -> list[int]:
 def lr_multiplier(step: int, warmup_steps: int) -> float:
     """Linear warmup that starts at lr / (warmup + 1), not at 0 (a zero-lr step is wasted)."""
     return min(1.0, (step + 1) / (warmup_steps + 1))
-
-
-def _threads(requested: int | None) -> int:
-    # The cores this process may run on (SLURM, taskset), not every core of the machine.
-    return requested if requested else len(os.sched_getaffinity(0))
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
@@ -185,7 +179,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     if on_cuda:
         torch.cuda.set_device(cfg.gpu.training_gpu)
     else:
-        torch.set_num_threads(_threads(cfg.train.threads))
+        torch.set_num_threads(default_threads(cfg.train.threads))
     accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")
     torch.use_deterministic_algorithms(not on_cuda, warn_only=True)
 
@@ -208,7 +202,10 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         ref_model.eval().requires_grad_(False)
 
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+        model.parameters(),
+        lr=cfg.train.lr,
+        betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
+        weight_decay=cfg.train.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, cfg.train.warmup_steps)
