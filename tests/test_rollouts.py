@@ -49,7 +49,7 @@ def test_groups_are_complete(server: BuiltinServer) -> None:
             assert len(s.behaviour_logprobs) == len(s.completion_ids)
             assert all(lp <= 0 for lp in s.behaviour_logprobs)
             assert s.finish_reason in ("stop", "length")
-            assert set(s.components) == {"correct", "contains"}
+            assert set(s.components) == {"correct", "found", "brevity"}
         # group-relative advantages: zero mean within each group
         assert sum(s.advantage for s in group.samples) == pytest.approx(0.0, abs=1e-5)
     assert 0.0 <= batch.advantage_stats["zero_variance_group_frac"] <= 1.0

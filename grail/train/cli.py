@@ -47,6 +47,9 @@ _SOURCE_CONF = Path(__file__).resolve().parents[2] / "conf"  # in a checkout (ed
 CONF_DIR = str(_PACKAGED_CONF if _PACKAGED_CONF.is_dir() else _SOURCE_CONF)
 
 log = logging.getLogger("grail.train")
+# Hydra logs at INFO; one line per HTTP request from the OpenAI client's HTTP stack is noise.
+for _noisy in ("httpx", "httpx2", "openai"):
+    logging.getLogger(_noisy).setLevel(logging.WARNING)
 
 # The config fields a sweep sets per run, with their schema defaults: a field whose value differs
 # from its default was set by the user (in a YAML file or on the command line) and is left alone.
