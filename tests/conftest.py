@@ -94,3 +94,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# The tiny offline model (grail.models.tiny), shared by every test that needs a real model.
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, built once into the user cache ($GRAIL_CACHE_DIR or ~/.cache/grail) so
+    repeated test runs reuse it; a session temp dir when that cache is not writable."""
+    from grail.models.tiny import ensure_tiny_model
+
+    try:
+        return ensure_tiny_model()
+    except PermissionError:
+        return ensure_tiny_model(tmp_path_factory.mktemp("grail-cache"))

@@ -135,7 +135,9 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
     """
     min_size = 256 + len(SPECIAL_TOKENS)
     if vocab_size < min_size:
-        raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + specials), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {min_size} (256 bytes + specials), got {vocab_size}"
+        )
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -343,6 +345,14 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _is_complete(model_dir: Path, seed: int) -> bool:
+    """An intact build of the current preset (a preset edited without a version bump rebuilds)."""
+    if not model_dir.is_dir() or manifest_problems(model_dir):
+        return False
+    manifest = json.loads((model_dir / MANIFEST_NAME).read_text())
+    return manifest.get("seed") == seed and manifest.get("preset") == TINY_PRESET
+
+
 def tiny_model_cache_path(cache_dir: Path | None = None, seed: int = 0) -> Path:
     """Where `ensure_tiny_model` keeps the model for `seed` (whether or not it is built yet)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -360,10 +370,10 @@ def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     or threads) serialise on a file lock: the first builds, the others find the finished build.
     """
     target = tiny_model_cache_path(cache_dir, seed)
-    if target.is_dir() and not manifest_problems(target):
+    if _is_complete(target, seed):
         return target
     with _file_lock(target.parent / f".{target.name}.lock"):
-        if target.is_dir() and not manifest_problems(target):
+        if _is_complete(target, seed):
             return target  # another process built it while we waited
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
         try:
