@@ -205,27 +205,23 @@ def _brief(record: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: record[k] for k in keys if k in record}
 
 
-def failure_summary(
+def run_summary(
     run_dir: Path,
-    error: BaseException,
+    status: str,
     wall_time_s: float,
     *,
     environment: str | None = None,
     config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """summary.json of a run that raised `error`: what it got done before failing (iterations,
-    evals, tokens, time) and why it failed, in the same shape as a completed run's summary."""
+    """summary.json of a run from the metrics files it wrote: iterations, baseline, final and
+    best eval, tokens and time. One place for completed and failed runs alike."""
     trains = metric_records(run_dir, "train")
     evals = metric_records(run_dir, "eval")
     trained = [e for e in evals if e["iteration"] >= 0]
     baseline = next((e for e in evals if e["iteration"] == -1), None)
-    tb = "".join(traceback.format_exception(error)).splitlines()[-_TRACEBACK_LINES:]
-    message = str(error)
-    if len(message) > _MAX_MESSAGE:
-        message = message[: _MAX_MESSAGE // 2] + "\n[...]\n" + message[-_MAX_MESSAGE // 2 :]
     summary: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
-        "status": "failed",
+        "status": status,
         "iterations": len(trains),
         "baseline_eval": _brief(baseline),
         "final_eval": _brief(trained[-1] if trained else None),
@@ -236,12 +232,33 @@ def failure_summary(
         },
         "train_time_s": sum(t.get("timings", {}).get("iteration_s", 0.0) for t in trains),
         "wall_time_s": max(0.0, wall_time_s),
-        "error": {"type": type(error).__name__, "message": message, "traceback": "\n".join(tb)},
     }
     if environment is not None:
         summary["environment"] = environment
     if config is not None:
         summary["config"] = config
+    return summary
+
+
+def failure_summary(
+    run_dir: Path,
+    error: BaseException,
+    wall_time_s: float,
+    *,
+    environment: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """summary.json of a run that raised `error`: what it got done, and why it failed."""
+    tb = "".join(traceback.format_exception(error)).splitlines()[-_TRACEBACK_LINES:]
+    message = str(error)
+    if len(message) > _MAX_MESSAGE:
+        message = message[: _MAX_MESSAGE // 2] + "\n[...]\n" + message[-_MAX_MESSAGE // 2 :]
+    summary = run_summary(run_dir, "failed", wall_time_s, environment=environment, config=config)
+    summary["error"] = {
+        "type": type(error).__name__,
+        "message": message,
+        "traceback": "\n".join(tb),
+    }
     return summary
 
 

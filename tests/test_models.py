@@ -199,10 +199,16 @@ def test_chat_template_renders_qwen_format(tiny_model_dir: Path) -> None:
     assert tok.decode([tok.convert_tokens_to_ids("7"), im_end], skip_special_tokens=True) == "7"
 
 
-def test_tokenizer_config_names_a_class_transformers_4_knows(tiny_model_dir: Path) -> None:
-    # vLLM/SGLang may run transformers 4.x, which has no "TokenizersBackend" class.
+def test_files_stay_loadable_by_transformers_4(tiny_model_dir: Path) -> None:
+    # vLLM/SGLang may run transformers 4.x (checked by hand with 4.57.1): it has no
+    # "TokenizersBackend" class, fails on a list-valued `extra_special_tokens`, and reads the
+    # top-level `rope_theta`, not transformers 5's `rope_parameters`.
     cfg = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
     assert cfg["tokenizer_class"] == "Qwen2Tokenizer"
+    assert "extra_special_tokens" not in cfg
+    assert cfg["additional_special_tokens"] == ["<|im_start|>", "<|im_end|>"]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
     assert isinstance(tiny.build_tokenizer(), PreTrainedTokenizerFast)
 
 

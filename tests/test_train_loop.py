@@ -188,3 +188,12 @@ def test_ctrl_c_stops_the_run_and_its_server(tmp_path: Path) -> None:
     _finish(proc, timeout=60)
     assert proc.returncode != 0
     _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the server to stop")
+
+
+def test_fresh_run_refuses_a_directory_that_holds_a_run(full_run: Path) -> None:
+    before = sorted(p.name for p in (full_run / "metrics").iterdir())
+    proc = _train(full_run, "train.iterations=4")
+    out = _finish(proc)
+    assert proc.returncode != 0
+    assert "resume=true" in out, out[-3000:]
+    assert sorted(p.name for p in (full_run / "metrics").iterdir()) == before  # nothing lost

@@ -38,7 +38,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 
 # Bump when anything that changes the built files changes (sizes, corpus, template, init): the
 # cache directory is named after it, so old caches are never mistaken for new ones.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -176,7 +176,8 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "Qwen2Tokenizer"
-    cfg["extra_special_tokens"] = [IM_START]
+    cfg.pop("extra_special_tokens", None)
+    cfg["additional_special_tokens"] = [IM_START, IM_END]
     cfg.pop("backend", None)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
@@ -245,6 +246,12 @@ def build_random_qwen2(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    # transformers 5 writes only `rope_parameters`; 4.x (which vLLM/SGLang may pin) reads the
+    # top-level `rope_theta` and would silently fall back to its default without it.
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_theta"] = rope_theta
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     _save_tokenizer(tokenizer, out_dir)
     return out_dir
 

@@ -23,7 +23,6 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from grail.inference.servers import call_with_recovery
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.tiny import ensure_tiny_model
 from grail.rollouts import RolloutBatch, RolloutGenerator
+from grail.runs import run_summary
 from grail.train.checkpoint import (
     commit_checkpoint,
     latest_checkpoint,
@@ -53,7 +53,7 @@ from grail.train.checkpoint import (
     stage_checkpoint,
 )
 from grail.train.evaluate import eval_metrics
-from grail.train.metrics import SCHEMA_VERSION, read_metrics, write_metrics
+from grail.train.metrics import SCHEMA_VERSION, write_metrics
 from grail.train.update import UpdateSettings, policy_update
 
 log = logging.getLogger("grail.train")
@@ -185,8 +185,17 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
 
     # --- where to start: a fresh model, or the newest complete checkpoint -----------------------
     resume_from = latest_checkpoint(checkpoints_dir) if cfg.resume else None
-    if cfg.resume and resume_from is None and any(metrics_dir.glob("train_iter_*.json")):
+    stale = sorted(metrics_dir.glob("*.json"))
+    if resume_from is None and stale:
+        if not cfg.resume:
+            raise FileExistsError(
+                f"{run_dir} already holds the metrics of a run ({len(stale)} files in "
+                f"{metrics_dir}); rerun with resume=true to continue it, or use a new "
+                "hydra.run.dir"
+            )
         log.warning("resume=true but no complete checkpoint in %s: starting over", checkpoints_dir)
+        for path in [*stale, run_dir / "summary.json"]:
+            path.unlink(missing_ok=True)
     init_id = str(resume_from.path) if resume_from else resolve_model(cfg.model.train_id)
     tokenizer = load_tokenizer(init_id)
     model = load_model(init_id, dtype="float32", device=accelerator.device)
@@ -233,13 +242,6 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     )
     console = Console()
     display = Display(console)
-    evals: dict[int, dict[str, Any]] = {}
-    if resume_from is not None:  # a fresh run never mixes in an older run's files
-        for path in sorted(metrics_dir.glob("eval_*.json")):
-            record = read_metrics(path)
-            if record["iteration"] <= resume_from.iteration:
-                evals[record["iteration"]] = record
-    totals = {"prompt": 0, "completion": 0}
 
     # Entering starts the server and waits until it is ready.
     with server_manager_from_config(cfg, weights_dir, run_dir) as server, display.progress:
@@ -293,14 +295,13 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 "eval_s": time.perf_counter() - t0,
             }
             write_metrics(metrics_dir / f"eval_{name}.json", record, "eval")
-            evals[iteration] = record
             display.done(
                 f"eval {name}: success {record['success_rate']:.3f} "
                 f"reward {record['reward_mean']:.3f}"
             )
             return record["eval_s"]
 
-        if cfg.eval.enabled and -1 not in evals:
+        if cfg.eval.enabled and not (resume_from and (metrics_dir / "eval_baseline.json").exists()):
             evaluate(-1, "baseline")
 
         for iteration in range(start_iteration, cfg.train.iterations):
@@ -371,8 +372,6 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             timings["checkpoint_s"] = time.perf_counter() - t0
 
             rollout = batch_metrics(batch)
-            totals["prompt"] += rollout["tokens"]["prompt"]
-            totals["completion"] += rollout["tokens"]["completion"]
             timings["iteration_s"] = time.perf_counter() - t_iter
             record = {
                 "schema_version": SCHEMA_VERSION,
@@ -398,39 +397,19 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 f"({timings['iteration_s']:.1f}s)"
             )
 
-    summary = write_summary(cfg, run_dir, evals, time.perf_counter() - t_run)
+    summary = write_summary(cfg, run_dir, time.perf_counter() - t_run)
     print_summary(console, summary)
     return summary
 
 
-def write_summary(
-    cfg: Config, run_dir: Path, evals: dict[int, dict[str, Any]], wall_s: float
-) -> dict[str, Any]:
-    trains = [read_metrics(p) for p in sorted((run_dir / "metrics").glob("train_iter_*.json"))]
-    trained = [e for i, e in sorted(evals.items()) if i >= 0]
-
-    def brief(record: dict[str, Any] | None) -> dict[str, Any] | None:
-        if record is None:
-            return None
-        keys = ("iteration", "success_rate", "reward_mean", "pass@k", "mean@k", "best@k")
-        return {k: record[k] for k in keys}
-
-    summary = {
-        "schema_version": SCHEMA_VERSION,
-        "status": "completed",
-        "iterations": len(trains),
-        "environment": cfg.data.environment,
-        "baseline_eval": brief(evals.get(-1)),
-        "final_eval": brief(trained[-1] if trained else None),
-        "best_eval": brief(max(trained, key=lambda e: e["success_rate"]) if trained else None),
-        "tokens": {
-            "prompt": sum(t["tokens"]["prompt"] for t in trains),
-            "completion": sum(t["tokens"]["completion"] for t in trains),
-        },
-        "train_time_s": sum(t["timings"]["iteration_s"] for t in trains),
-        "wall_time_s": wall_s,
-        "config": asdict(cfg) if not OmegaConf.is_config(cfg) else OmegaConf.to_container(cfg),
-    }
+def write_summary(cfg: Config, run_dir: Path, wall_s: float) -> dict[str, Any]:
+    summary = run_summary(
+        run_dir,
+        "completed",
+        wall_s,
+        environment=cfg.data.environment,
+        config=OmegaConf.to_container(OmegaConf.structured(cfg)),  # type: ignore[arg-type]
+    )
     write_metrics(run_dir / "summary.json", summary, "summary")
     return summary
 
