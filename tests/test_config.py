@@ -52,6 +52,7 @@ def test_wrong_type_names_the_key() -> None:
         ("eval.report_ks=[1,64]", "eval.report_ks"),
         ("generation.temperature=0", "generation.temperature"),
         ("train.epsilon_high=0.1", "train.epsilon_high"),
+        ("logging.tensorboard=true", "logging.tensorboard"),
     ],
 )
 def test_impossible_combinations_name_the_key(override: str, key: str) -> None:
