@@ -97,6 +97,9 @@ class TrainConfig:
     is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
     logratio_clamp: float | None = None  # clamp |log ratio| before exp
     threads: int | None = None  # torch threads of the trainer; None: half the cores
+    # One step off-policy: the server generates iteration i+1's rollouts (with the weights before
+    # iteration i's update) while iteration i trains; truncated IS (tis_cap) corrects the lag.
+    pipeline: bool = False
 
 
 @dataclass

@@ -33,6 +33,7 @@ def train_record(iteration: int, reward: float, *, kl: float | None = 0.01) -> d
         "lr": 1e-4,
         "logprob_mismatch": 0.0,
         "tokens_per_s": 100.0,
+        "policy": {"version": iteration, "staleness": 0, "pipelined": False},
         "timings": {
             "generation_s": 0.5,
             "train_s": 0.3,

@@ -197,3 +197,79 @@ def test_fresh_run_refuses_a_directory_that_holds_a_run(full_run: Path) -> None:
     assert proc.returncode != 0
     assert "resume=true" in out, out[-3000:]
     assert sorted(p.name for p in (full_run / "metrics").iterdir()) == before  # nothing lost
+
+
+# --- pipelined mode (train.pipeline=true): one step off-policy ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("pipelined")
+    out = _finish(_train(run_dir, "train.iterations=4", "train.pipeline=true"))
+    assert (run_dir / "summary.json").exists(), out[-3000:]
+    return run_dir
+
+
+def test_pipelined_batches_are_at_most_one_update_stale(
+    pipelined_run: Path, full_run: Path
+) -> None:
+    records = [
+        read_metrics(pipelined_run / "metrics" / f"train_iter_{i:03d}.json") for i in range(4)
+    ]
+    for record in records:
+        validate_metrics(record, "train_iteration")
+    # Batch 0 comes before any training; batch i+1 is generated with the weights that train batch
+    # i, i.e. one update behind the trainer.
+    assert [r["policy"]["version"] for r in records] == [0, 0, 1, 2]
+    assert [r["policy"]["staleness"] for r in records] == [0, 1, 1, 1]
+    assert all(r["policy"]["pipelined"] for r in records)
+    # Generation of the next batch ran while this one trained; the last has nothing to prefetch.
+    assert all(r["timings"]["overlap_s"] > 0 for r in records[:3])
+    assert records[3]["timings"]["overlap_s"] == 0
+    # Batch 0 is the synchronous run's batch 0, trained from the same weights.
+    sync0 = read_metrics(full_run / "metrics" / "train_iter_000.json")
+    assert _stable(records[0]) == {**_stable(sync0), "policy": records[0]["policy"]}
+    assert sync0["policy"] == {"version": 0, "staleness": 0, "pipelined": False}
+
+
+def test_pipelined_run_is_deterministic_and_resumes_exactly(
+    pipelined_run: Path, tmp_path: Path
+) -> None:
+    proc = _train(tmp_path, "train.iterations=4", "train.pipeline=true")
+    _wait_for(
+        lambda: (tmp_path / "checkpoints" / "iter_001").exists() or proc.poll() is not None,
+        240,
+        "checkpoint iter_001",
+    )
+    server_pids = _servers_of(tmp_path)
+    proc.kill()
+    proc.communicate()
+    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the orphaned server to die")
+
+    out = _finish(_train(tmp_path, "train.iterations=4", "train.pipeline=true", "resume=true"))
+    assert "resuming after iteration" in out, out[-3000:]
+    # 0-1 ran before the kill (same seed, same metrics); 2-3 after the resume, which trains on the
+    # prefetched batch saved in the checkpoint, exactly as the uninterrupted run did.
+    for it in range(4):
+        name = f"train_iter_{it:03d}.json"
+        assert _stable(read_metrics(tmp_path / "metrics" / name)) == _stable(
+            read_metrics(pipelined_run / "metrics" / name)
+        ), name
+
+
+def test_ctrl_c_mid_pipeline_stops_generation_and_server(tmp_path: Path) -> None:
+    proc = _train(tmp_path, "train.iterations=50", "train.pipeline=true", "eval.enabled=false")
+    # Once iteration 0 is written, iteration 1 trains while iteration 2 generates.
+    _wait_for(
+        lambda: any((tmp_path / "metrics").glob("train_iter_*.json")) or proc.poll() is not None,
+        240,
+        "the first iteration",
+    )
+    server_pids = _servers_of(tmp_path)
+    assert server_pids, "the run should have a server process"
+    proc.send_signal(signal.SIGINT)
+    out = _finish(proc, timeout=60)
+    assert proc.returncode != 0
+    assert "restart" not in out.lower(), "a cancelled generation must not restart the server"
+    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the server to stop")
+    assert not list(tmp_path.rglob("*.tmp"))

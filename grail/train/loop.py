@@ -54,6 +54,13 @@ from grail.train.checkpoint import (
 )
 from grail.train.evaluate import eval_metrics
 from grail.train.metrics import SCHEMA_VERSION, write_metrics
+from grail.train.pipeline import (
+    CancellableRunner,
+    GeneratedBatch,
+    Prefetch,
+    overlap_s,
+    timed_generation,
+)
 from grail.train.update import UpdateSettings, policy_update
 
 log = logging.getLogger("grail.train")
@@ -220,12 +227,15 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         optimizer, lambda step: lr_multiplier(step, cfg.train.warmup_steps)
     )
     start_iteration = 0
+    resumed_rollouts: GeneratedBatch | None = None
     if resume_from is not None:
         state = load_trainer_state(resume_from.path)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_iteration = state["iteration"] + 1
+        if cfg.train.pipeline:
+            resumed_rollouts = state.get("pending_rollouts")
         log.info("resuming after iteration %d from %s", state["iteration"], resume_from.path)
     model, optimizer = accelerator.prepare(model, optimizer)
 
@@ -254,14 +264,22 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             backend=server.kind,
         )
 
-        def generate(gen: RolloutGenerator, seeds: list[int], replicas: int, **kw: Any) -> Any:
+        def generate(
+            gen: RolloutGenerator,
+            seeds: list[int],
+            replicas: int,
+            runner: CancellableRunner | None = None,
+            **kw: Any,
+        ) -> RolloutBatch:
             # A server that dies mid-batch is restarted from the newest weights and the batch
-            # (fixed seeds, so safe to repeat) runs again, a bounded number of times.
-            return call_with_recovery(
-                server,
-                lambda: gen.generate(seeds, replicas, **kw),
-                max_restarts=cfg.generation.max_restarts,
-            )
+            # (fixed seeds, so safe to repeat) runs again, a bounded number of times. A background
+            # generation runs on `runner`'s event loop so that the main thread can cancel it.
+            def attempt() -> RolloutBatch:
+                if runner is None:
+                    return gen.generate(seeds, replicas, **kw)
+                return runner.run(gen.agenerate(seeds, replicas, **kw))
+
+            return call_with_recovery(server, attempt, max_restarts=cfg.generation.max_restarts)
 
         generator, eval_generator = (
             RolloutGenerator(
@@ -275,6 +293,23 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             )
             for e in (env, eval_env)
         )
+
+        def training_rollouts(
+            iteration: int, policy_version: int, runner: CancellableRunner | None = None
+        ) -> GeneratedBatch:
+            seeds = iteration_seeds(cfg, iteration)
+            tick = display.task(f"iter {iteration:03d} generate", len(seeds))
+            return timed_generation(
+                lambda: generate(
+                    generator,
+                    seeds,
+                    cfg.data.rollouts_per_problem,
+                    runner,
+                    round_index=iteration,
+                    on_group_done=tick,
+                ),
+                policy_version,
+            )
 
         def evaluate(iteration: int, name: str) -> float:
             t0 = time.perf_counter()
@@ -304,98 +339,130 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         if cfg.eval.enabled and not (resume_from and (metrics_dir / "eval_baseline.json").exists()):
             evaluate(-1, "baseline")
 
-        for iteration in range(start_iteration, cfg.train.iterations):
-            t_iter = time.perf_counter()
-            timings: dict[str, float] = {}
+        # The trainer holds policy version `iteration` (updates applied so far) while it trains
+        # iteration `iteration`. With train.pipeline, `pending` is the next iteration's rollouts:
+        # generating (a Prefetch) while this iteration trains, then ready (a GeneratedBatch).
+        pending: Prefetch | GeneratedBatch | None = resumed_rollouts
+        try:
+            for iteration in range(start_iteration, cfg.train.iterations):
+                t_iter = time.perf_counter()
+                timings: dict[str, float] = {"overlap_s": 0.0}
 
-            seeds = iteration_seeds(cfg, iteration)
-            tick = display.task(f"iter {iteration:03d} generate", len(seeds))
-            t0 = time.perf_counter()
-            batch = generate(
-                generator,
-                seeds,
-                cfg.data.rollouts_per_problem,
-                round_index=iteration,
-                on_group_done=tick,
-            )
-            timings["generation_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if pending is None:  # synchronous mode, or the first batch of a pipelined run
+                    rollouts = training_rollouts(iteration, policy_version=iteration)
+                else:
+                    rollouts = pending if isinstance(pending, GeneratedBatch) else pending.result()
+                    pending = None
+                timings["generation_wait_s"] = time.perf_counter() - t0
+                timings["generation_s"] = rollouts.generation_s
+                batch = rollouts.batch
 
-            tick = display.task(
-                f"iter {iteration:03d} train",
-                math.ceil(len(batch.samples) / cfg.train.batch_size),
-            )
-            lr = scheduler.get_last_lr()[0]
-            t0 = time.perf_counter()
-            train = policy_update(
-                model,
-                ref_model,
-                optimizer,
-                scheduler,
-                batch,
-                settings,
-                pad_token_id=tokenizer.pad_token_id,
-                device=accelerator.device,
-                backward=accelerator.backward,
-                clip_grad_norm=lambda c: accelerator.clip_grad_norm_(model.parameters(), c),
-                on_microbatch_done=tick,
-            )
-            timings["train_s"] = time.perf_counter() - t0
+                if cfg.train.pipeline and iteration + 1 < cfg.train.iterations:
+                    pending = Prefetch(
+                        lambda runner, i=iteration: training_rollouts(i + 1, i, runner)
+                    )
 
-            t0 = time.perf_counter()
-            accelerator.unwrap_model(model).save_pretrained(weights_dir, safe_serialization=True)
-            sync = server.sync_weights(
-                weights_dir,
-                cfg.generation.weight_sync,  # type: ignore[arg-type]
-                weight_version=f"iter_{iteration:03d}",
-            )
-            timings["weight_sync_s"] = time.perf_counter() - t0
-
-            last = iteration == cfg.train.iterations - 1
-            timings["eval_s"] = 0.0
-            if cfg.eval.enabled and ((iteration + 1) % cfg.eval.interval == 0 or last):
-                timings["eval_s"] = evaluate(iteration, f"iter_{iteration:03d}")
-
-            staged = None
-            t0 = time.perf_counter()
-            if (iteration + 1) % cfg.checkpoint.save_interval == 0 or last:
-                staged = stage_checkpoint(
-                    checkpoints_dir,
-                    iteration,
-                    accelerator.unwrap_model(model),
-                    tokenizer,
-                    {
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "config": OmegaConf.to_yaml(OmegaConf.structured(cfg)),
-                    },
+                tick = display.task(
+                    f"iter {iteration:03d} train",
+                    math.ceil(len(batch.samples) / cfg.train.batch_size),
                 )
-            timings["checkpoint_s"] = time.perf_counter() - t0
+                lr = scheduler.get_last_lr()[0]
+                t_train = time.perf_counter()
+                train = policy_update(
+                    model,
+                    ref_model,
+                    optimizer,
+                    scheduler,
+                    batch,
+                    settings,
+                    pad_token_id=tokenizer.pad_token_id,
+                    device=accelerator.device,
+                    backward=accelerator.backward,
+                    clip_grad_norm=lambda c: accelerator.clip_grad_norm_(model.parameters(), c),
+                    on_microbatch_done=tick,
+                )
+                timings["train_s"] = time.perf_counter() - t_train
 
-            rollout = batch_metrics(batch)
-            timings["iteration_s"] = time.perf_counter() - t_iter
-            record = {
-                "schema_version": SCHEMA_VERSION,
-                "iteration": iteration,
-                **rollout,
-                **{k: v for k, v in train.items() if k != "grad_norm"},
-                "grad_norm": _finite_or_none(train["grad_norm"]),
-                "kl": train.get("kl"),  # None without a reference model (kl_coef = 0)
-                "lr": lr,
-                "tokens_per_s": rollout["tokens"]["completion"] / timings["generation_s"],
-                "weight_sync": {"mode": sync.mode_used, "fell_back": sync.fell_back},
-                "timings": timings,
-            }
-            write_metrics(
-                metrics_dir / f"train_iter_{iteration:03d}.json", record, "train_iteration"
-            )
-            if staged is not None:
-                commit_checkpoint(staged)
-                prune_checkpoints(checkpoints_dir, cfg.checkpoint.keep_last_k)
-            display.done(
-                f"iter {iteration:03d}: reward {record['reward_mean']:.3f} "
-                f"success {record['success_rate']:.3f} loss {record['loss_total']:.4f} "
-                f"({timings['iteration_s']:.1f}s)"
-            )
+                if isinstance(pending, Prefetch):
+                    # The server's weights must not change under a running batch: wait for it.
+                    t0 = time.perf_counter()
+                    pending = pending.result()
+                    timings["generation_wait_s"] += time.perf_counter() - t0
+                    timings["overlap_s"] = overlap_s(
+                        (pending.started, pending.finished),
+                        (t_train, t_train + timings["train_s"]),
+                    )
+
+                t0 = time.perf_counter()
+                accelerator.unwrap_model(model).save_pretrained(
+                    weights_dir, safe_serialization=True
+                )
+                sync = server.sync_weights(
+                    weights_dir,
+                    cfg.generation.weight_sync,  # type: ignore[arg-type]
+                    weight_version=f"iter_{iteration:03d}",
+                )
+                timings["weight_sync_s"] = time.perf_counter() - t0
+
+                last = iteration == cfg.train.iterations - 1
+                timings["eval_s"] = 0.0
+                if cfg.eval.enabled and ((iteration + 1) % cfg.eval.interval == 0 or last):
+                    timings["eval_s"] = evaluate(iteration, f"iter_{iteration:03d}")
+
+                staged = None
+                t0 = time.perf_counter()
+                if (iteration + 1) % cfg.checkpoint.save_interval == 0 or last:
+                    staged = stage_checkpoint(
+                        checkpoints_dir,
+                        iteration,
+                        accelerator.unwrap_model(model),
+                        tokenizer,
+                        {
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "config": OmegaConf.to_yaml(OmegaConf.structured(cfg)),
+                            # Already generated with the pre-update weights: a resumed pipelined
+                            # run trains on exactly what the uninterrupted one would have.
+                            "pending_rollouts": pending,
+                        },
+                    )
+                timings["checkpoint_s"] = time.perf_counter() - t0
+
+                rollout = batch_metrics(batch)
+                timings["iteration_s"] = time.perf_counter() - t_iter
+                record = {
+                    "schema_version": SCHEMA_VERSION,
+                    "iteration": iteration,
+                    **rollout,
+                    **{k: v for k, v in train.items() if k != "grad_norm"},
+                    "grad_norm": _finite_or_none(train["grad_norm"]),
+                    "kl": train.get("kl"),  # None without a reference model (kl_coef = 0)
+                    "lr": lr,
+                    "tokens_per_s": rollout["tokens"]["completion"] / rollouts.generation_s,
+                    "weight_sync": {"mode": sync.mode_used, "fell_back": sync.fell_back},
+                    "policy": {
+                        "version": rollouts.policy_version,
+                        "staleness": iteration - rollouts.policy_version,
+                        "pipelined": cfg.train.pipeline,
+                    },
+                    "timings": timings,
+                }
+                write_metrics(
+                    metrics_dir / f"train_iter_{iteration:03d}.json", record, "train_iteration"
+                )
+                if staged is not None:
+                    commit_checkpoint(staged)
+                    prune_checkpoints(checkpoints_dir, cfg.checkpoint.keep_last_k)
+                display.done(
+                    f"iter {iteration:03d}: reward {record['reward_mean']:.3f} "
+                    f"success {record['success_rate']:.3f} loss {record['loss_total']:.4f} "
+                    f"({timings['iteration_s']:.1f}s)"
+                )
+        finally:
+            # Stop a background generation before the server shuts down under it (Ctrl-C, error).
+            if isinstance(pending, Prefetch):
+                pending.cancel()
 
     summary = write_summary(cfg, run_dir, time.perf_counter() - t_run)
     print_summary(console, summary)

@@ -1,0 +1,81 @@
+"""What every CPU benchmark in this folder shares: timing statistics, peak memory, the closing
+table, and the JSON of results. Run the benchmarks as scripts (`uv run python benchmarks/X.py`);
+the script's own folder is on sys.path, so they import this module as `common`."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and the interquartile range of repeated timings."""
+    if not values:
+        raise ValueError("no measurements")
+    ordered = sorted(values)
+    q1, _, q3 = statistics.quantiles(ordered, n=4) if len(ordered) > 1 else (ordered[0],) * 3
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "iqr": q3 - q1,
+        "n": len(ordered),
+    }
+
+
+def peak_rss_mb(pid: int | None = None) -> float:
+    """Peak resident memory (VmHWM) of a live process, this one by default, in MiB (Linux)."""
+    status = Path(f"/proc/{pid or os.getpid()}/status")
+    for line in status.read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM in {status}")
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were measured, stored beside them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cores": cores,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    table = Table(title=title)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row))
+    Console().print(table)
+
+
+def write_results(name: str, results: dict[str, Any], out: Path | None = None) -> Path:
+    """Write `{machine, results}` atomically to `out` (default benchmarks/results/NAME.json)."""
+    path = out or RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"benchmark": name, "machine": machine(), **results}, indent=2))
+    tmp.replace(path)
+    print(f"results written to {path}")
+    return path
