@@ -246,11 +246,5 @@ def validate(cfg: Config) -> None:
                     f"{cfg.eval.replicates}]"
                 )
 
-    for key in ("tensorboard", "wandb"):
-        if getattr(cfg.logging, key):
-            raise ConfigError(
-                f"logging.{key}=true is not supported yet: metrics go to the JSON files in "
-                "metrics/ (compare runs with grail-report)"
-            )
     _positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
     _positive("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k)

@@ -52,12 +52,18 @@ def test_wrong_type_names_the_key() -> None:
         ("eval.report_ks=[1,64]", "eval.report_ks"),
         ("generation.temperature=0", "generation.temperature"),
         ("train.epsilon_high=0.1", "train.epsilon_high"),
-        ("logging.tensorboard=true", "logging.tensorboard"),
     ],
 )
 def test_impossible_combinations_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(_compose(override))
+
+
+def test_logging_backends_are_accepted() -> None:
+    # A missing backend package fails later, in MetricLoggers.from_config (tests/test_loggers.py).
+    cfg = _compose("logging.tensorboard=true", "logging.wandb=true", "logging.wandb_project=p")
+    validate(cfg)
+    assert cfg.logging.tensorboard and cfg.logging.wandb and cfg.logging.wandb_project == "p"
 
 
 def test_cli_rejects_bad_config_before_loading_anything(tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ from grail.train.checkpoint import (
     stage_checkpoint,
 )
 from grail.train.evaluate import eval_metrics
+from grail.train.loggers import MetricLoggers
 from grail.train.metrics import SCHEMA_VERSION, write_metrics
 from grail.train.pipeline import (
     CancellableRunner,
@@ -154,6 +155,14 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train according to `cfg`, writing everything into `run_dir`; returns the summary."""
     validate(cfg)
     run_dir = run_dir.absolute()
+    # Opened before any model loads: a logging backend that is not installed fails at once.
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    with MetricLoggers.from_config(cfg.logging, run_dir, config) as loggers:  # type: ignore[arg-type]
+        return run_with_loggers(cfg, run_dir, loggers)
+
+
+def run_with_loggers(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict[str, Any]:
+    """The body of `run`: the JSON files in `run_dir/metrics` and `loggers` get every record."""
     metrics_dir, checkpoints_dir = run_dir / "metrics", run_dir / "checkpoints"
     metrics_dir.mkdir(parents=True, exist_ok=True)
     t_run = time.perf_counter()
@@ -330,6 +339,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 "eval_s": time.perf_counter() - t0,
             }
             write_metrics(metrics_dir / f"eval_{name}.json", record, "eval")
+            loggers.log("eval", record, step=iteration + 1)  # the baseline (-1) at step 0
             display.done(
                 f"eval {name}: success {record['success_rate']:.3f} "
                 f"reward {record['reward_mean']:.3f}"
@@ -451,6 +461,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
                 write_metrics(
                     metrics_dir / f"train_iter_{iteration:03d}.json", record, "train_iteration"
                 )
+                loggers.log("train", record, step=iteration + 1)
                 if staged is not None:
                     commit_checkpoint(staged)
                     prune_checkpoints(checkpoints_dir, cfg.checkpoint.keep_last_k)
