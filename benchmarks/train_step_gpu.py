@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from grail.models.tiny import MID_PRESET
+
 # Peak dense bf16 tensor-core TFLOP/s (vendor datasheets, without sparsity), by a fragment of
 # torch.cuda.get_device_name(). First match wins, so the more specific names come first.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -61,11 +63,12 @@ def flops_per_token(non_embedding_params: int, layers: int, hidden: int, seq_len
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate-size", type=int, default=5504)
+    # Defaults: grail.models.tiny.MID_PRESET (~0.47B), the shape the GPU tests use.
+    parser.add_argument("--hidden-size", type=int, default=MID_PRESET["hidden_size"])
+    parser.add_argument("--layers", type=int, default=MID_PRESET["num_layers"])
+    parser.add_argument("--heads", type=int, default=MID_PRESET["num_heads"])
+    parser.add_argument("--kv-heads", type=int, default=MID_PRESET["num_kv_heads"])
+    parser.add_argument("--intermediate-size", type=int, default=MID_PRESET["intermediate_size"])
     parser.add_argument("--groups", type=int, default=8, help="problems per iteration")
     parser.add_argument("--group-size", type=int, default=8, help="rollouts per problem")
     parser.add_argument("--batch-size", type=int, default=16, help="micro-batch, in samples")

@@ -13,6 +13,7 @@ Public entry points:
 - `build_tokenizer()`: the shared byte-level BPE tokenizer (a `PreTrainedTokenizerFast`).
 - `build_random_qwen2(out_dir, hidden_size=..., num_layers=..., ..., seed=...)`: any size.
 - `build_tiny_model(out_dir, seed)`: the tiny preset (`TINY_PRESET`).
+- `MID_PRESET`: a ~0.47B shape for `build_random_qwen2` (GPU tests, benchmarks).
 - `ensure_tiny_model(cache_dir, seed)`: the tiny preset, built once and cached, safe under
   concurrent callers, rebuilt when the cache is partial or corrupt.
 """
@@ -266,6 +267,21 @@ TINY_PRESET: dict[str, Any] = {
     "intermediate_size": 256,
     "max_position_embeddings": 1024,
     "init_std": 0.02,
+    "tie_word_embeddings": True,
+}
+
+
+# A Qwen2 shape with ~0.47B parameters at the tiny tokenizer's 512-token vocabulary (Qwen2.5-0.5B
+# has 0.36B outside its 151,936-token embedding): 24 layers of attention 2*d^2 + 2*d*(d/4) and
+# SwiGLU MLP 3*d*5504, d = 1024. Built with `build_random_qwen2(dir, **MID_PRESET)` wherever a
+# realistic size matters offline: GPU tests, the weight-sync and training-step benchmarks.
+MID_PRESET: dict[str, Any] = {
+    "hidden_size": 1024,
+    "num_layers": 24,
+    "num_heads": 16,
+    "num_kv_heads": 4,
+    "intermediate_size": 5504,
+    "max_position_embeddings": 4096,
     "tie_word_embeddings": True,
 }
 

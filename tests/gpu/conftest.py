@@ -4,7 +4,7 @@ the reason, on a machine where torch sees no CUDA device. Run only these with `p
 Tests that also need vLLM or SGLang call `gpu_helpers.require_package`, which skips with the
 install command.
 Models are built offline: the tiny preset (grail.models.tiny) and a ~0.5B random Qwen2
-(`gpu_helpers.MID_PRESET`), so no test downloads anything.
+(`grail.models.tiny.MID_PRESET`), so no test downloads anything.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_helpers import MID_PRESET
+
+from grail.models.tiny import MID_PRESET
 
 GPU_DIR = Path(__file__).resolve().parent
 

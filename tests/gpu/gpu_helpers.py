@@ -6,18 +6,10 @@ import importlib.util
 
 import pytest
 
-# A Qwen2 shape with ~0.47B parameters at the tiny tokenizer's 512-token vocabulary (Qwen2.5-0.5B
-# has 0.36B outside its 151,936-token embedding): 24 layers of
-# attention 2*d^2 + 2*d*(d/4) and SwiGLU MLP 3*d*5504, d = 1024.
-MID_PRESET: dict[str, object] = {
-    "hidden_size": 1024,
-    "num_layers": 24,
-    "num_heads": 16,
-    "num_kv_heads": 4,
-    "intermediate_size": 5504,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
-}
+# Re-exported for the GPU tests; defined beside the tiny preset.
+from grail.models.tiny import MID_PRESET
+
+__all__ = ["MID_PRESET", "require_package"]
 
 
 def require_package(name: str) -> None:

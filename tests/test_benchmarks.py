@@ -1,0 +1,370 @@
+"""The pure helpers of the benchmark scripts (benchmarks/*.py): what their printed numbers and
+verdicts are computed from. Nothing here is timed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# The scripts import their shared module as `common` (their own folder is on sys.path when run).
+sys.path.insert(0, str(BENCHMARKS))
+
+import scaling  # noqa: E402
+import weight_sync  # noqa: E402
+
+# --------------------------------------------------------------------------- weight_sync
+
+
+def test_engine_update_seconds_reads_the_servers_line_for_that_version() -> None:
+    log = (
+        "2026-01-01 INFO grail.serve: weights updated: loaded 26 tensors from /w in 0.12 s; "
+        "weight_version=tiny-1\n"
+        "2026-01-01 INFO grail.serve: weights updated: loaded 26 tensors from /w in 0.50 s; "
+        "weight_version=tiny-2\n"
+        "2026-01-01 INFO grail.serve: weights updated: loaded 26 tensors from /w in 0.07 s; "
+        "weight_version=tiny-1\n"
+    )
+    assert weight_sync.engine_update_seconds(log, "tiny-2") == 0.50
+    assert weight_sync.engine_update_seconds(log, "tiny-1") == 0.07  # the latest such update
+    assert weight_sync.engine_update_seconds(log, "tiny-3") is None
+    assert weight_sync.engine_update_seconds("", "tiny-1") is None
+
+
+def test_sync_ratio_is_the_ratio_of_medians() -> None:
+    assert weight_sync.sync_ratio([0.1, 0.3, 0.2], [10.0, 30.0, 20.0]) == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="both modes"):
+        weight_sync.sync_ratio([], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        weight_sync.sync_ratio([1.0], [0.0])
+
+
+def test_compare_logprobs_accepts_only_the_new_weights() -> None:
+    old = torch.log_softmax(torch.tensor([1.0, 2.0, 3.0, 0.5]), dim=-1)
+    new = torch.log_softmax(torch.tensor([1.0, 2.5, 3.0, 0.5]), dim=-1)
+    served_new = {2: float(new[2]), 1: float(new[1])}
+    served_old = {2: float(old[2]), 1: float(old[1])}
+    ok = weight_sync.compare_logprobs(served_new, new, old, tol=1e-4)
+    assert ok["ok"] and ok["off_new"] == 0.0 and ok["off_old"] > 0.1
+    stale = weight_sync.compare_logprobs(served_old, new, old, tol=1e-4)
+    assert not stale["ok"]  # the server kept the old weights
+    # Numbers that are neither (a broken load): too far from the new weights.
+    garbage = {2: float(new[2]) + 0.01, 1: float(new[1])}
+    assert not weight_sync.compare_logprobs(garbage, new, old, tol=1e-4)["ok"]
+    with pytest.raises(ValueError, match="no log-probabilities"):
+        weight_sync.compare_logprobs({}, new, old, tol=1e-4)
+
+
+def test_perturb_moves_every_parameter_by_its_scale_deterministically() -> None:
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+
+    a, b, c = model(), model(), model()
+    before = [p.detach().clone() for p in a.parameters()]
+    weight_sync.perturb_(a, seed=1, scale=0.05)
+    weight_sync.perturb_(b, seed=1, scale=0.05)
+    weight_sync.perturb_(c, seed=2, scale=0.05)
+    for pa, pb, pc, p0 in zip(a.parameters(), b.parameters(), c.parameters(), before, strict=True):
+        assert torch.equal(pa, pb)
+        assert not torch.equal(pa, pc)
+        delta = (pa - p0).pow(2).mean().sqrt()
+        rms = max(p0.pow(2).mean().sqrt(), 0.02)  # all-zero tensors (the biases) use the floor
+        assert 0.03 * rms < delta < 0.07 * rms  # ~ scale x rms
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+def test_plan_points_shares_the_x1_run_between_series() -> None:
+    points = scaling.plan_points(16, 8, 8, [4, 1, 2])
+    assert [(p.series, p.factor, p.rollouts, p.max_new_tokens) for p in points] == [
+        ("rollouts", 1, 128, 8),
+        ("rollouts", 2, 256, 8),
+        ("rollouts", 4, 512, 8),
+        ("length", 2, 128, 16),
+        ("length", 4, 128, 32),
+    ]
+    length = scaling.series_points(points, "length")
+    assert [(p.series, p.factor) for p in length] == [
+        ("rollouts", 1),
+        ("length", 2),
+        ("length", 4),
+    ]
+    for bad in ([2, 4], [1, 1, 2], [0, 1]):
+        with pytest.raises(ValueError, match="factors"):
+            scaling.plan_points(16, 8, 8, bad)
+    with pytest.raises(ValueError, match="rollouts_per_problem"):
+        scaling.plan_points(16, 1, 8, [1, 2])
+
+
+def test_overrides_fix_the_micro_batch_and_compose_into_a_valid_config() -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from grail.config import validate
+    from grail.train.cli import CONF_DIR
+
+    point = scaling.Point("rollouts", 4, 40, 8, 8)  # 320 rollouts
+    args = scaling.overrides(point, iterations=3, batch_size=32)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="offline_grpo", overrides=args))
+    validate(cfg)  # type: ignore[arg-type]
+    assert cfg.data.problems_per_iteration * cfg.data.rollouts_per_problem == 320  # type: ignore[attr-defined]
+    assert cfg.train.batch_size == 32 and cfg.train.grad_accum_steps == 10  # type: ignore[attr-defined]
+    assert cfg.eval.enabled is False and cfg.checkpoint.save_interval == 3  # type: ignore[attr-defined]
+    assert cfg.data.environment == "copy_digits"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="batch_size"):
+        scaling.overrides(point, iterations=3, batch_size=0)
+
+
+def _record(iteration: int, iteration_s: float, **timings: float) -> dict:
+    return {
+        "iteration": iteration,
+        "timings": {
+            "iteration_s": iteration_s,
+            "generation_s": 1.0,
+            "train_s": 0.5,
+            "weight_sync_s": 0.1,
+            **timings,
+        },
+        "tokens": {"completion": 100 * (iteration + 1)},
+        "completion_length": {"mean": 8.0},
+    }
+
+
+def test_iteration_timings_drop_warmup_and_subtract_eval_and_checkpoint() -> None:
+    records = [
+        _record(3, 2.5, checkpoint_s=1.0, eval_s=0.5),  # last: checkpoint and eval
+        _record(0, 9.0),  # warm-up, slow
+        _record(2, 1.1),
+        _record(1, 1.2, eval_s=0.0, checkpoint_s=0.0),
+    ]
+    per = scaling.iteration_timings(records, warmup=1)
+    assert per["core_s"] == pytest.approx([1.2, 1.1, 1.0])  # iteration order, warm-up gone
+    assert per["completion_tokens"] == [200.0, 300.0, 400.0]
+    with pytest.raises(ValueError, match="no iterations left"):
+        scaling.iteration_timings(records, warmup=4)
+
+
+def _run(core: list[float], peak: float, start: float) -> dict:
+    n = len(core)
+    return {
+        "per_iteration": {
+            "core_s": core,
+            "generation_s": [0.5] * n,
+            "train_s": [0.4] * n,
+            "weight_sync_s": [0.1] * n,
+            "completion_tokens": [64.0] * n,
+            "completion_length": [8.0] * n,
+        },
+        "trainer_peak_rss_mb": peak,
+        "trainer_rss_start_mb": start,
+        "server_peak_rss_mb": 700.0,
+        "wall_s": 20.0,
+    }
+
+
+def test_combine_runs_pools_iterations_and_keeps_the_highest_peak() -> None:
+    combined = scaling.combine_runs([_run([1.0, 1.2, 5.0], 800, 760), _run([1.1, 0.9], 820, 750)])
+    assert combined["iterations_timed"] == 5
+    assert combined["core_s"] == pytest.approx(1.1)  # median of the pooled five, not of medians
+    assert combined["trainer_peak_rss_mb"] == 820
+    assert combined["trainer_added_mb"] == 70  # from the run that peaked
+    assert combined["completion_length_mean"] == 8.0 and combined["wall_s"] == [20.0, 20.0]
+    with pytest.raises(ValueError, match="no runs"):
+        scaling.combine_runs([])
+
+
+def test_scaling_exponent_recovers_a_power_law() -> None:
+    work = [128, 256, 512]
+    assert scaling.scaling_exponent(work, [0.5 * w for w in work]) == pytest.approx(1.0)
+    assert scaling.scaling_exponent(work, [3.0 + 0 * w for w in work]) == pytest.approx(0.0)
+    assert scaling.scaling_exponent(work, [1e-4 * w**2 for w in work]) == pytest.approx(2.0)
+    # Fixed cost + linear part: between 0 and 1 (sub-linear).
+    assert 0 < scaling.scaling_exponent(work, [2.0 + 0.01 * w for w in work]) < 1
+    with pytest.raises(ValueError, match="two different"):
+        scaling.scaling_exponent([4, 4], [1.0, 2.0])
+    with pytest.raises(ValueError, match="positive"):
+        scaling.scaling_exponent([1, 2], [0.0, 1.0])
+
+
+def test_relative_growth() -> None:
+    assert scaling.relative_growth([500.0, 505.0, 550.0]) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        scaling.relative_growth([0.0, 1.0])
+
+
+def test_child_pids_lists_a_started_child() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert proc.pid in scaling.child_pids(os.getpid())
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+# --------------------------------------------------------------------------- vs_trl
+# Only the pure parts: CI does not install the `trl` group, and nothing here imports trl.
+
+import vs_trl  # noqa: E402
+
+
+def _compose_ours(overrides: list[str]):  # type: ignore[no-untyped-def]
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from grail.config import validate
+    from grail.train.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = OmegaConf.to_object(compose(config_name="offline_grpo", overrides=overrides))
+    validate(cfg)  # type: ignore[arg-type]
+    return cfg
+
+
+@pytest.mark.parametrize("arm", ["sync", "pipelined"])
+def test_vs_trl_both_sides_are_configured_alike(arm: str) -> None:
+    """The harness's config and TRL's arguments say the same thing, key by key: a change to one
+    side that the other does not follow fails here, not silently in the published ratio."""
+    w = vs_trl.Workload(
+        problems=6,
+        group_size=4,
+        max_new_tokens=5,
+        iterations=3,
+        micro_batch=8,
+        lr=3e-3,
+        loss_type="bnpo",
+        threads=3,
+    )
+    cfg = _compose_ours(vs_trl.ours_overrides(w, arm, "tiny"))
+    trl = vs_trl.trl_config_kwargs(w, "/tmp/x")
+    # one optimizer step per iteration, of equal micro-batches
+    assert cfg.data.problems_per_iteration * cfg.data.rollouts_per_problem == 24
+    assert cfg.train.batch_size == trl["per_device_train_batch_size"] == 8
+    assert cfg.train.grad_accum_steps == trl["gradient_accumulation_steps"] == 3
+    assert trl["steps_per_generation"] == 3 and trl["num_iterations"] == 1
+    assert trl["max_steps"] == cfg.train.iterations == 3
+    assert cfg.train.pipeline is (arm == "pipelined")
+    # sampling
+    assert cfg.data.rollouts_per_problem == trl["num_generations"] == 4
+    assert cfg.generation.max_new_tokens == trl["max_completion_length"] == 5
+    assert cfg.generation.temperature == trl["temperature"] == 1.0
+    assert cfg.generation.top_p == trl["top_p"] == 1.0
+    assert cfg.generation.top_k == -1 and trl["top_k"] == 0  # both: off
+    # objective and optimiser
+    assert cfg.train.loss_type == trl["loss_type"] == "bnpo"
+    assert cfg.train.epsilon == trl["epsilon"] and cfg.train.epsilon_high is trl["epsilon_high"]
+    assert cfg.train.kl_coef == trl["beta"] == 0.0
+    assert cfg.train.scale_rewards == trl["scale_rewards"] == "group"
+    assert cfg.train.lr == trl["learning_rate"] == 3e-3
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (trl["adam_beta1"], trl["adam_beta2"])
+    assert cfg.train.weight_decay == trl["weight_decay"] == 0.0
+    assert cfg.train.grad_clip == trl["max_grad_norm"]
+    assert cfg.train.warmup_steps == trl["warmup_steps"] == 0
+    # nothing else in the timed iterations; the same total threads
+    assert cfg.eval.enabled is False and trl["eval_strategy"] == "no"
+    assert cfg.checkpoint.save_interval > cfg.train.iterations and trl["save_strategy"] == "no"
+    assert cfg.train.threads + cfg.generation.server_threads == 3
+
+
+def test_vs_trl_dataset_is_the_harness_seeds_in_order() -> None:
+    from grail.envs import make_env
+    from grail.train.loop import iteration_seeds
+
+    w = vs_trl.Workload(problems=5, group_size=2, iterations=3, micro_batch=5)
+    rows = vs_trl.trl_rows(w)
+    cfg = _compose_ours(vs_trl.ours_overrides(w, "sync", "tiny"))
+    expected = [s for i in range(3) for s in iteration_seeds(cfg, i)]
+    assert [r["seed"] for r in rows] == expected and len(set(expected)) == 15
+    env = make_env("copy_digits")
+    assert rows[7]["prompt"] == env.problem(expected[7]).prompt_messages
+    # TRL's batch i (each prompt repeated group_size times, any order) must be iteration i.
+    per_iter = vs_trl.train_seeds(w)
+    seen = [[s for s in reversed(seeds) for _ in range(2)] for seeds in per_iter]
+    vs_trl.check_same_problems(seen, per_iter, 2)
+    seen[1][0] = per_iter[2][0]
+    with pytest.raises(RuntimeError, match="iteration 1"):
+        vs_trl.check_same_problems(seen, per_iter, 2)
+
+
+def test_vs_trl_prompts_render_to_the_same_token_ids(tiny_model_dir: Path) -> None:
+    """TRL renders a batch of conversations with apply_chat_template(return_dict=True); the
+    harness one problem at a time. Both must give the ids the model is trained on."""
+    from grail.envs import make_env
+    from grail.models.loading import load_tokenizer
+    from grail.rollouts import render_prompt_ids
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    env = make_env("copy_digits")
+    problems = [env.problem(s) for s in (0, 1, 2)]
+    batched = tokenizer.apply_chat_template(
+        conversation=[p.prompt_messages for p in problems],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    assert [list(ids) for ids in batched] == [render_prompt_ids(tokenizer, p) for p in problems]
+
+
+def test_vs_trl_reward_is_the_environments() -> None:
+    from grail.envs import make_env
+
+    env = make_env("copy_digits")
+    reward = vs_trl.make_reward(env)
+    answer = env.problem(3).answer
+    conversational = [
+        [{"role": "assistant", "content": answer}],
+        [{"role": "assistant", "content": "x"}],
+    ]
+    assert reward(completions=conversational, seed=[3, 3], prompts=None) == [1.0, 0.0]
+    assert reward(completions=[answer + "7"], seed=[3]) == [
+        env.score(env.problem(3), answer + "7").reward
+    ]
+    with pytest.raises(TypeError, match="completion format"):
+        vs_trl.completion_text(42)
+
+
+def test_vs_trl_alternates_arms_and_counts_steady_iterations_only() -> None:
+    assert vs_trl.schedule(["sync", "pipelined", "trl"], 2) == [
+        (0, "sync"),
+        (0, "pipelined"),
+        (0, "trl"),
+        (1, "sync"),
+        (1, "pipelined"),
+        (1, "trl"),
+    ]
+    its = [
+        {
+            "step_s": s,
+            "wall_s": None if i == 0 else s,
+            "completion_tokens": 10,
+            "reward_mean": 0.0,
+            "parts": {},
+        }
+        for i, s in enumerate([9.0, 1.0, 2.0, 0.1])
+    ]
+    run = {"iterations": its, "peak_rss": {"total_mb": 100.0}, "threads": {}, "process_s": 5.0}
+    summary = vs_trl.summarize([run, run], warmup=1)
+    # first (warm-up) and last (no prefetch in pipelined mode) iterations are not counted
+    assert summary["iteration_s"]["n"] == 4 and summary["iteration_s"]["median"] == 1.5
+    assert summary["completion_tok_per_s"]["max"] == 10.0
+
+
+def test_vs_trl_rejects_unequal_workloads_naming_the_flag() -> None:
+    with pytest.raises(ValueError, match="--micro-batch"):
+        vs_trl.Workload(problems=16, group_size=8, micro_batch=48).check()
+    with pytest.raises(ValueError, match="--group-size"):
+        vs_trl.Workload(group_size=1, micro_batch=16).check()
+    assert vs_trl.thread_split(2) == (1, 1) and vs_trl.thread_split(5) == (2, 3)
+    assert vs_trl.thread_split(1) == (1, 1)
+    # TRL with all the cores, and with the cores ours' trainer gets
+    assert vs_trl.arm_threads("trl", 5) == 5
+    assert vs_trl.arm_threads("trl_half", 5) == vs_trl.arm_threads("sync", 5) == 2
+    with pytest.raises(ValueError, match="arm"):
+        vs_trl.ours_overrides(vs_trl.Workload(), "trl", "tiny")
