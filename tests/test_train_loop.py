@@ -205,9 +205,25 @@ def test_fresh_run_refuses_a_directory_that_holds_a_run(full_run: Path) -> None:
 @pytest.fixture(scope="module")
 def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("pipelined")
-    out = _finish(_train(run_dir, "train.iterations=4", "train.pipeline=true"))
+    out = _finish(
+        _train(run_dir, "train.iterations=4", "train.pipeline=true", "logging.tensorboard=true")
+    )
     assert (run_dir / "summary.json").exists(), out[-3000:]
     return run_dir
+
+
+def test_tensorboard_gets_the_same_numbers_as_the_json_files(pipelined_run: Path) -> None:
+    from test_loggers import read_scalars
+
+    scalars = read_scalars(pipelined_run / "tensorboard")
+    rewards = [
+        read_metrics(pipelined_run / "metrics" / f"train_iter_{i:03d}.json") for i in range(4)
+    ]
+    assert [step for step, _ in scalars["train/reward_mean"]] == [1, 2, 3, 4]
+    for (_, value), record in zip(scalars["train/reward_mean"], rewards, strict=True):
+        assert value == pytest.approx(record["reward_mean"], rel=1e-6)
+    baseline = read_metrics(pipelined_run / "metrics" / "eval_baseline.json")
+    assert scalars["eval/success_rate"][0] == (0, pytest.approx(baseline["success_rate"]))
 
 
 def test_pipelined_batches_are_at_most_one_update_stale(
