@@ -150,9 +150,11 @@ class RolloutGenerator:
             return completions
 
         # gather keeps the input order: groups line up with problem_seeds whatever finishes first.
-        results = await asyncio.gather(
-            *(one(p, ids) for p, ids in zip(problems, prompt_ids, strict=True))
-        )
+        # One session: the requests share keep-alive connections, closed before we return.
+        async with self.client.session():
+            results = await asyncio.gather(
+                *(one(p, ids) for p, ids in zip(problems, prompt_ids, strict=True))
+            )
 
         groups = []
         for problem, ids, completions in zip(problems, prompt_ids, results, strict=True):
@@ -164,8 +166,8 @@ class RolloutGenerator:
             )
             samples = [
                 Sample(
-                    completion_ids=list(c.token_ids),
-                    behaviour_logprobs=list(c.logprobs),
+                    completion_ids=c.token_ids,
+                    behaviour_logprobs=c.logprobs,
                     finish_reason=c.finish_reason,
                     text=c.text,
                     reward=s.reward,

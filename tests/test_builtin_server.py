@@ -596,3 +596,35 @@ def test_sigterm_shuts_the_server_down_cleanly(servers: dict[str, ServerProcess]
     returncode = fresh.proc.wait(15)
     assert returncode in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in fresh.log()
+
+
+# --------------------------------------------------------------------------- waiting on the engine
+
+
+def test_a_request_waits_for_all_its_samples_and_cancels_them_when_abandoned() -> None:
+    """The handler wakes once all of a request's engine futures are done (set from the engine's
+    thread); a handler that is cancelled cancels its futures, so the engine stops decoding them."""
+    import asyncio
+
+    from grail.inference.builtin.server import _all_done
+
+    async def scenario() -> None:
+        futures = [concurrent.futures.Future() for _ in range(5)]
+        waiter = asyncio.ensure_future(_all_done(futures))
+        threading.Thread(
+            target=lambda: [f.set_result(i) for i, f in enumerate(futures[:4])]
+        ).start()
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # one sample still decoding
+        threading.Thread(target=lambda: futures[4].set_result(4)).start()
+        await asyncio.wait_for(waiter, 5)
+
+        abandoned = [concurrent.futures.Future() for _ in range(3)]
+        waiter = asyncio.ensure_future(_all_done(abandoned))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert all(f.cancelled() for f in abandoned)
+
+    asyncio.run(scenario())

@@ -55,7 +55,8 @@ class ScriptedServer:
     """POST /v1/completions answered by a script of actions, one per request (then "ok").
 
     Actions: "ok"; "500"/"503" (server error); "400" (bad request with an OpenAI-style error
-    body); "drop" (close the connection without answering); "hang:S" and "slow:S" (sleep S
+    body); "drop" (close the connection without answering); "ok-then-close" (answer, then close
+    the connection as a server closes an idle keep-alive one); "hang:S" and "slow:S" (sleep S
     seconds, then stay silent or answer ok); or a callable body -> (status, payload), where a
     payload of type bytes is sent raw.
     """
@@ -63,6 +64,7 @@ class ScriptedServer:
     def __init__(self, actions: list[Action] | None = None) -> None:
         self.actions: list[Action] = list(actions or [])
         self.requests: list[dict] = []
+        self.peers: list[tuple[str, int]] = []  # the client end of each request's connection
         self.in_flight = 0
         self.max_in_flight = 0
         self.lock = threading.Lock()
@@ -75,6 +77,7 @@ class ScriptedServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with outer.lock:
                     outer.requests.append(body)
+                    outer.peers.append(self.client_address)
                     action = outer.actions.pop(0) if outer.actions else "ok"
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
@@ -115,6 +118,9 @@ class ScriptedServer:
             message = "This model's maximum context length is 32 tokens; you asked for 40"
             self.send(handler, 400, {"error": {"message": message, "type": "BadRequestError"}})
         elif action == "drop":
+            handler.close_connection = True
+        elif action == "ok-then-close":  # answer, then close the connection unannounced
+            self.send(handler, 200, ok_response(body))
             handler.close_connection = True
         elif action.startswith("hang:"):
             time.sleep(float(action[5:]))
@@ -388,6 +394,78 @@ def test_client_works_across_event_loops_without_leaking_sockets(server: Scripte
         gc.collect()
     leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
     assert not leaks, [str(w.message) for w in leaks]
+
+
+def test_a_session_reuses_connections_and_closes_them(server: ScriptedServer) -> None:
+    """Inside session() requests share keep-alive connections (at most max_concurrency of them);
+    outside one, each request has its own. Nothing is left open either way."""
+    client = make_client(server, max_concurrency=3)
+
+    async def in_session() -> None:
+        async with client.session():
+            for i in range(4):  # one after the other: one connection
+                await client.complete([1, 2, i + 3], 1, SAMPLING, seed=i)
+            await asyncio.gather(  # at most 3 at once: at most 3 connections
+                *(client.complete([1, 2, i + 3], 1, SAMPLING, seed=i) for i in range(9))
+            )
+
+    async def outside() -> None:
+        for i in range(4):
+            await client.complete([1, 2, i + 3], 1, SAMPLING, seed=i)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(in_session())
+        assert len(set(server.peers[:4])) == 1
+        assert len(set(server.peers)) <= 3
+        server.peers.clear()
+        run(outside())
+        assert len(set(server.peers)) == 4
+        gc.collect()
+    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not leaks, [str(w.message) for w in leaks]
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["racing-the-close", "after-the-close"])
+def test_a_connection_the_server_closed_is_replaced_without_a_retry(
+    server: ScriptedServer, pause: float
+) -> None:
+    """Servers close idle keep-alive connections (uvicorn after 5 s): the next request on one
+    goes out on a new connection, and is neither an error nor a retry, whether the close has
+    reached the client before it sends or not."""
+    server.actions = ["ok-then-close", "ok-then-close", "ok"]
+    client = make_client(server)
+
+    async def three() -> None:
+        async with client.session():
+            for i in range(3):
+                await client.complete([1, 2, i + 3], 1, SAMPLING, seed=i)
+                await asyncio.sleep(pause)
+
+    run(three())
+    assert len(server.requests) == 3 and len(set(server.peers)) == 3
+    assert (client.stats.attempts, client.stats.retries, client.stats.failures) == (3, 0, 0)
+
+
+def test_sessions_on_two_event_loops_at_once(server: ScriptedServer) -> None:
+    """A generation thread and the main thread can use one client at the same time."""
+    server.actions = ["slow:0.3"] * 8  # long enough that the two loops surely overlap
+    client = make_client(server, max_concurrency=2)
+
+    async def batch(offset: int) -> list[int]:
+        async with client.session():
+            results = await asyncio.gather(
+                *(client.complete([1, offset + i], 1, SAMPLING, seed=i) for i in range(4))
+            )
+        return [r[0].token_ids[0] for r in results]
+
+    other: list[list[int]] = []
+    thread = threading.Thread(target=lambda: other.append(run(batch(100))))
+    thread.start()
+    mine = run(batch(200))
+    thread.join(10)
+    assert mine == [201 + i for i in range(4)] and other == [[101 + i for i in range(4)]]
+    assert server.max_in_flight == 4  # each loop has its own bound of 2
 
 
 # ---- bad input ---------------------------------------------------------------------------------

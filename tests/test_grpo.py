@@ -547,6 +547,41 @@ def test_non_contiguous_logits_are_read_in_place() -> None:
     torch.testing.assert_close(full.grad.double(), want.double(), **F32)
 
 
+@pytest.mark.parametrize("chunk_size", [3, 8, 20, 1000])
+def test_results_do_not_depend_on_the_logits_layout(chunk_size: int) -> None:
+    """Shifted (non-contiguous) logits, read a block of whole sequences at a time, give bitwise
+    the values and gradients of a contiguous copy: every row is reduced on its own."""
+    torch.manual_seed(6)
+    full = torch.randn(7, 5, 31, requires_grad=True)
+    copy = full.detach()[:, :-1].contiguous().requires_grad_()
+    ids = torch.randint(0, 31, (7, 4))
+    shifted = full[:, :-1]
+    lp = token_logprobs(shifted, ids, 0.8, chunk_size)
+    ent = token_entropy(shifted, 0.8, chunk_size)
+    lp_copy = token_logprobs(copy, ids, 0.8, chunk_size)
+    ent_copy = token_entropy(copy, 0.8, chunk_size)
+    assert torch.equal(lp, lp_copy) and torch.equal(ent, ent_copy)
+    weights = torch.randn(7, 4)
+    ((lp - ent) * weights).sum().backward()
+    ((lp_copy - ent_copy) * weights).sum().backward()
+    assert torch.equal(full.grad[:, :-1], copy.grad)
+    assert not full.grad[:, -1].any()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 9, 100])
+def test_row_blocks_cover_every_row_once_within_the_chunk_size(chunk_size: int) -> None:
+    from grail.algo.grpo import _row_blocks
+
+    x = torch.randn(5, 5, 3)[:, :-1]  # [5, 4, 3], not flattenable
+    blocks = list(_row_blocks(x, chunk_size))
+    assert blocks[0][0] == 0 and blocks[-1][1] == 20
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+    for r0, r1, rows in blocks:
+        assert 0 < r1 - r0 <= chunk_size
+        assert torch.equal(rows.reshape(-1, 3), x.reshape(-1, 3)[r0:r1])
+        assert rows.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # a view
+
+
 def test_bf16_logits_are_upcast_to_float32() -> None:
     torch.manual_seed(4)
     logits = (torch.randn(2, 6, 50) * 4).to(torch.bfloat16).requires_grad_()

@@ -209,12 +209,22 @@ def _row_blocks(x: Tensor, chunk_size: int) -> Iterator[tuple[int, int, Tensor]]
     """Yield ``(r0, r1, rows)``: blocks of at most ``chunk_size`` rows of ``x`` [B, T, V] as views.
 
     ``r0:r1`` index the flattened B*T positions. When ``x`` cannot be flattened without a copy
-    (e.g. ``logits[:, :-1]``), blocks stop at sequence boundaries instead of copying the input.
+    (e.g. ``logits[:, :-1]``), a block is a [n, T, V] view of whole sequences (or a [t, V] piece
+    of one sequence when T > chunk_size) instead of a copy of the input. Callers flatten what
+    they compute from a block with ``_scaled``.
     """
     b, t, v = x.shape
     try:
         flat = x.view(b * t, v)
     except RuntimeError:
+        if t <= chunk_size:
+            # Whole sequences per block, not one per block: short completions (a few tokens)
+            # would otherwise cost one Python iteration and several tiny ops per sequence.
+            per_block = chunk_size // t
+            for i0 in range(0, b, per_block):
+                i1 = min(i0 + per_block, b)
+                yield i0 * t, i1 * t, x[i0:i1]
+            return
         for i in range(b):
             for t0 in range(0, t, chunk_size):
                 t1 = min(t0 + chunk_size, t)
@@ -223,6 +233,12 @@ def _row_blocks(x: Tensor, chunk_size: int) -> Iterator[tuple[int, int, Tensor]]
     for r0 in range(0, b * t, chunk_size):
         r1 = min(r0 + chunk_size, b * t)
         yield r0, r1, flat[r0:r1]
+
+
+def _scaled(rows: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    """``rows / T`` in ``dtype`` as a [rows, V] tensor (a new one: the division copies)."""
+    z = rows.to(dtype) / temperature
+    return z.reshape(-1, z.shape[-1])
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -241,7 +257,7 @@ class _TokenLogprobs(torch.autograd.Function):
         lse = torch.empty(b * t, dtype=acc, device=logits.device)
         flat_ids = ids.reshape(-1)
         for r0, r1, rows in _row_blocks(logits, chunk_size):
-            z = rows.to(acc) / temperature
+            z = _scaled(rows, acc, temperature)
             lse[r0:r1] = torch.logsumexp(z, dim=-1)
             out[r0:r1] = z.gather(-1, flat_ids[r0:r1].unsqueeze(-1)).squeeze(-1) - lse[r0:r1]
         ctx.save_for_backward(logits, flat_ids, lse)
@@ -256,7 +272,7 @@ class _TokenLogprobs(torch.autograd.Function):
         g = grad_out.reshape(-1).to(lse.dtype)
         grad = torch.empty((b * t, v), dtype=logits.dtype, device=logits.device)
         for r0, r1, rows in _row_blocks(logits, ctx.chunk_size):
-            p = torch.exp(rows.to(lse.dtype) / ctx.temperature - lse[r0:r1].unsqueeze(-1))
+            p = torch.exp(_scaled(rows, lse.dtype, ctx.temperature) - lse[r0:r1].unsqueeze(-1))
             gz = -p * g[r0:r1].unsqueeze(-1)
             gz.scatter_add_(-1, flat_ids[r0:r1].unsqueeze(-1), g[r0:r1].unsqueeze(-1))
             grad[r0:r1] = gz / ctx.temperature
@@ -276,7 +292,7 @@ class _TokenEntropy(torch.autograd.Function):
         b, t, _ = logits.shape
         out = torch.empty(b * t, dtype=_acc_dtype(logits), device=logits.device)
         for r0, r1, rows in _row_blocks(logits, chunk_size):
-            logp = torch.log_softmax(rows.to(out.dtype) / temperature, dim=-1)
+            logp = torch.log_softmax(_scaled(rows, out.dtype, temperature), dim=-1)
             out[r0:r1] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(logits)
         ctx.temperature = temperature
@@ -291,7 +307,7 @@ class _TokenEntropy(torch.autograd.Function):
         g = grad_out.reshape(-1).to(acc)
         grad = torch.empty((b * t, v), dtype=logits.dtype, device=logits.device)
         for r0, r1, rows in _row_blocks(logits, ctx.chunk_size):
-            logp = torch.log_softmax(rows.to(acc) / ctx.temperature, dim=-1)
+            logp = torch.log_softmax(_scaled(rows, acc, ctx.temperature), dim=-1)
             p = logp.exp()
             h = -(p * logp).sum(-1, keepdim=True)
             grad[r0:r1] = (-p * (logp + h) * g[r0:r1].unsqueeze(-1)) / ctx.temperature

@@ -67,10 +67,14 @@ def stage_checkpoint(
     tmp = checkpoints_dir / f".{checkpoint_name(iteration)}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    torch.save({**trainer_state, "iteration": iteration, "rng": rng_state()}, tmp / STATE_FILE)
-    _fsync_tree(tmp)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save({**trainer_state, "iteration": iteration, "rng": rng_state()}, tmp / STATE_FILE)
+        _fsync_tree(tmp)
+    except BaseException:  # Ctrl-C or a full disk mid-write: leave nothing half-written behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 

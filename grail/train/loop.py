@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -353,6 +354,7 @@ def run_with_loggers(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict
         # iteration `iteration`. With train.pipeline, `pending` is the next iteration's rollouts:
         # generating (a Prefetch) while this iteration trains, then ready (a GeneratedBatch).
         pending: Prefetch | GeneratedBatch | None = resumed_rollouts
+        staged: Path | None = None  # a checkpoint written but not yet committed
         try:
             for iteration in range(start_iteration, cfg.train.iterations):
                 t_iter = time.perf_counter()
@@ -420,7 +422,6 @@ def run_with_loggers(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict
                 if cfg.eval.enabled and ((iteration + 1) % cfg.eval.interval == 0 or last):
                     timings["eval_s"] = evaluate(iteration, f"iter_{iteration:03d}")
 
-                staged = None
                 t0 = time.perf_counter()
                 if (iteration + 1) % cfg.checkpoint.save_interval == 0 or last:
                     staged = stage_checkpoint(
@@ -464,6 +465,7 @@ def run_with_loggers(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict
                 loggers.log("train", record, step=iteration + 1)
                 if staged is not None:
                     commit_checkpoint(staged)
+                    staged = None
                     prune_checkpoints(checkpoints_dir, cfg.checkpoint.keep_last_k)
                 display.done(
                     f"iter {iteration:03d}: reward {record['reward_mean']:.3f} "
@@ -474,6 +476,8 @@ def run_with_loggers(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict
             # Stop a background generation before the server shuts down under it (Ctrl-C, error).
             if isinstance(pending, Prefetch):
                 pending.cancel()
+            if staged is not None:  # interrupted between staging and commit: not a checkpoint
+                shutil.rmtree(staged, ignore_errors=True)
 
     summary = write_summary(cfg, run_dir, time.perf_counter() - t_run)
     print_summary(console, summary)

@@ -8,7 +8,9 @@ Position ids are computed from the attention mask, so padding does not shift pos
 
 Old log-probabilities (the policy the samples are optimised away from) follow TRL: when the
 iteration makes a single optimizer step they are the current log-probabilities detached (ratio 1,
-exactly on-policy); when it makes several, they are computed once before the first step.
+exactly on-policy); when it makes several, they are computed once before the first step, except
+for the first step's own micro-batches, which still see the old policy when they train, so their
+detached log-probabilities are the old ones and the extra forward pass is skipped.
 The server's behaviour log-probabilities feed the truncated importance-sampling weight and the
 mismatch metric (grpo.py).
 """
@@ -35,10 +37,7 @@ class MicroBatch:
     completion_mask: Tensor  # [B, K] 1 on completion tokens
     behaviour_logprobs: Tensor  # [B, K] the server's log-probs, 0 on padding
     advantages: Tensor  # [B]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.completion_mask.sum().item())
+    num_tokens: int  # completion tokens (completion_mask.sum()), counted on the host: no sync
 
 
 def pack_microbatch(
@@ -48,22 +47,20 @@ def pack_microbatch(
     seqs = [list(prompt) + list(s.completion_ids) for prompt, s in items]
     length = max(len(s) for s in seqs)
     k = max(max(len(s.completion_ids) for _, s in items), 1)
-    batch = len(items)
-    input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, length), dtype=torch.long)
-    completion_mask = torch.zeros((batch, k), dtype=torch.float32)
-    behaviour = torch.zeros((batch, k), dtype=torch.float32)
-    for row, (seq, (_, sample)) in enumerate(zip(seqs, items, strict=True)):
-        input_ids[row, length - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[row, length - len(seq) :] = 1
-        n = len(sample.completion_ids)
-        if n:
-            completion_mask[row, k - n :] = 1.0
-            # A server may report -inf for a token its top-k/top-p filter excluded; keep the TIS
-            # weight and the mismatch metric finite (the weight is capped either way).
-            behaviour[row, k - n :] = torch.tensor(
-                sample.behaviour_logprobs, dtype=torch.float32
-            ).clamp(min=-1e4)
+    # Padded Python rows, then one tensor each: a tensor per row costs more than the copying.
+    input_ids = torch.tensor([[pad_token_id] * (length - len(q)) + q for q in seqs])
+    attention_mask = torch.tensor([[0] * (length - len(q)) + [1] * len(q) for q in seqs])
+    lengths = [len(s.completion_ids) for _, s in items]
+    completion_mask = torch.tensor(
+        [[0.0] * (k - n) + [1.0] * n for n in lengths], dtype=torch.float32
+    )
+    # A server may report -inf for a token its top-k/top-p filter excluded; keep the TIS weight
+    # and the mismatch metric finite (the weight is capped either way).
+    behaviour_rows = [
+        [0.0] * (k - n) + list(s.behaviour_logprobs)
+        for n, (_, s) in zip(lengths, items, strict=True)
+    ]
+    behaviour = torch.tensor(behaviour_rows, dtype=torch.float32).clamp(min=-1e4)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     advantages = torch.tensor([s.advantage for _, s in items], dtype=torch.float32)
     return MicroBatch(
@@ -74,6 +71,7 @@ def pack_microbatch(
         completion_mask=completion_mask.to(device),
         behaviour_logprobs=behaviour.to(device),
         advantages=advantages.to(device),
+        num_tokens=sum(lengths),
     )
 
 
@@ -149,11 +147,14 @@ def policy_update(
     def logprobs_of(m: torch.nn.Module, mb: MicroBatch) -> Tensor:
         return token_logprobs(completion_logits(m, mb), mb.completion_ids, temperature)
 
-    # Several optimizer steps per iteration: freeze the pre-update policy's log-probs first.
+    # Several optimizer steps per iteration: freeze the pre-update policy's log-probs first. The
+    # first step's micro-batches need no extra pass: the policy has not moved yet when they run,
+    # so their own log-probs, detached, are the old ones (None below).
     old_logprobs: list[Tensor | None] = [None] * len(packed)
     if len(steps) > 1:
+        first = len(steps[0])
         with torch.no_grad():
-            old_logprobs = [logprobs_of(model, mb) for mb in packed]
+            old_logprobs[first:] = [logprobs_of(model, mb) for mb in packed[first:]]
     ref_logprobs: list[Tensor | None] = [None] * len(packed)
     if ref_model is not None and settings.loss.kl_coef > 0:
         with torch.no_grad():

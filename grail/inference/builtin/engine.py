@@ -24,13 +24,16 @@ What the numbers mean (the trainer relies on these, see /work/shared/PROTOCOLS.m
   tokens that produced it stay in ``token_ids``); after ``max_tokens`` tokens it is "length".
 
 Batching. Requests are split into sequences (one per sample) and queued. The worker takes the
-waiting sequences, up to ``max_batch_size``, in arrival order, and decodes them together: the
-distinct prompts are prefilled once (left padding, attention mask, position ids), their KV cache
-(transformers ``DynamicCache``) is expanded to one row per sequence, then one token per row per
-step; finished rows are dropped from the cache. A request is answered as soon as its own
-sequences finish. When rows free up, queued sequences are prefilled and merged into the running
-batch (the shorter side's cache is left-padded to the longer), so a short request never waits
-for a long one to finish.
+waiting sequences, up to ``max_batch_size`` (default 256, vLLM's ``max_num_seqs``), in arrival
+order, and decodes them together: the distinct prompts are prefilled once (left padding,
+attention mask, position ids), their KV cache (transformers ``DynamicCache``) is expanded to one
+row per sequence, then one token per row per step, sampled for all rows with one set of tensor
+ops (every op is per row, so each row gets the numbers it would get alone); finished rows are
+dropped from the cache. A request is answered as soon as its own sequences finish. When rows
+free up, queued sequences are prefilled and merged into the running batch (the shorter side's
+cache is left-padded to the longer), so a short request never waits for a long one to finish.
+The batch size bounds the KV cache in memory: rows x layers x 2 x kv_heads x head_dim x context
+elements (for a 0.5B Qwen2 in float32 at 1024 tokens, ~25 MB per row).
 
 Batch invariance (CPU). With plain batching a row's numbers depend on its neighbours: the
 attention reduction runs over the padded length, and BLAS picks a different GEMM kernel for a
@@ -40,7 +43,10 @@ concurrent requests, batch composition is timing-dependent, so "same config and 
 metrics" needs invariance. In batch-invariant mode (default on CPU) the engine therefore
 
 1. computes attention row by row over that row's own tokens only (padding sliced away, not
-   masked), so the reduction lengths are those of the row alone;
+   masked), so the reduction lengths are those of the row alone; rows with the same padding
+   share one attention call where a start-up probe finds the kernel's per-row results
+   independent of the batch size (PyTorch's CPU kernel with one thread; with several it splits
+   short queries by batch size, and each row then gets its own call);
 2. measures at start-up, on the model's own linear layers, the smallest ``q`` (1, 2, 4, 8 or 16)
    such that a row's output is the same for every row count that is a multiple of ``q``, and
    always runs batches of a multiple of ``q`` rows (at most ``q - 1`` inert filler rows).
@@ -199,6 +205,17 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
     )
 
 
+def _row_groups(starts: Sequence[int], grouped: bool) -> list[tuple[int, list[int]]]:
+    """Rows that may share one attention call: those with the same padding (so the same
+    unpadded length), in row order; one row per group when ``grouped`` is off."""
+    if not grouped:
+        return [(int(s), [b]) for b, s in enumerate(starts)]
+    groups: dict[int, list[int]] = {}
+    for b, s in enumerate(starts):
+        groups.setdefault(int(s), []).append(b)
+    return list(groups.items())
+
+
 def _rowwise_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -208,6 +225,7 @@ def _rowwise_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     grail_pad_starts: Sequence[int] | None = None,
+    grail_group_rows: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention computed separately for each row over its own (unpadded) keys.
@@ -216,32 +234,74 @@ def _rowwise_attention(
     ``j`` sits at absolute position ``Tk - Tq + j``; queries inside the padding get zeros (their
     outputs and cached keys are never read by real positions). Returns ``[B, Tq, H, D]`` like the
     transformers attention functions.
+
+    ``grail_group_rows``: rows with the same padding run in one call (as a batch of rows of equal
+    length). Only where the engine measured that the attention kernel's per-row results do not
+    depend on the batch size (``attention_batch_invariant``): true of PyTorch's CPU kernel with
+    one thread, not with several (it then splits short queries differently by batch size).
     """
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
     starts = grail_pad_starts if grail_pad_starts is not None else [0] * batch
     out = query.new_zeros(batch, q_len, heads, head_dim)
     gqa = key.shape[1] != heads
-    for b in range(batch):
-        start = int(starts[b])
+    for start, rows in _row_groups(starts, grail_group_rows):
         q_start = max(0, start - (k_len - q_len))
-        q = query[b : b + 1, :, q_start:].contiguous()
-        k = key[b : b + 1, :, start:].contiguous()
-        v = value[b : b + 1, :, start:].contiguous()
-        rows, cols = q.shape[2], k.shape[2]
-        if rows == 1:
+        sel: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
+        if rows[-1] - rows[0] + 1 != len(rows):
+            sel = torch.tensor(rows, device=query.device)  # scattered rows: gathered
+        q, k, v = query[sel], key[sel], value[sel]
+        q = q[:, :, q_start:].contiguous()
+        k = k[:, :, start:].contiguous()
+        v = v[:, :, start:].contiguous()
+        n_rows, cols = q.shape[2], k.shape[2]
+        if n_rows == 1:
             mask, causal = None, False
-        elif rows == cols:
+        elif n_rows == cols:
             mask, causal = None, True
-        else:  # queries are the last `rows` of `cols` positions
-            offset = cols - rows
-            mask = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril(offset)
+        else:  # queries are the last `n_rows` of `cols` positions
+            offset = cols - n_rows
+            mask = torch.ones(n_rows, cols, dtype=torch.bool, device=q.device).tril(offset)
             causal = False
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
         )
-        out[b, q_start:] = o[0].transpose(0, 1)
+        out[sel, q_start:] = o.transpose(1, 2)
     return out, None
+
+
+def attention_batch_invariant(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether ``scaled_dot_product_attention`` gives each row the same result in a batch of rows
+    as alone, for this head layout at the current thread count (probed with random inputs on
+    decode, prefill and partial-prefill shapes). A measurement, like ``linear_row_quantum``."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    gqa = kv_heads != heads
+    with torch.inference_mode():
+        for q_len, k_len in ((1, 1), (1, 9), (1, 300), (3, 40), (17, 17), (2, 700)):
+            for batch in (2, 3, 8, 32):
+                q = torch.randn(batch, heads, q_len, head_dim, generator=generator)
+                k = torch.randn(batch, kv_heads, k_len, head_dim, generator=generator)
+                v = torch.randn(batch, kv_heads, k_len, head_dim, generator=generator)
+                q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+                mask = None
+                if 1 < q_len < k_len:
+                    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+                    mask = mask.tril(k_len - q_len)
+                kw: dict[str, Any] = {
+                    "attn_mask": mask,
+                    "is_causal": q_len == k_len > 1,
+                    "enable_gqa": gqa,
+                }
+                together = F.scaled_dot_product_attention(q, k, v, **kw)
+                for b in range(batch):
+                    alone = F.scaled_dot_product_attention(
+                        q[b : b + 1], k[b : b + 1], v[b : b + 1], **kw
+                    )
+                    if not torch.equal(alone[0], together[b]):
+                        return False
+    return True
 
 
 AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
@@ -266,7 +326,7 @@ def linear_row_quantum(
             key = (module.in_features, module.out_features, module.bias is not None)
             linears.setdefault((*key, module.weight.dtype), module)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    sizes = sorted({*range(1, 65), 96, 128, 192, 256})
+    sizes = sorted({*range(1, 65), 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, max_rows})
     sizes = [m for m in sizes if m <= max_rows]
     agrees = dict.fromkeys(sizes, True)
     with torch.inference_mode():
@@ -283,6 +343,16 @@ def linear_row_quantum(
         if all(ok for m, ok in agrees.items() if m % quantum == 0):
             return quantum
     return None
+
+
+def _group_attention_ok(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> bool:
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return False
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return attention_batch_invariant(heads, kv_heads, head_dim, dtype, device)
 
 
 def _eos_ids(tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
@@ -313,6 +383,59 @@ def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
         future.set_result(value)
 
 
+def _draw(
+    logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator]
+) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
+    """Sample one token per row of ``logits`` [R, V] (float32) under ``params``; row r draws its
+    uniform from ``generators[r]``. Returns the tokens, their logprobs
+    ``log_softmax(logits / T)[token]`` and, when ``params.logprobs`` asks for them, the top
+    alternatives (token id, logprob) per row, best first (see the module docstring)."""
+    greedy = params.temperature < GREEDY_EPS
+    scaled = logits if greedy else logits / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    if greedy:
+        token = torch.argmax(logits, dim=-1)
+    else:
+        filtered = scaled
+        vocab = filtered.shape[-1]
+        if 0 < params.top_k < vocab:
+            kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
+            filtered = filtered.masked_fill(filtered < kth, -math.inf)
+        if params.top_p < 1.0:
+            probs_sorted, order = torch.sort(
+                torch.softmax(filtered, dim=-1), dim=-1, descending=True
+            )
+            # Drop a token when the mass before it already reaches top_p (keeps >= 1 token).
+            drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= params.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            filtered = filtered.masked_fill(drop, -math.inf)
+        probs = torch.softmax(filtered.double(), dim=-1)
+        cdf = probs.cumsum(-1)
+        u = torch.stack(
+            [
+                torch.rand((), generator=g, device=logits.device, dtype=torch.float64)
+                for g in generators
+            ]
+        )
+        token = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)
+        # Rounding at the top end of the CDF can point past the last token or at a token of
+        # probability 0: take the most likely token then.
+        past = token >= vocab
+        hit = probs.gather(-1, token.clamp(max=vocab - 1).unsqueeze(-1)).squeeze(-1)
+        bad = past | (hit == 0.0)
+        if bool(bad.any()):
+            token = torch.where(bad, torch.argmax(probs, dim=-1), token)
+    chosen = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    top = None
+    if params.logprobs:
+        best = torch.topk(logp, min(params.logprobs, logp.shape[-1]), dim=-1)
+        top = [
+            list(zip(ids, values, strict=True))
+            for ids, values in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        ]
+    return token.tolist(), chosen.tolist(), top
+
+
 class Engine:
     """Loads an HF causal LM and serves generation requests from one worker thread."""
 
@@ -321,7 +444,7 @@ class Engine:
         model_dir: str | Path,
         device: str = "cpu",
         dtype: str | None = None,
-        max_batch_size: int = 32,
+        max_batch_size: int = 256,
         batch_invariant: bool | None = None,
         max_model_len: int | None = None,
     ) -> None:
@@ -364,10 +487,12 @@ class Engine:
         # Batches always hold a multiple of `row_quantum` rows (see the module docstring).
         self.row_quantum = 1
         self.batch_invariant = False
+        # Rows of equal padding share one attention call (see `_rowwise_attention`).
+        self.group_attention = False
         if batch_invariant and sliding:
             logger.warning("batch invariance off: sliding-window attention is not supported by it")
         elif batch_invariant:
-            quantum = linear_row_quantum(self.model)
+            quantum = linear_row_quantum(self.model, max_rows=max(256, max_batch_size))
             if quantum is None:
                 logger.warning(
                     "batch invariance off: linear-layer outputs on this BLAS depend on the number "
@@ -377,6 +502,7 @@ class Engine:
                 self.model.set_attn_implementation(ROWWISE_ATTENTION)
                 self.row_quantum = quantum
                 self.batch_invariant = True
+                self.group_attention = _group_attention_ok(self.model, self.device, self.dtype)
 
         self.weight_version = "default"
         self._token_text: dict[int, str] = {}
@@ -632,7 +758,9 @@ class Engine:
         cache: DynamicCache,
         pad_starts: list[int],
     ) -> torch.Tensor:
-        extra = {"grail_pad_starts": pad_starts} if self.batch_invariant else {}
+        extra: dict[str, Any] = {}
+        if self.batch_invariant:
+            extra = {"grail_pad_starts": pad_starts, "grail_group_rows": self.group_attention}
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -669,7 +797,8 @@ class Engine:
                     if not seq.future.done():
                         seq.future.set_exception(EngineStopped("the engine is shutting down"))
                 return
-            live = 0 if batch is None else sum(1 for s in batch.rows if _running(s))
+            # Compacted: every row that is not a filler was running a moment ago.
+            live = 0 if batch is None else sum(1 for s in batch.rows if s is not None)
             new = self._take(self.max_batch_size - live) if self.continuous else []
             if new:
                 continue  # prefill them so that the next step decodes them too
@@ -703,9 +832,7 @@ class Engine:
         cache.batch_select_indices(select)
         logits = logits[select]
         tokens = [self.pad_id] * len(rows)
-        for r, seq in enumerate(seqs):
-            tokens[r] = self._sample(seq, logits[r])
-            self._maybe_finish(seq)
+        tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
         return _Batch(
             rows=rows,
             cache=cache,
@@ -717,10 +844,11 @@ class Engine:
 
     def _compact(self, batch: _Batch) -> _Batch | None:
         """Drop finished rows, keeping as fillers only those the row quantum requires."""
-        live = [r for r, s in enumerate(batch.rows) if _running(s)]
+        running = [_running(s) for s in batch.rows]
+        live = [r for r, on in enumerate(running) if on]
         if not live:
             return None
-        keep = live + [r for r, s in enumerate(batch.rows) if not _running(s)]
+        keep = live + [r for r, on in enumerate(running) if not on]
         keep = keep[: len(live) + self._fill(len(live))]
         if len(keep) == len(batch.rows):
             return batch
@@ -744,44 +872,39 @@ class Engine:
         step_pos = torch.tensor(batch.next_pos, device=dev).unsqueeze(1)
         logits = self._forward(step_ids, batch.mask, step_pos, batch.cache, batch.pad_starts)
         batch.next_pos = [p + 1 for p in batch.next_pos]
-        for r, seq in enumerate(batch.rows):
-            if seq is not None and _running(seq):
-                batch.tokens[r] = self._sample(seq, logits[r])
-                self._maybe_finish(seq)
+        live = [(r, seq) for r, seq in enumerate(batch.rows) if seq is not None and _running(seq)]
+        if len(live) < len(batch.rows):
+            logits = logits[torch.tensor([r for r, _ in live], device=dev)]
+        tokens = self._sample_rows([seq for _, seq in live], logits)
+        for (r, _), token in zip(live, tokens, strict=True):
+            batch.tokens[r] = token
 
-    def _sample(self, seq: _Sequence, logits: torch.Tensor) -> int:
-        """Draw one token for ``seq`` from its float32 ``logits`` row; record its logprob."""
-        params = seq.params
-        greedy = params.temperature < GREEDY_EPS
-        scaled = logits if greedy else logits / params.temperature
-        logp = torch.log_softmax(scaled, dim=-1)
-        if greedy:
-            token = int(torch.argmax(logits).item())
-        else:
-            filtered = scaled
-            if 0 < params.top_k < filtered.shape[-1]:
-                kth = torch.topk(filtered, params.top_k).values[-1]
-                filtered = filtered.masked_fill(filtered < kth, -math.inf)
-            if params.top_p < 1.0:
-                probs_sorted, order = torch.sort(torch.softmax(filtered, dim=-1), descending=True)
-                # Drop a token when the mass before it already reaches top_p (keeps >= 1 token).
-                drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= params.top_p
-                drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-                filtered = filtered.masked_fill(drop, -math.inf)
-            probs = torch.softmax(filtered.double(), dim=-1)
-            cdf = probs.cumsum(-1)
-            u = torch.rand((), generator=seq.generator, device=logits.device, dtype=torch.float64)
-            token = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).item())
-            if token >= probs.shape[-1] or probs[token].item() == 0.0:
-                token = int(torch.argmax(probs).item())  # rounding at the top end of the CDF
-        seq.token_ids.append(token)
-        seq.logprobs.append(float(logp[token].item()))
-        if params.logprobs:
-            top = torch.topk(logp, min(params.logprobs, logp.shape[-1]))
-            seq.top_logprobs.append(
-                list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            )
-        return token
+    def _sample_rows(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int]:
+        """Draw one token for each of ``seqs`` from its float32 ``logits`` row, record it and
+        its logprob, and finish the sequences it ends; returns the tokens.
+
+        Rows with the same sampling settings are drawn together (one tensor op per step, not one
+        per row); every row op is a per-row reduction or elementwise, so each row's numbers are
+        those it gets alone.
+        """
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            groups.setdefault(seq.params, []).append(i)
+        tokens = [0] * len(seqs)
+        for params, index in groups.items():
+            rows = logits
+            if len(index) < len(seqs):
+                rows = logits[torch.tensor(index, device=logits.device)]
+            members = [seqs[i] for i in index]
+            drawn, logprobs, top = _draw(rows, params, [s.generator for s in members])
+            for j, (seq, token, logprob) in enumerate(zip(members, drawn, logprobs, strict=True)):
+                seq.token_ids.append(token)
+                seq.logprobs.append(logprob)
+                if top is not None:
+                    seq.top_logprobs.append(top[j])
+                tokens[index[j]] = token
+                self._maybe_finish(seq)
+        return tokens
 
     def _maybe_finish(self, seq: _Sequence) -> None:
         """Resolve ``seq.future`` if its last token ends it (EOS, stop id, stop string, length)."""
