@@ -8,6 +8,7 @@ W&B runs for real in offline mode (no network) and through a fake module that re
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -298,6 +299,9 @@ def test_wandb_offline_for_real(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     try:
         with MetricLoggers.from_config(cfg, run_dir, {"seed": 0}) as loggers:
             loggers.log("train", train_record(0, 0.625), step=1)
+        # W&B names offline run directories by the second: a resume within the same second
+        # would reuse (and overwrite) the first one's directory, which no real resume does.
+        time.sleep(1.1)
         with MetricLoggers.from_config(cfg, run_dir, {"seed": 0, "resume": True}) as loggers:
             loggers.log("eval", eval_record(1, 0.375), step=2)
     finally:
