@@ -67,7 +67,9 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
         table.add_column(column, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row))
-    Console().print(table)
+    # Piped (logs, CI), rich would size the table to 80 columns and truncate its cells; a
+    # terminal keeps its own width.
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def write_results(name: str, results: dict[str, Any], out: Path | None = None) -> Path:

@@ -363,13 +363,6 @@ def run_point(
     }
 
 
-def _wide_tables() -> None:
-    """rich sizes a table to 80 columns when output is piped (logs, CI): give the closing table
-    room instead of truncating its cells. A terminal keeps its own width."""
-    if not sys.stdout.isatty():
-        os.environ.setdefault("COLUMNS", "160")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -446,7 +439,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
 
     analysis = analyse(points, results)
-    _wide_tables()
     rows = []
     for point in points:
         r = results[point.name]

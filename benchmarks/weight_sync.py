@@ -34,7 +34,6 @@ Results: benchmarks/results/weight_sync.json.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import statistics
@@ -309,13 +308,6 @@ def profile_read_copy(weights: Path, model: torch.nn.Module, rounds: int = 3) ->
     return {"read_s": read, "copy_s": copy}
 
 
-def _wide_tables() -> None:
-    """rich sizes a table to 80 columns when output is piped (logs, CI): give the closing table
-    room instead of truncating its cells. A terminal keeps its own width."""
-    if not sys.stdout.isatty():
-        os.environ.setdefault("COLUMNS", "160")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma list of tiny, mid")
@@ -365,7 +357,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    _wide_tables()
     rows = []
     labels = {
         "restart": "restart",
