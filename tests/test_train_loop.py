@@ -175,8 +175,12 @@ def test_failing_run_leaves_no_server_and_names_the_plugin(tmp_path: Path) -> No
     assert not _servers_of(tmp_path)
 
 
-def test_ctrl_c_stops_the_run_and_its_server(tmp_path: Path) -> None:
-    proc = _train(tmp_path, "train.iterations=50", "eval.enabled=false")
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sync", "pipelined"])
+def test_ctrl_c_stops_the_run_and_its_server(tmp_path: Path, pipeline: bool) -> None:
+    proc = _train(
+        tmp_path, "train.iterations=50", f"train.pipeline={pipeline}", "eval.enabled=false"
+    )
+    # Once iteration 0 is written, a pipelined run trains iteration 1 while iteration 2 generates.
     _wait_for(
         lambda: any((tmp_path / "metrics").glob("train_iter_*.json")) or proc.poll() is not None,
         240,
@@ -185,9 +189,11 @@ def test_ctrl_c_stops_the_run_and_its_server(tmp_path: Path) -> None:
     server_pids = _servers_of(tmp_path)
     assert server_pids, "the run should have a server process"
     proc.send_signal(signal.SIGINT)
-    _finish(proc, timeout=60)
+    out = _finish(proc, timeout=60)
     assert proc.returncode != 0
+    assert "restart" not in out.lower(), "a cancelled generation must not restart the server"
     _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the server to stop")
+    assert not list(tmp_path.rglob("*.tmp"))
 
 
 def test_fresh_run_refuses_a_directory_that_holds_a_run(full_run: Path) -> None:
@@ -271,21 +277,3 @@ def test_pipelined_run_is_deterministic_and_resumes_exactly(
         assert _stable(read_metrics(tmp_path / "metrics" / name)) == _stable(
             read_metrics(pipelined_run / "metrics" / name)
         ), name
-
-
-def test_ctrl_c_mid_pipeline_stops_generation_and_server(tmp_path: Path) -> None:
-    proc = _train(tmp_path, "train.iterations=50", "train.pipeline=true", "eval.enabled=false")
-    # Once iteration 0 is written, iteration 1 trains while iteration 2 generates.
-    _wait_for(
-        lambda: any((tmp_path / "metrics").glob("train_iter_*.json")) or proc.poll() is not None,
-        240,
-        "the first iteration",
-    )
-    server_pids = _servers_of(tmp_path)
-    assert server_pids, "the run should have a server process"
-    proc.send_signal(signal.SIGINT)
-    out = _finish(proc, timeout=60)
-    assert proc.returncode != 0
-    assert "restart" not in out.lower(), "a cancelled generation must not restart the server"
-    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the server to stop")
-    assert not list(tmp_path.rglob("*.tmp"))
