@@ -16,7 +16,7 @@ arms.
                training of iteration i, one step off-policy)
     trl        `trl.GRPOTrainer.train()` on the same model, prompts and hyper-parameters, with
                all T threads
-    trl_half   the same with floor(T/2) threads, as many as ours' trainer has (see Threads)
+    trl_half   the same with floor(T/2) threads (see Threads)
 
 How the workloads were made equal (TRL's name in brackets where it differs):
 - Model: the directory `grail.models.tiny.ensure_tiny_model()` returns, loaded in float32 by both
@@ -46,16 +46,22 @@ How the workloads were made equal (TRL's name in brackets where it differs):
   policy is the current one, detached). Same lr, constant schedule, no warmup
   [lr_scheduler_type="constant"], betas, eps 1e-8, weight decay 0, grad-norm clip 1.0
   [optim="adamw_torch"]; iterations [max_steps].
-- Threads: both get the same total T cores (default: this process's CPU affinity). Ours splits
-  them between its two processes, floor(T/2) torch threads for the trainer and the rest for the
-  inference server (OMP/MKL threads); TRL runs in one process with torch.set_num_threads(T).
-  The counts each arm actually ran with are in the JSON and printed. Why `trl_half` too: on a
-  machine where other processes run, a process whose OpenMP threads outnumber the free cores
-  waits at every parallel region's barrier for a thread that has lost its core. Measured on the
-  shared 2-core machine these numbers come from (load average ~3 from other jobs), TRL's median
-  iteration was 1.5-1.6 s with 2 threads and 0.18-0.29 s with 1. Ours is not hurt as much
-  because each of its processes has one thread. So `trl` alone would flatter ours whenever the
-  machine is not idle; compare with the faster of the two TRL arms.
+- What differs is method, not work: ours' forward pass runs each distinct prompt of a
+  micro-batch once and its completions on the prompt's key/value cache (grail/train/update.py;
+  same log-probs and gradients as the full pass, tests/test_update.py), where TRL runs every
+  prompt + completion in full. Ours generates on a separate server process, TRL with
+  `model.generate` on the training model.
+- Threads: both get the same T cores (default: this process's CPU affinity). Ours runs with
+  the threads `grail-train` picks by default on T cores: in sync mode the trainer has all T
+  torch threads (generation and training take turns) and the inference server floor(T/2)
+  (OMP/MKL threads); in pipelined mode, where they compute at once, floor(T/2) each. TRL runs in
+  one process with torch.set_num_threads(T). The counts each arm actually ran with are in the
+  JSON and printed. Why `trl_half` too: on a machine where other processes run, a process whose
+  OpenMP threads outnumber the free cores waits at every parallel region's barrier for a thread
+  that has lost its core. Measured on the shared 2-core machine these numbers come from (load
+  average ~3 from other jobs), TRL's median iteration was 1.5-1.6 s with 2 threads and
+  0.18-0.29 s with 1. So `trl` alone would flatter ours whenever the machine is not idle;
+  compare with the faster of the two TRL arms, on an idle machine.
 - Nothing else inside the timed iterations: no evaluation (eval.enabled=false;
   eval_strategy="no"), no logging (TRL: report_to="none", logging_strategy="no", no tqdm),
   no checkpoints (ours: checkpoint.save_interval beyond the run, TRL: save_strategy="no").
@@ -164,28 +170,31 @@ class Workload:
             )
 
 
-def thread_split(total: int) -> tuple[int, int]:
-    """(trainer, server) torch threads for ours, summing to `total` (TRL gets `total` alone).
-    With one core both sides get one thread: two processes cannot share less."""
+def ours_threads(arm: str, total: int) -> tuple[int, int]:
+    """(trainer, server) torch threads for ours on `total` cores: what `grail-train` picks by
+    default on a machine with that many (the trainer all of them in sync mode, where generation
+    and training take turns, half in pipelined mode; the server half)."""
     if total < 1:
         raise ValueError(f"threads must be >= 1, got {total}")
-    trainer = max(1, total // 2)
-    return trainer, max(1, total - trainer)
+    if arm not in OURS_ARMS:
+        raise ValueError(f"arm {arm!r} is not one of ours: {', '.join(OURS_ARMS)}")
+    half = max(1, total // 2)
+    return (total if arm == "sync" else half), half
 
 
 def arm_threads(arm: str, total: int) -> int:
-    """Torch (and OMP/MKL) threads of the arm's own process: ours' trainer and `trl_half` get
-    the trainer's share of `total`, `trl` all of it."""
+    """Torch (and OMP/MKL) threads of the arm's own process: ours' trainer (see `ours_threads`),
+    `trl` all of `total`, `trl_half` half of it."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-    return total if arm == "trl" else thread_split(total)[0]
+    if arm in OURS_ARMS:
+        return ours_threads(arm, total)[0]
+    return total if arm == "trl" else max(1, total // 2)
 
 
 def ours_overrides(w: Workload, arm: str, model_dir: str) -> list[str]:
     """Hydra overrides of conf/offline_grpo.yaml that make `grail.train.loop.run` do `w`."""
-    if arm not in OURS_ARMS:
-        raise ValueError(f"arm {arm!r} is not one of ours: {', '.join(OURS_ARMS)}")
-    trainer_threads, server_threads = thread_split(w.threads)
+    trainer_threads, server_threads = ours_threads(arm, w.threads)
     return [
         f"env={ENVIRONMENT}",
         f"seed={w.seed}",

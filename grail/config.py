@@ -15,18 +15,19 @@ from typing import Any
 from omegaconf import MISSING
 
 
-def default_threads(requested: int | None) -> int:
-    """Threads for the trainer or the server on CPU: as requested, else half the cores this
-    process may use (its affinity: SLURM, taskset). Giving both all cores was measured to make
-    iterations up to 15x slower whenever anything else ran: each side's OpenMP threads wait at
-    barriers for a core the other side (or another process) holds."""
+def default_threads(requested: int | None, *, alone: bool = False) -> int:
+    """Threads for the trainer or the server on CPU: as requested; else all the cores this
+    process may use (its affinity: SLURM, taskset) when it computes `alone`, as the trainer does
+    in sync mode, where generation and training take turns; else half of them. Giving both
+    processes all cores was measured to make iterations up to 15x slower whenever they computed
+    at once: each side's OpenMP threads wait at barriers for a core the other side holds."""
     if requested:
         return requested
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, cores // 2)
+    return cores if alone else max(1, cores // 2)
 
 
 class ConfigError(ValueError):
@@ -58,7 +59,8 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     weight_sync: str = "in_place"  # in_place | restart
-    server_threads: int | None = None  # None: half the cores (see default_threads)
+    # None: half the cores, also in sync mode: the trainer parses responses while it generates.
+    server_threads: int | None = None
     start_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
     max_concurrency: int = 64
@@ -96,7 +98,7 @@ class TrainConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
     logratio_clamp: float | None = None  # clamp |log ratio| before exp
-    threads: int | None = None  # torch threads of the trainer; None: half the cores
+    threads: int | None = None  # trainer's torch threads; None: all cores (pipelined: half)
     # One step off-policy: the server generates iteration i+1's rollouts (with the weights before
     # iteration i's update) while iteration i trains; truncated IS (tis_cap) corrects the lag.
     pipeline: bool = False

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from grail.config import default_threads
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # The scripts import their shared module as `common` (their own folder is on sys.path when run).
 sys.path.insert(0, str(BENCHMARKS))
@@ -267,10 +269,11 @@ def test_vs_trl_both_sides_are_configured_alike(arm: str) -> None:
     assert cfg.train.weight_decay == trl["weight_decay"] == 0.0
     assert cfg.train.grad_clip == trl["max_grad_norm"]
     assert cfg.train.warmup_steps == trl["warmup_steps"] == 0
-    # nothing else in the timed iterations; the same total threads
+    # nothing else in the timed iterations; threads as grail-train picks them on 3 cores
     assert cfg.eval.enabled is False and trl["eval_strategy"] == "no"
     assert cfg.checkpoint.save_interval > cfg.train.iterations and trl["save_strategy"] == "no"
-    assert cfg.train.threads + cfg.generation.server_threads == 3
+    trainer = 3 if arm == "sync" else 1
+    assert (cfg.train.threads, cfg.generation.server_threads) == (trainer, 1)
 
 
 def test_vs_trl_dataset_is_the_harness_seeds_in_order() -> None:
@@ -361,10 +364,22 @@ def test_vs_trl_rejects_unequal_workloads_naming_the_flag() -> None:
         vs_trl.Workload(problems=16, group_size=8, micro_batch=48).check()
     with pytest.raises(ValueError, match="--group-size"):
         vs_trl.Workload(group_size=1, micro_batch=16).check()
-    assert vs_trl.thread_split(2) == (1, 1) and vs_trl.thread_split(5) == (2, 3)
-    assert vs_trl.thread_split(1) == (1, 1)
-    # TRL with all the cores, and with the cores ours' trainer gets
-    assert vs_trl.arm_threads("trl", 5) == 5
-    assert vs_trl.arm_threads("trl_half", 5) == vs_trl.arm_threads("sync", 5) == 2
     with pytest.raises(ValueError, match="arm"):
         vs_trl.ours_overrides(vs_trl.Workload(), "trl", "tiny")
+
+
+def test_vs_trl_gives_ours_the_threads_grail_train_picks_by_default() -> None:
+    assert vs_trl.ours_threads("sync", 5) == (5, 2) and vs_trl.ours_threads("pipelined", 5) == (
+        2,
+        2,
+    )
+    assert vs_trl.ours_threads("sync", 1) == vs_trl.ours_threads("pipelined", 1) == (1, 1)
+    cores = len(os.sched_getaffinity(0))
+    assert vs_trl.ours_threads("sync", cores) == (
+        default_threads(None, alone=True),
+        default_threads(None),
+    )
+    assert vs_trl.ours_threads("pipelined", cores) == (default_threads(None), default_threads(None))
+    # The arm process runs ours' trainer; TRL gets all the cores, or half
+    assert vs_trl.arm_threads("sync", 5) == 5 and vs_trl.arm_threads("pipelined", 5) == 2
+    assert vs_trl.arm_threads("trl", 5) == 5 and vs_trl.arm_threads("trl_half", 5) == 2

@@ -7,12 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
-from grail.algo.grpo import GRPOLossConfig
+from grail.algo.grpo import GRPOLossConfig, token_logprobs
 from grail.envs.base import Problem
 from grail.models.loading import load_model
 from grail.rollouts import Group, RolloutBatch, Sample
-from grail.train.update import UpdateSettings, pack_microbatch, policy_update
+from grail.train import update
+from grail.train.update import (
+    UpdateSettings,
+    can_share_prompts,
+    completion_logits,
+    microbatches,
+    pack_microbatch,
+    policy_update,
+)
 
 
 def _sample(ids: list[int], logprobs: list[float], advantage: float) -> Sample:
@@ -34,34 +43,73 @@ def _batch(groups: int, replicas: int, seed: int) -> RolloutBatch:
     return RolloutBatch(out)
 
 
-def test_pack_left_pads_and_aligns_completions_to_the_right() -> None:
+def test_pack_stores_each_prompt_once_and_right_pads_completions() -> None:
     items = [
         ([5, 6, 7], _sample([8, 9], [-0.5, -math.inf], 1.5)),
         ([5], _sample([10, 11, 12], [-0.1, -0.2, -0.3], -1.0)),
+        ([5, 6, 7], _sample([13], [-0.7], 0.5)),
     ]
     mb = pack_microbatch(items, pad_token_id=0, device="cpu")
-    assert mb.input_ids.tolist() == [[5, 6, 7, 8, 9], [0, 5, 10, 11, 12]]
-    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
-    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]]
-    assert mb.completion_ids.tolist() == [[7, 8, 9], [10, 11, 12]]
-    assert mb.completion_mask.tolist() == [[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    assert mb.prompt_ids.tolist() == [[5, 6, 7], [0, 0, 5]]
+    assert mb.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert mb.prompt_index.tolist() == [0, 1, 0]
+    assert mb.completion_ids.tolist() == [[8, 9, 0], [10, 11, 12], [13, 0, 0]]
+    assert mb.completion_mask.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
     # -inf (a token the server's filter excluded) is clamped so the TIS weight stays finite.
-    want = torch.tensor([[0.0, -0.5, -1e4], [-0.1, -0.2, -0.3]], dtype=torch.float32)
-    assert torch.equal(mb.behaviour_logprobs, want)
-    assert mb.advantages.tolist() == [1.5, -1.0] and mb.num_tokens == 5
+    want = [[-0.5, -1e4, 0.0], [-0.1, -0.2, -0.3], [-0.7, 0.0, 0.0]]
+    assert torch.equal(mb.behaviour_logprobs, torch.tensor(want, dtype=torch.float32))
+    assert mb.advantages.tolist() == [1.5, -1.0, 0.5] and mb.num_tokens == 6
+
+
+def _logprobs_and_grads(model: torch.nn.Module, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    items = microbatches(batch, batch_size=64)[0]
+    mb = pack_microbatch(items, pad_token_id=0, device="cpu")
+    logprobs = token_logprobs(completion_logits(model, mb), mb.completion_ids)
+    model.zero_grad()
+    (logprobs * mb.completion_mask).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return logprobs * mb.completion_mask, grads
+
+
+def test_shared_prompt_pass_equals_running_every_sequence_in_full(tiny_model_dir: Path) -> None:
+    """Running each prompt once and its completions on its cache gives the log-probs and the
+    gradients of running every prompt + completion in full (gradient checkpointing forces the
+    full path), with prompts and completions of different lengths."""
+    model = load_model(tiny_model_dir).train()
+    batch = _batch(groups=5, replicas=4, seed=3)
+    assert can_share_prompts(model)
+    shared = _logprobs_and_grads(model, batch)
+    model.gradient_checkpointing_enable()
+    assert not can_share_prompts(model)
+    full = _logprobs_and_grads(model, batch)
+    torch.testing.assert_close(shared[0], full[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared[1], full[1], rtol=1e-4, atol=1e-6)
+    # And the full path itself agrees with one unpadded sequence run alone.
+    group = batch.groups[1]
+    sample = group.samples[2]
+    ids = torch.tensor([group.prompt_ids + sample.completion_ids])
+    n = len(sample.completion_ids)
+    with torch.no_grad():
+        alone = token_logprobs(model(input_ids=ids).logits[:, -n - 1 : -1], ids[:, -n:])
+    torch.testing.assert_close(full[0][1 * 4 + 2, :n], alone[0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(("grad_accum", "steps"), [(4, 1), (2, 2), (1, 4)])
 def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
-    tiny_model_dir: Path, grad_accum: int, steps: int
+    tiny_model_dir: Path, grad_accum: int, steps: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Four micro-batches: each is trained with one forward; the old log-probs need one more
     forward for every micro-batch that trains after the first optimizer step (none with a single
     step: TRL's rule), and those stay exactly on-policy for the first step's micro-batches."""
     torch.manual_seed(0)
     model = load_model(tiny_model_dir)
-    forwards = []
-    model.register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
+    forwards: list[bool] = []  # one per micro-batch forward (prompt pass and completion pass)
+
+    def counted(m: torch.nn.Module, mb: update.MicroBatch) -> Tensor:
+        forwards.append(torch.is_grad_enabled())
+        return completion_logits(m, mb)
+
+    monkeypatch.setattr(update, "completion_logits", counted)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     settings = UpdateSettings(

@@ -196,7 +196,7 @@ def run_with_loggers(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict
     if on_cuda:
         torch.cuda.set_device(cfg.gpu.training_gpu)
     else:
-        torch.set_num_threads(default_threads(cfg.train.threads))
+        torch.set_num_threads(default_threads(cfg.train.threads, alone=not cfg.train.pipeline))
     accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")
     torch.use_deterministic_algorithms(not on_cuda, warn_only=True)
 

@@ -1,10 +1,19 @@
 """One policy update: a pass over an iteration's rollouts in micro-batches.
 
-Layout of a micro-batch: each sequence is prompt + completion, LEFT-padded so that every sequence
-ends in the last column. The completions then all lie inside the last K columns (K = the longest
-completion), and the model only has to produce logits for those K positions (`logits_to_keep`),
-which keeps the [B, K, V] float32 work small even when prompts are long and the vocabulary large.
-Position ids are computed from the attention mask, so padding does not shift positions.
+Layout of a micro-batch: every distinct prompt is stored once, LEFT-padded so that all prompts end
+in the last prompt column, and every completion RIGHT-padded so that all start right after it;
+`prompt_index` names each completion's prompt. Position ids are computed from the masks, so
+padding does not shift positions.
+
+The forward pass shares prompts the way the inference server does: it runs each distinct prompt
+once (a group of G completions of one problem has one prompt), copies the prompt's key/value
+cache to its completions' rows and runs only the completion tokens on top of it. Gradients flow
+through the shared cache, so the loss and its gradient are those of running every prompt +
+completion in full, at 1/G of the prompt work (2.7x less training compute on the default task's
+16-sample groups). Where the cache cannot carry gradients or positions exactly (gradient
+checkpointing switches the cache off in training; a sliding-window cache drops keys) the rows are
+run in full instead. Only the logits of completion positions are produced (`logits_to_keep`),
+which keeps the [B, K, V] float32 work small when prompts are long and the vocabulary large.
 
 Old log-probabilities (the policy the samples are optimised away from) follow TRL: when the
 iteration makes a single optimizer step they are the current log-probabilities detached (ratio 1,
@@ -30,11 +39,11 @@ from grail.rollouts import RolloutBatch, Sample
 
 @dataclass
 class MicroBatch:
-    input_ids: Tensor  # [B, L] left-padded prompt + completion
-    attention_mask: Tensor  # [B, L]
-    position_ids: Tensor  # [B, L]
-    completion_ids: Tensor  # [B, K] the last K tokens of each row
-    completion_mask: Tensor  # [B, K] 1 on completion tokens
+    prompt_ids: Tensor  # [P, Lp] the distinct prompts, left-padded
+    prompt_mask: Tensor  # [P, Lp]
+    prompt_index: Tensor  # [B] row -> its prompt
+    completion_ids: Tensor  # [B, K] right-padded
+    completion_mask: Tensor  # [B, K] 1.0 on completion tokens
     behaviour_logprobs: Tensor  # [B, K] the server's log-probs, 0 on padding
     advantages: Tensor  # [B]
     num_tokens: int  # completion tokens (completion_mask.sum()), counted on the host: no sync
@@ -43,49 +52,91 @@ class MicroBatch:
 def pack_microbatch(
     items: Sequence[tuple[list[int], Sample]], pad_token_id: int, device: torch.device | str
 ) -> MicroBatch:
-    """Left-pad (prompt ids, sample) pairs into the tensors of one micro-batch."""
-    seqs = [list(prompt) + list(s.completion_ids) for prompt, s in items]
-    length = max(len(s) for s in seqs)
-    k = max(max(len(s.completion_ids) for _, s in items), 1)
-    # Padded Python rows, then one tensor each: a tensor per row costs more than the copying.
-    input_ids = torch.tensor([[pad_token_id] * (length - len(q)) + q for q in seqs])
-    attention_mask = torch.tensor([[0] * (length - len(q)) + [1] * len(q) for q in seqs])
+    """Pack (prompt ids, sample) pairs into the tensors of one micro-batch."""
+    index: dict[tuple[int, ...], int] = {}
+    for prompt, _ in items:
+        index.setdefault(tuple(prompt), len(index))
+    prompts = list(index)
+    width = max(len(p) for p in prompts)
     lengths = [len(s.completion_ids) for _, s in items]
+    k = max(*lengths, 1)
+    # Padded Python rows, then one tensor each: a tensor per row costs more than the copying.
+    prompt_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    samples = [s for _, s in items]
+    completion_ids = torch.tensor(
+        [list(s.completion_ids) + [pad_token_id] * (k - len(s.completion_ids)) for s in samples]
+    )
     completion_mask = torch.tensor(
-        [[0.0] * (k - n) + [1.0] * n for n in lengths], dtype=torch.float32
+        [[1.0] * n + [0.0] * (k - n) for n in lengths], dtype=torch.float32
     )
     # A server may report -inf for a token its top-k/top-p filter excluded; keep the TIS weight
     # and the mismatch metric finite (the weight is capped either way).
-    behaviour_rows = [
-        [0.0] * (k - n) + list(s.behaviour_logprobs)
-        for n, (_, s) in zip(lengths, items, strict=True)
-    ]
-    behaviour = torch.tensor(behaviour_rows, dtype=torch.float32).clamp(min=-1e4)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    advantages = torch.tensor([s.advantage for _, s in items], dtype=torch.float32)
+    behaviour = torch.tensor(
+        [list(s.behaviour_logprobs) + [0.0] * (k - len(s.behaviour_logprobs)) for s in samples],
+        dtype=torch.float32,
+    ).clamp(min=-1e4)
     return MicroBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        completion_ids=input_ids[:, length - k :].to(device),
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
+        prompt_index=torch.tensor([index[tuple(p)] for p, _ in items]).to(device),
+        completion_ids=completion_ids.to(device),
         completion_mask=completion_mask.to(device),
         behaviour_logprobs=behaviour.to(device),
-        advantages=advantages.to(device),
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
         num_tokens=sum(lengths),
     )
 
 
+def _positions(mask: Tensor) -> Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def can_share_prompts(model: torch.nn.Module) -> bool:
+    """Whether a prompt's key/value cache can stand in for running it once per completion."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(model, "is_gradient_checkpointing", False):
+        return False
+    return "sliding_attention" not in (getattr(config, "layer_types", None) or [])
+
+
 def completion_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
-    """Logits [B, K, V] that predict the last K tokens of every row."""
+    """Logits [B, K, V]: row b, column t predicts completion token t of row b."""
     k = mb.completion_ids.shape[1]
-    out = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        logits_to_keep=k + 1,
-        use_cache=False,
+    rows = mb.prompt_index
+    if not can_share_prompts(model):
+        mask = torch.cat([mb.prompt_mask[rows], mb.completion_mask.long()], dim=1)
+        out = model(
+            input_ids=torch.cat([mb.prompt_ids[rows], mb.completion_ids], dim=1),
+            attention_mask=mask,
+            position_ids=_positions(mask),
+            logits_to_keep=k + 1,
+            use_cache=False,
+        )
+        return out.logits[:, :-1]
+    # The last prompt position predicts the first completion token; the completion's own
+    # positions (all but its last token) predict the rest.
+    prompt = model(
+        input_ids=mb.prompt_ids,
+        attention_mask=mb.prompt_mask,
+        position_ids=_positions(mb.prompt_mask),
+        logits_to_keep=1,
+        use_cache=True,
     )
-    return out.logits[:, :-1]
+    first = prompt.logits[rows]
+    if k == 1:
+        return first
+    cache = prompt.past_key_values
+    cache.batch_select_indices(rows)
+    offsets = torch.arange(k - 1, device=rows.device)
+    rest = model(
+        input_ids=mb.completion_ids[:, :-1],
+        attention_mask=torch.cat([mb.prompt_mask[rows], mb.completion_mask[:, :-1].long()], 1),
+        position_ids=mb.prompt_mask.sum(-1)[rows, None] + offsets,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return torch.cat([first, rest.logits], dim=1)
 
 
 def microbatches(batch: RolloutBatch, batch_size: int) -> list[list[tuple[list[int], Sample]]]:

@@ -86,11 +86,10 @@ def _trainer_logprobs(
     mb = pack_microbatch(items, pad_id, "cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         logprobs = token_logprobs(completion_logits(model, mb), mb.completion_ids, TEMPERATURE)
-    k = mb.completion_ids.shape[1]
     rows = []
     for row, (_, sample) in enumerate(items):
-        n = len(sample.completion_ids)
-        rows.append(logprobs[row, k - n :].float().cpu().tolist())
+        n = len(sample.completion_ids)  # completions are right-padded
+        rows.append(logprobs[row, :n].float().cpu().tolist())
     del model
     torch.cuda.empty_cache()
     return rows
