@@ -178,8 +178,9 @@ def ours_threads(arm: str, total: int) -> tuple[int, int]:
         raise ValueError(f"threads must be >= 1, got {total}")
     if arm not in OURS_ARMS:
         raise ValueError(f"arm {arm!r} is not one of ours: {', '.join(OURS_ARMS)}")
-    half = max(1, total // 2)
-    return (total if arm == "sync" else half), half
+    from grail.config import split_cores
+
+    return split_cores(total, pipelined=arm == "pipelined")
 
 
 def arm_threads(arm: str, total: int) -> int:

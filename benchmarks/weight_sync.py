@@ -332,10 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import transformers
 
-    from grail.config import default_threads
+    from grail.config import available_cores, split_cores
 
     transformers.utils.logging.disable_progress_bar()
-    threads = default_threads(args.threads)
+    threads = args.threads or split_cores(available_cores(), pipelined=False)[1]
     torch.set_num_threads(threads)
     results: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="grail-weight-sync-"))

@@ -15,19 +15,25 @@ from typing import Any
 from omegaconf import MISSING
 
 
-def default_threads(requested: int | None, *, alone: bool = False) -> int:
-    """Threads for the trainer or the server on CPU: as requested; else all the cores this
-    process may use (its affinity: SLURM, taskset) when it computes `alone`, as the trainer does
-    in sync mode, where generation and training take turns; else half of them. Giving both
-    processes all cores was measured to make iterations up to 15x slower whenever they computed
-    at once: each side's OpenMP threads wait at barriers for a core the other side holds."""
-    if requested:
-        return requested
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity (what SLURM or taskset grant), which can
+    be far fewer than `os.cpu_count()` (the whole node)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return cores if alone else max(1, cores // 2)
+        return os.cpu_count() or 1
+
+
+def split_cores(cores: int, *, pipelined: bool) -> tuple[int, int]:
+    """(trainer, server) torch threads on CPU for a run that has `cores` cores to itself.
+
+    The trainer gets all of them in sync mode, where generation and training take turns, and half
+    in pipelined mode, where both compute at once (both on all cores was measured up to 15x
+    slower: each side's OpenMP threads wait at barriers for a core the other side holds). The
+    server gets half either way, because while it generates its HTTP thread and the trainer's
+    client are busy too (on 2 cores, 2 server threads generated 3x slower than 1)."""
+    half = max(1, cores // 2)
+    return (half if pipelined else cores), half
 
 
 class ConfigError(ValueError):
@@ -59,8 +65,7 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     weight_sync: str = "in_place"  # in_place | restart
-    # None: half the cores, also in sync mode: the trainer parses responses while it generates.
-    server_threads: int | None = None
+    server_threads: int | None = None  # None: half the cores (see split_cores)
     start_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
     max_concurrency: int = 64
@@ -98,7 +103,7 @@ class TrainConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
     logratio_clamp: float | None = None  # clamp |log ratio| before exp
-    threads: int | None = None  # trainer's torch threads; None: all cores (pipelined: half)
+    threads: int | None = None  # trainer's torch threads; None: all cores, pipelined half
     # One step off-policy: the server generates iteration i+1's rollouts (with the weights before
     # iteration i's update) while iteration i trains; truncated IS (tis_cap) corrects the lag.
     pipeline: bool = False
@@ -250,3 +255,10 @@ def validate(cfg: Config) -> None:
 
     _positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
     _positive("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k)
+
+
+def cpu_threads(cfg: Config) -> tuple[int, int]:
+    """The run's (trainer, server) threads on CPU: `train.threads` and
+    `generation.server_threads` where set, else `split_cores` of this process's cores."""
+    trainer, server = split_cores(available_cores(), pipelined=cfg.train.pipeline)
+    return cfg.train.threads or trainer, cfg.generation.server_threads or server

@@ -8,10 +8,8 @@ a time and waits for the whole batch, so batch b holds job numbers [b·P, b·P +
 P = max_batch_size, and `slot = job_num mod P` is unique among the runs alive at any moment:
 
     GPUs:  run in slot s takes GPUs [s·k, s·k + k), k = 1 (gpu.strategy=single) or 2 (multi)
-    CPU:   trainer threads = server threads = max(1, cores // P)
-
-Trainer and server each get the whole share because in sync mode they never compute at the same
-time (the trainer waits for rollouts, the server idles while the trainer steps).
+    CPU:   the run's share is max(1, cores // P) cores, split between its trainer and its server
+           as a lone run splits the whole machine (`grail.config.split_cores`)
 
 Launchers differ in who shares the machine: the basic launcher runs one job at a time (P = 1); the
 submitit local launcher starts a whole batch at once on this machine (P = batch size); the SLURM
@@ -29,6 +27,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from grail.config import split_cores
 
 SUBMITIT_LOCAL = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
 SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -78,7 +78,7 @@ class Resources:
 
     slot: int
     parallel: int
-    threads: int
+    cores: int
     server_gpu: int | None = None
     training_gpu: int | None = None
 
@@ -98,9 +98,9 @@ def assign_resources(
     if cpus < 1:
         raise SweepError(f"need at least one CPU core, got {cpus}")
     slot = job_num % parallel
-    threads = max(1, cpus // parallel)
+    cores = max(1, cpus // parallel)
     if gpus <= 0:
-        return Resources(slot=slot, parallel=parallel, threads=threads)
+        return Resources(slot=slot, parallel=parallel, cores=cores)
     k = gpus_per_run(strategy)
     if k > gpus:
         raise SweepError(
@@ -117,18 +117,21 @@ def assign_resources(
     return Resources(
         slot=slot,
         parallel=parallel,
-        threads=threads,
+        cores=cores,
         server_gpu=first,
         training_gpu=first + k - 1,
     )
 
 
-def resource_overrides(resources: Resources, explicit: set[str] | frozenset[str]) -> dict[str, int]:
+def resource_overrides(
+    resources: Resources, explicit: set[str] | frozenset[str], *, pipelined: bool
+) -> dict[str, int]:
     """Config values (dotted key -> value) that put a run on its share, leaving alone every key the
     user set explicitly (`explicit`): an explicit choice always wins over the automatic one."""
+    trainer_threads, server_threads = split_cores(resources.cores, pipelined=pipelined)
     values: dict[str, int | None] = {
-        "train.threads": resources.threads,
-        "generation.server_threads": resources.threads,
+        "train.threads": trainer_threads,
+        "generation.server_threads": server_threads,
         "gpu.server_gpu": resources.server_gpu,
         "gpu.training_gpu": resources.training_gpu,
     }

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grail.config import default_threads
+from grail.config import available_cores, split_cores
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # The scripts import their shared module as `common` (their own folder is on sys.path when run).
@@ -374,12 +374,9 @@ def test_vs_trl_gives_ours_the_threads_grail_train_picks_by_default() -> None:
         2,
     )
     assert vs_trl.ours_threads("sync", 1) == vs_trl.ours_threads("pipelined", 1) == (1, 1)
-    cores = len(os.sched_getaffinity(0))
-    assert vs_trl.ours_threads("sync", cores) == (
-        default_threads(None, alone=True),
-        default_threads(None),
-    )
-    assert vs_trl.ours_threads("pipelined", cores) == (default_threads(None), default_threads(None))
+    cores = available_cores()
+    assert vs_trl.ours_threads("sync", cores) == split_cores(cores, pipelined=False)
+    assert vs_trl.ours_threads("pipelined", cores) == split_cores(cores, pipelined=True)
     # The arm process runs ours' trainer; TRL gets all the cores, or half
     assert vs_trl.arm_threads("sync", 5) == 5 and vs_trl.arm_threads("pipelined", 5) == 2
     assert vs_trl.arm_threads("trl", 5) == 5 and vs_trl.arm_threads("trl_half", 5) == 2

@@ -63,9 +63,9 @@ def test_runs_alive_together_get_disjoint_gpus(strategy: str, per_run: int) -> N
 
 def test_cpu_runs_split_the_cores_instead_of_oversubscribing() -> None:
     r = assign_resources(5, 4, gpus=0, cpus=16, strategy="single")
-    assert (r.slot, r.threads, r.server_gpu, r.training_gpu) == (1, 4, None, None)
-    assert assign_resources(0, 4, gpus=0, cpus=2, strategy="single").threads == 1  # never 0
-    assert assign_resources(0, 1, gpus=0, cpus=2, strategy="single").threads == 2
+    assert (r.slot, r.cores, r.server_gpu, r.training_gpu) == (1, 4, None, None)
+    assert assign_resources(0, 4, gpus=0, cpus=2, strategy="single").cores == 1  # never 0
+    assert assign_resources(0, 1, gpus=0, cpus=2, strategy="single").cores == 2
 
 
 def test_more_parallel_runs_than_gpus_is_refused_naming_the_knob() -> None:
@@ -89,16 +89,18 @@ def test_default_parallelism_per_launcher() -> None:
 
 def test_explicit_settings_win_over_the_assignment() -> None:
     r = assign_resources(1, 2, gpus=2, cpus=8, strategy="single")
-    assert resource_overrides(r, set()) == {
+    # the run's 4 cores split as a lone run splits the machine: the trainer all in sync mode
+    assert resource_overrides(r, set(), pipelined=False) == {
         "train.threads": 4,
-        "generation.server_threads": 4,
+        "generation.server_threads": 2,
         "gpu.server_gpu": 1,
         "gpu.training_gpu": 1,
     }
-    assert resource_overrides(r, {"train.threads", "gpu.server_gpu"}) == {
-        "generation.server_threads": 4,
+    assert resource_overrides(r, {"train.threads", "gpu.server_gpu"}, pipelined=True) == {
+        "generation.server_threads": 2,
         "gpu.training_gpu": 1,
     }
+    assert resource_overrides(r, set(), pipelined=True)["train.threads"] == 2
     keys = ["train.threads", "gpu.server_gpu"]
     assert explicit_keys(["train.lr=1", "++train.threads=2", "gpu.server_gpu=0"], keys) == {
         "train.threads",
@@ -124,7 +126,7 @@ def _hydra_cfg(target: str, batch: int | None, job: int, task: list[str]):
 
 def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "visible_gpus", lambda: 4)
-    monkeypatch.setattr(cli, "available_cpus", lambda: 16)
+    monkeypatch.setattr(cli, "available_cores", lambda: 16)
     cfg = _compose("train.threads=3", "gpu.strategy=multi")
     cfg.generation.server_threads = 5  # set in a YAML file: also the user's choice
     values = cli.sweep_resources(
@@ -136,7 +138,7 @@ def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) ->
     values = cli.sweep_resources(cfg, _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[]))
     assert values == {
         "train.threads": 8,
-        "generation.server_threads": 8,
+        "generation.server_threads": 4,
         "gpu.server_gpu": 2,
         "gpu.training_gpu": 3,
     }
@@ -153,7 +155,7 @@ def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) ->
 def test_local_launcher_preset_composes_with_automatic_batch_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cli, "available_cpus", lambda: 2)
+    monkeypatch.setattr(cli, "available_cores", lambda: 2)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         local = compose(
             config_name="offline_grpo",
@@ -469,7 +471,7 @@ def test_submitit_local_launcher_runs_jobs_in_parallel_with_their_own_share(
     assert seen[0]["pid"] != seen[1]["pid"]  # separate processes...
     assert all(s["waited"] < 60 for s in seen)  # ...alive at the same time (they met)
     assert seen[0]["port"] != seen[1]["port"]
-    share = max(1, cli.available_cpus() // 2)
+    share = max(1, cli.available_cores() // 2)
     for s in seen:
-        assert s["threads"] == s["server_threads"] == share
+        assert (s["threads"], s["server_threads"]) == (share, max(1, share // 2))
     assert (sweep_dir / ".submitit").is_dir()

@@ -569,7 +569,7 @@ def server_manager_from_config(
     that GPU, so the memory fraction defaults low. The built-in server runs on CPU when CUDA is
     not available; vLLM and SGLang need CUDA and say so.
     """
-    from grail.config import GenerationConfig, default_threads
+    from grail.config import GenerationConfig, cpu_threads
 
     if cuda_available is None:
         import torch
@@ -583,7 +583,7 @@ def server_manager_from_config(
         )
     threads = None
     if not cuda_available:
-        threads = default_threads(gen.server_threads)
+        threads = cpu_threads(cfg)[1]
     start_timeout = gen.start_timeout_s
     if gen.backend != "builtin" and start_timeout == GenerationConfig.start_timeout_s:
         # `generation.backend=vllm` without the preset keeps the built-in server's default,

@@ -29,7 +29,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grail.config import Config, ConfigError, GenerationConfig, GpuConfig, TrainConfig, validate
+from grail.config import (
+    Config,
+    ConfigError,
+    GenerationConfig,
+    GpuConfig,
+    TrainConfig,
+    available_cores,
+    validate,
+)
 from grail.sweep import (
     Action,
     assign_resources,
@@ -61,15 +69,6 @@ _RESOURCE_DEFAULTS: dict[str, Any] = {
 }
 
 
-def available_cpus() -> int:
-    """Cores this process may run on: its CPU affinity (what SLURM or taskset grant), which can
-    be far fewer than `os.cpu_count()` (the whole node)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def visible_gpus() -> int:
     """GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
@@ -84,7 +83,7 @@ def _parallel_resolver(launcher_target: str | None, strategy: str) -> int | None
     if not launcher_shares_machine(launcher_target):
         return None
     return default_parallel_runs(
-        launcher_target, gpus=visible_gpus(), cpus=available_cpus(), strategy=strategy
+        launcher_target, gpus=visible_gpus(), cpus=available_cores(), strategy=strategy
     )
 
 
@@ -120,14 +119,14 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
         int(hydra_cfg.job.num),
         int(parallel),
         gpus=gpus,
-        cpus=available_cpus(),
+        cpus=available_cores(),
         strategy=str(cfg.gpu.strategy),
     )
     explicit = explicit_keys(list(hydra_cfg.overrides.task), list(_RESOURCE_DEFAULTS))
     explicit |= {
         key for key, default in _RESOURCE_DEFAULTS.items() if OmegaConf.select(cfg, key) != default
     }
-    return resource_overrides(resources, explicit)
+    return resource_overrides(resources, explicit, pipelined=bool(cfg.train.pipeline))
 
 
 def _train(config: Config, run_dir: Path) -> None:

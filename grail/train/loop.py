@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from grail.algo.grpo import GRPOLossConfig
-from grail.config import Config, default_threads, validate
+from grail.config import Config, cpu_threads, validate
 from grail.envs import ENVIRONMENTS, Environment, make_env
 from grail.envs.rewards import RewardFunctions
 from grail.inference.backends import server_manager_from_config
@@ -196,7 +196,7 @@ def run_with_loggers(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict
     if on_cuda:
         torch.cuda.set_device(cfg.gpu.training_gpu)
     else:
-        torch.set_num_threads(default_threads(cfg.train.threads, alone=not cfg.train.pipeline))
+        torch.set_num_threads(cpu_threads(cfg)[0])
     accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")
     torch.use_deterministic_algorithms(not on_cuda, warn_only=True)
 
