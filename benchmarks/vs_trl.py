@@ -115,6 +115,8 @@ from typing import Any
 
 from common import peak_rss_mb, print_table, spread, write_results
 
+from grail.config import split_cores
+
 ARMS = ("sync", "pipelined", "trl", "trl_half")
 OURS_ARMS = ("sync", "pipelined")
 TRL_ARMS = ("trl", "trl_half")
@@ -178,8 +180,6 @@ def ours_threads(arm: str, total: int) -> tuple[int, int]:
         raise ValueError(f"threads must be >= 1, got {total}")
     if arm not in OURS_ARMS:
         raise ValueError(f"arm {arm!r} is not one of ours: {', '.join(OURS_ARMS)}")
-    from grail.config import split_cores
-
     return split_cores(total, pipelined=arm == "pipelined")
 
 
