@@ -178,7 +178,6 @@ class GpuServer(ServerManager):
 
     def _control(
         self,
-        http: httpx.Client,
         path: str,
         *,
         body: Mapping[str, Any] | None = None,
@@ -188,7 +187,7 @@ class GpuServer(ServerManager):
         a `WeightSyncError` that says whether the server died meanwhile."""
         url = f"{self.root_url}{path}"
         try:
-            response = http.post(url, json=body, params=params)
+            response = self.control_http().post(url, json=body, params=params)
         except httpx.HTTPError as exc:
             detail = f"{type(exc).__name__}: {exc}"
             if self._proc is not None:
@@ -223,11 +222,6 @@ class GpuServer(ServerManager):
         except ServerError as exc:
             raise WeightSyncError(f"cannot update weights: {exc}") from exc
         return path
-
-    def _http(self) -> httpx.Client:
-        return httpx.Client(
-            timeout=httpx.Timeout(self.weight_sync_timeout, connect=5.0), headers=self._headers()
-        )
 
     def _updated(self, path: Path, version: str, t0: float) -> float:
         self.model_path = path  # recover() and restarts start from the newest weights
@@ -337,51 +331,50 @@ class VLLMServer(GpuServer):
         timings: dict[str, float] = {}
         self.last_sync_timings = timings
         t0 = time.perf_counter()
-        with self._http() as http:
 
-            def step(name: str, route: str, **kwargs: Any) -> Any:
-                t = time.perf_counter()
-                status, body = self._control(http, route, **kwargs)
-                timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
-                if status == 404:
-                    raise WeightSyncError(
-                        f"vLLM has no route POST {route} (HTTP 404): the reload routes need "
-                        "VLLM_SERVER_DEV_MODE=1 in the server's environment and vLLM >= 0.11"
-                    )
-                if status != 200:
-                    raise WeightSyncError(
-                        f"vLLM POST {route} failed with HTTP {status}: {_message(body)}"
-                    )
-                return body
-
-            step("pause", "/pause", params={"mode": "wait"})
-            failure: BaseException | None = None
-            try:
-                step(
-                    "reload",
-                    "/collective_rpc",
-                    body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+        def step(name: str, route: str, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            status, body = self._control(route, **kwargs)
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+            if status == 404:
+                raise WeightSyncError(
+                    f"vLLM has no route POST {route} (HTTP 404): the reload routes need "
+                    "VLLM_SERVER_DEV_MODE=1 in the server's environment and vLLM >= 0.11"
                 )
-                for attempt in range(1, self.reset_attempts + 1):
-                    body = step("reset_prefix_cache", "/reset_prefix_cache")
-                    if isinstance(body, dict) and body.get("success") is True:
-                        break
-                    if attempt == self.reset_attempts:
-                        raise WeightSyncError(
-                            f"vLLM could not reset its prefix cache after {attempt} attempts "
-                            f"(last answer: {body!r}); rollouts would mix old and new weights"
-                        )
-                    time.sleep(self.reset_backoff_s * 2 ** (attempt - 1))
-            except BaseException as exc:
-                failure = exc
-                raise
-            finally:
-                try:
-                    step("resume", "/resume")
-                except WeightSyncError as exc:
-                    if failure is None:
-                        raise
-                    logger.error("could not resume vLLM after a failed reload: %s", exc)
+            if status != 200:
+                raise WeightSyncError(
+                    f"vLLM POST {route} failed with HTTP {status}: {_message(body)}"
+                )
+            return body
+
+        step("pause", "/pause", params={"mode": "wait"})
+        failure: BaseException | None = None
+        try:
+            step(
+                "reload",
+                "/collective_rpc",
+                body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+            )
+            for attempt in range(1, self.reset_attempts + 1):
+                body = step("reset_prefix_cache", "/reset_prefix_cache")
+                if isinstance(body, dict) and body.get("success") is True:
+                    break
+                if attempt == self.reset_attempts:
+                    raise WeightSyncError(
+                        f"vLLM could not reset its prefix cache after {attempt} attempts "
+                        f"(last answer: {body!r}); rollouts would mix old and new weights"
+                    )
+                time.sleep(self.reset_backoff_s * 2 ** (attempt - 1))
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            try:
+                step("resume", "/resume")
+            except WeightSyncError as exc:
+                if failure is None:
+                    raise
+                logger.error("could not resume vLLM after a failed reload: %s", exc)
         return self._updated(path, version, t0)
 
 
@@ -474,12 +467,10 @@ class SGLangServer(GpuServer):
         version = weight_version or path.name
         self.last_sync_timings = {}
         t0 = time.perf_counter()
-        with self._http() as http:
-            status, body = self._control(
-                http,
-                "/update_weights_from_disk",
-                body={"model_path": str(path), "weight_version": version},
-            )
+        status, body = self._control(
+            "/update_weights_from_disk",
+            body={"model_path": str(path), "weight_version": version},
+        )
         self.last_sync_timings["reload"] = time.perf_counter() - t0
         if status != 200 or not isinstance(body, dict) or body.get("success") is not True:
             raise WeightSyncError(

@@ -354,6 +354,7 @@ class ServerManager(ABC):
         self.log_path = self.log_dir / f"{self.kind}-{safe_name}.log"
 
         self._proc: subprocess.Popen | None = None
+        self._control_client: httpx.Client | None = None
         self._finalizer: weakref.finalize | None = None
         self._log_offset = 0
         self._started_at = 0.0
@@ -412,6 +413,17 @@ class ServerManager(ABC):
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def control_http(self) -> httpx.Client:
+        """The client for control calls (weight updates), made once per server process: a new
+        httpx client costs ~20 ms (it loads the CA bundle), as much as a tiny model's whole
+        in-place update."""
+        if self._control_client is None:
+            self._control_client = httpx.Client(
+                timeout=httpx.Timeout(self.weight_sync_timeout, connect=5.0),
+                headers=self._headers(),
+            )
+        return self._control_client
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -621,6 +633,9 @@ class ServerManager(ABC):
 
     def stop(self, timeout: float | None = None) -> None:
         """SIGTERM the server's process group, wait up to `timeout` s, then SIGKILL. Idempotent."""
+        if self._control_client is not None:
+            self._control_client.close()
+            self._control_client = None
         proc = self._proc
         if proc is None:
             return
@@ -779,11 +794,8 @@ class BuiltinServer(ServerManager):
         url = f"{self.root_url}/update_weights_from_disk"
         t0 = time.perf_counter()
         try:
-            response = httpx.post(
-                url,
-                json={"model_path": str(path), "weight_version": version},
-                headers=self._headers(),
-                timeout=httpx.Timeout(self.weight_sync_timeout, connect=5.0),
+            response = self.control_http().post(
+                url, json={"model_path": str(path), "weight_version": version}
             )
         except httpx.HTTPError as exc:
             detail = f"{type(exc).__name__}: {exc}"
