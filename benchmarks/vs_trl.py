@@ -125,13 +125,14 @@ ENVIRONMENT = "copy_digits"
 
 @dataclass(frozen=True)
 class Workload:
-    """Everything both sides are configured from; one instance is passed to every arm."""
+    """Everything both sides are configured from; one instance is passed to every arm. The
+    defaults are one iteration of the default job (conf/env/copy_digits.yaml)."""
 
-    problems: int = 16
-    group_size: int = 8
-    max_new_tokens: int = 8
-    iterations: int = 8
-    micro_batch: int = 32
+    problems: int = 64
+    group_size: int = 16
+    max_new_tokens: int = 4
+    iterations: int = 6
+    micro_batch: int = 256
     lr: float = 5e-3
     loss_type: str = "dapo"
     epsilon: float = 0.2

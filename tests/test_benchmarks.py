@@ -276,6 +276,22 @@ def test_vs_trl_both_sides_are_configured_alike(arm: str) -> None:
     assert (cfg.train.threads, cfg.generation.server_threads) == (trainer, 1)
 
 
+def test_vs_trl_measures_the_default_jobs_iteration_by_default() -> None:
+    cfg = _compose_ours([])  # what `uv run grail-train` runs
+    w = vs_trl.Workload()
+    assert (w.problems, w.group_size) == (
+        cfg.data.problems_per_iteration,
+        cfg.data.rollouts_per_problem,
+    )
+    assert w.max_new_tokens == cfg.generation.max_new_tokens
+    assert (w.micro_batch, w.grad_accum_steps) == (cfg.train.batch_size, cfg.train.grad_accum_steps)
+    assert (w.lr, w.loss_type, w.adam_beta2) == (
+        cfg.train.lr,
+        cfg.train.loss_type,
+        cfg.train.adam_beta2,
+    )
+
+
 def test_vs_trl_dataset_is_the_harness_seeds_in_order() -> None:
     from grail.envs import make_env
     from grail.train.loop import iteration_seeds
