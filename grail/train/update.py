@@ -12,8 +12,9 @@ through the shared cache, so the loss and its gradient are those of running ever
 completion in full (up to float rounding), at 1/G of the prompt work: on the default task (16
 completions of 4 tokens per 15-token prompt) the training pass took 2.5x less time. Where the
 cache cannot carry gradients or positions exactly (gradient checkpointing switches the cache off
-in training; a sliding-window cache drops keys) the rows are run in full instead. Only the logits of completion positions are produced (`logits_to_keep`),
-which keeps the [B, K, V] float32 work small when prompts are long and the vocabulary large.
+in training; a sliding-window cache drops keys) the rows are run in full instead. Only the
+logits of completion positions are produced (`logits_to_keep`), which keeps the [B, K, V]
+float32 work small when prompts are long and the vocabulary large.
 
 Old log-probabilities (the policy the samples are optimised away from) follow TRL: when the
 iteration makes a single optimizer step they are the current log-probabilities detached (ratio 1,
