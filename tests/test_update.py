@@ -119,12 +119,13 @@ def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
         grad_accum_steps=grad_accum,
         grad_clip=1.0,
     )
+    batch = _batch(4, 4, seed=1)
     metrics = policy_update(
         model,
         None,
         optimizer,
         scheduler,
-        _batch(4, 4, seed=1),
+        batch,
         settings,
         pad_token_id=0,
         device=torch.device("cpu"),
@@ -135,5 +136,7 @@ def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     assert forwards.count(False) == old_passes  # no-grad passes: old log-probs only
     assert forwards.count(True) == 4
     assert metrics["optimizer_steps"] == steps
+    # the iteration's completion tokens, not a per-micro-batch average
+    assert metrics["num_tokens"] == sum(len(s.completion_ids) for s in batch.samples)
     if steps == 1:
         assert metrics["clip_frac"] == 0.0  # ratio exactly 1 everywhere

@@ -155,13 +155,15 @@ class UpdateSettings:
 
 
 def _merge(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
-    """Token-weighted mean of per-micro-batch metrics; maxima stay maxima."""
+    """Token-weighted mean of per-micro-batch metrics; maxima stay maxima, counts add up."""
     merged: dict[str, float] = {}
     total = sum(weights) or 1.0
     for key in metrics[0]:
         values = [m[key] for m in metrics if key in m]
         if key.endswith("_max"):
             merged[key] = max(values)
+        elif key == "num_tokens":
+            merged[key] = sum(values)
         else:
             merged[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total
     return merged
