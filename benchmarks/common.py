@@ -4,6 +4,7 @@ the script's own folder is on sys.path, so they import this module as `common`."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -81,3 +82,39 @@ def write_results(name: str, results: dict[str, Any], out: Path | None = None) -
     tmp.replace(path)
     print(f"results written to {path}")
     return path
+
+
+class ServerPeakRss:
+    """Records the peak VmHWM of the inference servers `grail.train.loop.run` starts in this
+    process, read just before the harness stops each one.
+
+    Wraps `ServerManager.stop` in this process only. Reading /proc/PID/status of the
+    live server is exact; `getrusage(RUSAGE_CHILDREN)` is not usable here, because it reports the
+    largest child of any kind, and a short-lived child forked to run `ldconfig` (ctypes does that
+    while torch loads) counts the parent's whole resident set as its own.
+    """
+
+    def __init__(self) -> None:
+        self.peak_mb = 0.0
+        self.pids: list[int] = []  # every server stopped meanwhile (restarts included)
+
+    def __enter__(self) -> ServerPeakRss:
+        from grail.inference.servers import ServerManager
+
+        original = ServerManager.stop
+        self._restore = lambda: setattr(ServerManager, "stop", original)
+        recorder = self
+
+        def stop(manager: Any, *args: Any, **kwargs: Any) -> None:
+            pid = manager.pid
+            if pid is not None:
+                recorder.pids.append(pid)
+                with contextlib.suppress(OSError, RuntimeError):  # already gone: nothing to read
+                    recorder.peak_mb = max(recorder.peak_mb, peak_rss_mb(pid))
+            original(manager, *args, **kwargs)
+
+        ServerManager.stop = stop  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()

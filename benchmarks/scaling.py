@@ -26,10 +26,9 @@ from the loop's own metrics files, median over the iterations after `--warmup` u
 (pooled over `--rounds` runs per point; rounds interleave the points, so a slow spell on a
 shared machine is spread over all of them).
 Peak memory is VmHWM: the trainer's (the worker process, read after `run` returns) and the
-inference server's (read every 0.1 s from /proc by a thread of the worker, as long as the
-server lives; VmHWM only grows, so the last read is its peak up to the last 0.1 s). "run added"
-is the trainer's peak minus its resident memory just before `run` (torch, transformers and
-Hydra imported): what the model, optimizer, rollouts and activations take.
+inference server's (read from /proc just before the loop stops it: `common.ServerPeakRss`).
+"run added" is the trainer's peak minus its resident memory just before `run` (torch,
+transformers and Hydra imported): what the model, optimizer, rollouts and activations take.
 
 Printed: per point the median iteration seconds with its generation / train / sync split,
 seconds per rollout and per completion token, and both peaks; per series the scaling exponent
@@ -41,7 +40,6 @@ bounds it. Results: benchmarks/results/scaling.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -51,16 +49,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import peak_rss_mb, print_table, write_results
+from common import ServerPeakRss, peak_rss_mb, print_table, write_results
 
-SERVER_MODULE = "grail.inference.builtin.server"
 LINEAR_SLACK = 0.1  # exponent b up to 1 + slack counts as linear (timings are noisy)
 FLAT_MEMORY = 0.10  # trainer peak growth up to 10 % over the rollouts series counts as flat
 
@@ -207,50 +203,8 @@ def relative_growth(values: Sequence[float]) -> float:
     return (values[-1] - values[0]) / values[0]
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc/PID/task/*/children (Linux)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 # --------------------------------------------------------------------------------------------
 # worker: one point, in its own process
-
-
-class _ServerPeak(threading.Thread):
-    """Polls this process's children; keeps the last VmHWM of each inference server."""
-
-    def __init__(self, interval: float = 0.1) -> None:
-        super().__init__(daemon=True, name="server-peak")
-        self.interval = interval
-        self.peaks: dict[int, float] = {}
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        me = os.getpid()
-        while not self._done.is_set():
-            for pid in child_pids(me):
-                # A server that exits between the listing and the read keeps its last value.
-                if SERVER_MODULE in _cmdline(pid):
-                    with contextlib.suppress(OSError, RuntimeError):
-                        self.peaks[pid] = peak_rss_mb(pid)
-            self._done.wait(self.interval)
-
-    def finish(self) -> None:
-        self._done.set()
-        self.join(5)
 
 
 def worker(spec_path: Path) -> int:
@@ -275,17 +229,13 @@ def worker(spec_path: Path) -> int:
     config = OmegaConf.to_object(cfg)
     validate(config)  # type: ignore[arg-type]
     rss_start = _rss_mb()
-    monitor = _ServerPeak()
-    monitor.start()
-    try:
+    with ServerPeakRss() as server:
         loop.run(config, Path(spec["run_dir"]))  # type: ignore[arg-type]
-    finally:
-        monitor.finish()
     result = {
         "trainer_peak_rss_mb": peak_rss_mb(),
         "trainer_rss_start_mb": rss_start,
-        "server_peak_rss_mb": max(monitor.peaks.values(), default=None),
-        "server_pids": sorted(monitor.peaks),
+        "server_peak_rss_mb": server.peak_mb or None,
+        "server_pids": server.pids,
     }
     Path(spec["result"]).write_text(json.dumps(result))
     return 0

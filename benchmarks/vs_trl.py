@@ -113,7 +113,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import peak_rss_mb, print_table, spread, write_results
+from common import ServerPeakRss, peak_rss_mb, print_table, spread, write_results
 
 from grail.config import split_cores
 
@@ -349,39 +349,6 @@ def _compose(overrides: list[str]) -> Any:
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return OmegaConf.to_object(compose("offline_grpo", overrides=overrides))
-
-
-class ServerPeakRss:
-    """Records the inference server's VmHWM just before the harness stops it.
-
-    Wraps `ServerManager.stop` in this (worker) process only. Reading /proc/PID/status of the
-    live server is exact; `getrusage(RUSAGE_CHILDREN)` is not usable here, because it reports the
-    largest child of any kind, and a short-lived child forked to run `ldconfig` (ctypes does that
-    while torch loads) counts the parent's whole resident set as its own.
-    """
-
-    def __init__(self) -> None:
-        self.peak_mb = 0.0
-
-    def __enter__(self) -> ServerPeakRss:
-        from grail.inference.servers import ServerManager
-
-        original = ServerManager.stop
-        self._restore = lambda: setattr(ServerManager, "stop", original)
-        recorder = self
-
-        def stop(manager: Any, *args: Any, **kwargs: Any) -> None:
-            pid = manager.pid
-            if pid is not None:
-                with contextlib.suppress(OSError, RuntimeError):  # already gone: nothing to read
-                    recorder.peak_mb = max(recorder.peak_mb, peak_rss_mb(pid))
-            original(manager, *args, **kwargs)
-
-        ServerManager.stop = stop  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._restore()
 
 
 # ---------------------------------------------------------------------------------------------

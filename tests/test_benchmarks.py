@@ -3,8 +3,6 @@ verdicts are computed from. Nothing here is timed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # The scripts import their shared module as `common` (their own folder is on sys.path when run).
 sys.path.insert(0, str(BENCHMARKS))
 
+import common  # noqa: E402
 import scaling  # noqa: E402
 import weight_sync  # noqa: E402
 
@@ -202,13 +201,19 @@ def test_relative_growth() -> None:
         scaling.relative_growth([0.0, 1.0])
 
 
-def test_child_pids_lists_a_started_child() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        assert proc.pid in scaling.child_pids(os.getpid())
-    finally:
-        proc.kill()
-        proc.wait(5)
+def test_server_peak_rss_reads_the_server_before_it_stops(tiny_model_dir: Path) -> None:
+    from grail.inference.servers import BuiltinServer
+
+    server = BuiltinServer(
+        tiny_model_dir, "policy", log_dir=tiny_model_dir.parent / "logs", threads=1
+    )
+    with common.ServerPeakRss() as peak, server:
+        pid = server.pid
+    assert peak.pids == [pid]
+    assert 100 < peak.peak_mb < 10_000  # a process that loaded torch and the model
+    # outside the block, stopping is stopping again: nothing is recorded
+    server.stop()
+    assert peak.pids == [pid]
 
 
 # --------------------------------------------------------------------------- vs_trl
