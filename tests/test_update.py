@@ -94,6 +94,16 @@ def test_shared_prompt_pass_equals_running_every_sequence_in_full(tiny_model_dir
     torch.testing.assert_close(full[0][1 * 4 + 2, :n], alone[0], rtol=0, atol=1e-5)
 
 
+def test_prompts_are_not_shared_where_a_cache_drops_keys(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    assert can_share_prompts(model)
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    assert not can_share_prompts(model)
+    model.config.layer_types = ["linear_attention", "full_attention"]
+    assert not can_share_prompts(model)
+    assert not can_share_prompts(torch.nn.Linear(2, 2))  # not a transformers model
+
+
 @pytest.mark.parametrize(("grad_accum", "steps"), [(4, 1), (2, 2), (1, 4)])
 def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     tiny_model_dir: Path, grad_accum: int, steps: int, monkeypatch: pytest.MonkeyPatch

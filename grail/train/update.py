@@ -12,9 +12,9 @@ through the shared cache, so the loss and its gradient are those of running ever
 completion in full (up to float rounding), at 1/G of the prompt work: on the default task (16
 completions of 4 tokens per 15-token prompt) the training pass took 2.5x less time. Where the
 cache cannot carry gradients or positions exactly (gradient checkpointing switches the cache off
-in training; a sliding-window cache drops keys) the rows are run in full instead. Only the
-logits of completion positions are produced (`logits_to_keep`), which keeps the [B, K, V]
-float32 work small when prompts are long and the vocabulary large.
+in training; sliding-window and linear-attention caches drop or fold keys) the rows are run in
+full instead. Only the logits of completion positions are produced (`logits_to_keep`), which
+keeps the [B, K, V] float32 work small when prompts are long and the vocabulary large.
 
 Old log-probabilities (the policy the samples are optimised away from) follow TRL: when the
 iteration makes a single optimizer step they are the current log-probabilities detached (ratio 1,
@@ -94,11 +94,14 @@ def _positions(mask: Tensor) -> Tensor:
 
 
 def can_share_prompts(model: torch.nn.Module) -> bool:
-    """Whether a prompt's key/value cache can stand in for running it once per completion."""
+    """Whether a prompt's key/value cache can stand in for running it once per completion: a
+    model whose layers all attend in full (not sliding-window or linear attention, whose caches
+    drop or fold what they have passed), not under gradient checkpointing."""
     config = getattr(model, "config", None)
     if config is None or getattr(model, "is_gradient_checkpointing", False):
         return False
-    return "sliding_attention" not in (getattr(config, "layer_types", None) or [])
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return all(t == "full_attention" for t in layer_types)
 
 
 def completion_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
