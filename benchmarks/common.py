@@ -107,7 +107,8 @@ class ServerPeakRss:
 
         def stop(manager: Any, *args: Any, **kwargs: Any) -> None:
             pid = manager.pid
-            if pid is not None:
+            # start() stops first, and a stopped manager still names its last process
+            if pid is not None and pid not in recorder.pids:
                 recorder.pids.append(pid)
                 with contextlib.suppress(OSError, RuntimeError):  # already gone: nothing to read
                     recorder.peak_mb = max(recorder.peak_mb, peak_rss_mb(pid))

@@ -1,6 +1,6 @@
 """The same GRPO workload run by this harness (sync and pipelined) and by TRL's GRPOTrainer.
 
-    uv run --group trl python benchmarks/vs_trl.py                    # ~7 min on 2 busy cores
+    uv run --group trl python benchmarks/vs_trl.py                    # ~3 min on 2 idle cores
     uv run --group trl python benchmarks/vs_trl.py --repetitions 5 --arms sync,trl,trl_half
 
 TRL lives in the optional dependency group `trl` (pyproject.toml), so a plain `uv sync` does not

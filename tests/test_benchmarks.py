@@ -208,12 +208,13 @@ def test_server_peak_rss_reads_the_server_before_it_stops(tiny_model_dir: Path) 
         tiny_model_dir, "policy", log_dir=tiny_model_dir.parent / "logs", threads=1
     )
     with common.ServerPeakRss() as peak, server:
-        pid = server.pid
-    assert peak.pids == [pid]
+        first = server.pid
+        server.restart(tiny_model_dir)  # stops the first server, starts a second
+        second = server.pid
+    assert peak.pids == [first, second] and first != second
     assert 100 < peak.peak_mb < 10_000  # a process that loaded torch and the model
-    # outside the block, stopping is stopping again: nothing is recorded
-    server.stop()
-    assert peak.pids == [pid]
+    server.stop()  # outside the block: not recorded
+    assert peak.pids == [first, second]
 
 
 # --------------------------------------------------------------------------- vs_trl

@@ -10,7 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grail.config import Config, ConfigError, validate
+from grail import config as config_module
+from grail.config import Config, ConfigError, cpu_threads, split_cores, validate
 from grail.train.cli import CONF_DIR
 
 
@@ -25,6 +26,20 @@ def test_default_config_composes_and_validates() -> None:
     assert isinstance(cfg, Config)
     assert cfg.data.environment == "copy_digits" and cfg.generation.backend == "builtin"
     validate(cfg)
+
+
+def test_cpu_threads_trainer_takes_all_cores_only_when_the_server_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert split_cores(8, pipelined=False) == (8, 4)  # sync: generation and training take turns
+    assert split_cores(8, pipelined=True) == (4, 4)  # pipelined: both compute at once
+    assert split_cores(1, pipelined=True) == split_cores(1, pipelined=False) == (1, 1)
+    monkeypatch.setattr(config_module, "available_cores", lambda: 6)
+    assert cpu_threads(_compose()) == (6, 3)
+    assert cpu_threads(_compose("train.pipeline=true")) == (3, 3)
+    # an explicit choice wins, each side on its own
+    assert cpu_threads(_compose("train.threads=2")) == (2, 3)
+    assert cpu_threads(_compose("generation.server_threads=5", "train.pipeline=true")) == (3, 5)
 
 
 @pytest.mark.parametrize("group", ["env=sat", "env=gsm8k", "model=qwen2.5-1.5b"])

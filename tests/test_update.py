@@ -16,7 +16,6 @@ from grail.rollouts import Group, RolloutBatch, Sample
 from grail.train import update
 from grail.train.update import (
     UpdateSettings,
-    can_share_prompts,
     completion_logits,
     microbatches,
     pack_microbatch,
@@ -77,11 +76,13 @@ def test_shared_prompt_pass_equals_running_every_sequence_in_full(tiny_model_dir
     full path), with prompts and completions of different lengths."""
     model = load_model(tiny_model_dir).train()
     batch = _batch(groups=5, replicas=4, seed=3)
-    assert can_share_prompts(model)
+    calls: list[int] = []
+    model.register_forward_hook(lambda *_: calls.append(1))
     shared = _logprobs_and_grads(model, batch)
+    assert len(calls) == 2  # the distinct prompts, then the completions on their cache
     model.gradient_checkpointing_enable()
-    assert not can_share_prompts(model)
     full = _logprobs_and_grads(model, batch)
+    assert len(calls) == 3  # every row in full, in one pass
     torch.testing.assert_close(shared[0], full[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(shared[1], full[1], rtol=1e-4, atol=1e-6)
     # And the full path itself agrees with one unpadded sequence run alone.
@@ -94,14 +95,37 @@ def test_shared_prompt_pass_equals_running_every_sequence_in_full(tiny_model_dir
     torch.testing.assert_close(full[0][1 * 4 + 2, :n], alone[0], rtol=0, atol=1e-5)
 
 
-def test_prompts_are_not_shared_where_a_cache_drops_keys(tiny_model_dir: Path) -> None:
-    model = load_model(tiny_model_dir)
-    assert can_share_prompts(model)
-    model.config.layer_types = ["full_attention", "sliding_attention"]
-    assert not can_share_prompts(model)
-    model.config.layer_types = ["linear_attention", "full_attention"]
-    assert not can_share_prompts(model)
-    assert not can_share_prompts(torch.nn.Linear(2, 2))  # not a transformers model
+def test_a_sliding_window_model_runs_every_row_in_full(tiny_model_dir: Path) -> None:
+    """A sliding-window cache drops the keys its window has passed, so it cannot stand in for the
+    prompt: the rows run in full (the last forward sees whole sequences) and stay exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.update({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0})
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    widths: list[int] = []
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    batch = _batch(groups=3, replicas=2, seed=5)
+    items = microbatches(batch, batch_size=64)[0]
+    mb = pack_microbatch(items, pad_token_id=0, device="cpu")
+    with torch.no_grad():
+        logprobs = token_logprobs(completion_logits(model, mb), mb.completion_ids)
+    assert widths[-1] == mb.prompt_ids.shape[1] + mb.completion_ids.shape[1]
+    for row, (prompt, sample) in enumerate(items):
+        ids = torch.tensor([prompt + sample.completion_ids])
+        n = len(sample.completion_ids)
+        with torch.no_grad():
+            alone = token_logprobs(model(input_ids=ids).logits[:, -n - 1 : -1], ids[:, -n:])
+        torch.testing.assert_close(logprobs[row, :n], alone[0], rtol=0, atol=1e-5)
+
+
+def test_pack_refuses_log_probabilities_that_do_not_match_the_tokens() -> None:
+    with pytest.raises(ValueError, match="2 completion tokens but 1 behaviour"):
+        pack_microbatch([([5], _sample([8, 9], [-0.5], 1.0))], pad_token_id=0, device="cpu")
 
 
 @pytest.mark.parametrize(("grad_accum", "steps"), [(4, 1), (2, 2), (1, 4)])
@@ -113,7 +137,7 @@ def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     step: TRL's rule), and those stay exactly on-policy for the first step's micro-batches."""
     torch.manual_seed(0)
     model = load_model(tiny_model_dir)
-    forwards: list[bool] = []  # one per micro-batch forward (prompt pass and completion pass)
+    forwards: list[bool] = []  # grad enabled?, one per completion_logits call
 
     def counted(m: torch.nn.Module, mb: update.MicroBatch) -> Tensor:
         forwards.append(torch.is_grad_enabled())

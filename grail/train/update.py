@@ -30,9 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
 
 from grail.algo.grpo import GRPOLossConfig, grpo_loss, token_entropy, token_logprobs
 from grail.rollouts import RolloutBatch, Sample
@@ -65,6 +67,12 @@ def pack_microbatch(
     prompt_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     samples = [s for _, s in items]
+    for s in samples:
+        if len(s.behaviour_logprobs) != len(s.completion_ids):
+            raise ValueError(
+                f"a sample has {len(s.completion_ids)} completion tokens but "
+                f"{len(s.behaviour_logprobs)} behaviour log-probabilities"
+            )
     completion_ids = torch.tensor(
         [list(s.completion_ids) + [pad_token_id] * (k - len(s.completion_ids)) for s in samples]
     )
@@ -93,54 +101,59 @@ def _positions(mask: Tensor) -> Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def can_share_prompts(model: torch.nn.Module) -> bool:
-    """Whether a prompt's key/value cache can stand in for running it once per completion: a
-    model whose layers all attend in full (not sliding-window or linear attention, whose caches
-    drop or fold what they have passed), not under gradient checkpointing."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(model, "is_gradient_checkpointing", False):
-        return False
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
-    return all(t == "full_attention" for t in layer_types)
+def _full_attention_cache(out: Any) -> Cache | None:
+    """The forward pass's key/value cache if every layer of it keeps all keys (a sliding-window
+    or linear-attention layer drops or folds what it has passed, so it cannot stand in for the
+    prompt); else None."""
+    cache = getattr(out, "past_key_values", None)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    return cache
 
 
 def completion_logits(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
     """Logits [B, K, V]: row b, column t predicts completion token t of row b."""
     k = mb.completion_ids.shape[1]
     rows = mb.prompt_index
-    if not can_share_prompts(model):
-        mask = torch.cat([mb.prompt_mask[rows], mb.completion_mask.long()], dim=1)
-        out = model(
-            input_ids=torch.cat([mb.prompt_ids[rows], mb.completion_ids], dim=1),
-            attention_mask=mask,
-            position_ids=_positions(mask),
-            logits_to_keep=k + 1,
-            use_cache=False,
+    # Gradient checkpointing turns the cache off in training (transformers warns and drops it).
+    if not (getattr(model, "is_gradient_checkpointing", False) and model.training):
+        # The last prompt position predicts the first completion token; the completion's own
+        # positions (all but its last token) predict the rest, on the prompt's cache.
+        prompt = model(
+            input_ids=mb.prompt_ids,
+            attention_mask=mb.prompt_mask,
+            position_ids=_positions(mb.prompt_mask),
+            logits_to_keep=1,
+            use_cache=True,
         )
-        return out.logits[:, :-1]
-    # The last prompt position predicts the first completion token; the completion's own
-    # positions (all but its last token) predict the rest.
-    prompt = model(
-        input_ids=mb.prompt_ids,
-        attention_mask=mb.prompt_mask,
-        position_ids=_positions(mb.prompt_mask),
-        logits_to_keep=1,
-        use_cache=True,
+        first = prompt.logits[rows]
+        if k == 1:
+            return first
+        cache = _full_attention_cache(prompt)
+        if cache is not None:
+            cache.batch_select_indices(rows)
+            rest = model(
+                input_ids=mb.completion_ids[:, :-1],
+                attention_mask=torch.cat(
+                    [mb.prompt_mask[rows], mb.completion_mask[:, :-1].long()], dim=1
+                ),
+                position_ids=mb.prompt_mask.sum(-1)[rows, None]
+                + torch.arange(k - 1, device=rows.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            return torch.cat([first, rest.logits], dim=1)
+    # Every row in full: its prompt, then its completion.
+    mask = torch.cat([mb.prompt_mask[rows], mb.completion_mask.long()], dim=1)
+    out = model(
+        input_ids=torch.cat([mb.prompt_ids[rows], mb.completion_ids], dim=1),
+        attention_mask=mask,
+        position_ids=_positions(mask),
+        logits_to_keep=k + 1,
+        use_cache=False,
     )
-    first = prompt.logits[rows]
-    if k == 1:
-        return first
-    cache = prompt.past_key_values
-    cache.batch_select_indices(rows)
-    offsets = torch.arange(k - 1, device=rows.device)
-    rest = model(
-        input_ids=mb.completion_ids[:, :-1],
-        attention_mask=torch.cat([mb.prompt_mask[rows], mb.completion_mask[:, :-1].long()], 1),
-        position_ids=mb.prompt_mask.sum(-1)[rows, None] + offsets,
-        past_key_values=cache,
-        use_cache=True,
-    )
-    return torch.cat([first, rest.logits], dim=1)
+    return out.logits[:, :-1]
 
 
 def microbatches(batch: RolloutBatch, batch_size: int) -> list[list[tuple[list[int], Sample]]]:
