@@ -27,22 +27,17 @@ argument (`ServerManager.kind`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from grail.inference.servers import (
     BuiltinServer,
-    ServerDiedError,
     ServerError,
     ServerManager,
     ServerStartError,
@@ -173,40 +168,6 @@ class GpuServer(ServerManager):
     def start(self) -> None:
         self.check_installed()
         super().start()
-
-    # -- HTTP control routes ------------------------------------------------------------------
-
-    def _control(
-        self,
-        path: str,
-        *,
-        body: Mapping[str, Any] | None = None,
-        params: Mapping[str, Any] | None = None,
-    ) -> tuple[int, Any]:
-        """POST a control route; return (status, decoded JSON or None). A transport failure is
-        a `WeightSyncError` that says whether the server died meanwhile."""
-        url = f"{self.root_url}{path}"
-        try:
-            response = self.control_http().post(url, json=body, params=params)
-        except httpx.HTTPError as exc:
-            detail = f"{type(exc).__name__}: {exc}"
-            if self._proc is not None:
-                # A crashing server drops its connections a moment before its process is gone;
-                # wait a little so that a death is reported as one rather than as a network error.
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._proc.wait(timeout=1.0)
-            try:
-                self.check_alive()
-            except ServerDiedError as died:
-                raise WeightSyncError(f"POST {path} failed ({detail}); {died}") from died
-            except ServerError:
-                pass
-            raise WeightSyncError(f"POST {url} failed: {detail}") from exc
-        try:
-            decoded = response.json() if response.content else None
-        except ValueError:
-            decoded = response.text[:500]
-        return response.status_code, decoded
 
     def _prepare_update(self, checkpoint_dir: str | os.PathLike[str]) -> Path:
         path = Path(checkpoint_dir).absolute()

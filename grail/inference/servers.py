@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import httpx
 
@@ -425,6 +425,38 @@ class ServerManager(ABC):
             )
         return self._control_client
 
+    def _control(
+        self,
+        path: str,
+        *,
+        body: Mapping[str, Any] | None = None,
+        params: Mapping[str, Any] | None = None,
+    ) -> tuple[int, Any]:
+        """POST a control route; return (status, decoded JSON or None). A transport failure is
+        a `WeightSyncError` that says whether the server died meanwhile."""
+        url = f"{self.root_url}{path}"
+        try:
+            response = self.control_http().post(url, json=body, params=params)
+        except httpx.HTTPError as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            if self._proc is not None:
+                # A crashing server drops its connections a moment before its process is gone;
+                # wait a little so that a death is reported as one rather than as a network error.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=1.0)
+            try:
+                self.check_alive()
+            except ServerDiedError as died:
+                raise WeightSyncError(f"POST {path} failed ({detail}); {died}") from died
+            except ServerError:
+                pass
+            raise WeightSyncError(f"POST {url} failed: {detail}") from exc
+        try:
+            decoded = response.json() if response.content else None
+        except ValueError:
+            decoded = response.text[:500]
+        return response.status_code, decoded
+
     # -- start ----------------------------------------------------------------------------------
 
     def child_env(self) -> dict[str, str]:
@@ -791,33 +823,18 @@ class BuiltinServer(ServerManager):
             except ServerError as exc:
                 raise WeightSyncError(f"cannot update weights: {exc}") from exc
         version = weight_version or path.name
-        url = f"{self.root_url}/update_weights_from_disk"
         t0 = time.perf_counter()
-        try:
-            response = self.control_http().post(
-                url, json={"model_path": str(path), "weight_version": version}
-            )
-        except httpx.HTTPError as exc:
-            detail = f"{type(exc).__name__}: {exc}"
-            try:
-                self.check_alive()
-            except ServerDiedError as died:
-                raise WeightSyncError(f"POST {url} failed ({detail}); {died}") from died
-            raise WeightSyncError(f"POST {url} failed: {detail}") from exc
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
+        status, body = self._control(
+            "/update_weights_from_disk", body={"model_path": str(path), "weight_version": version}
+        )
         if not isinstance(body, dict):
             raise WeightSyncError(
-                f"POST {url} answered HTTP {response.status_code} with a non-JSON-object body: "
-                f"{response.text[:500]!r}"
+                f"POST /update_weights_from_disk answered HTTP {status} with a non-JSON-object "
+                f"body: {body!r}"
             )
-        if response.status_code != 200 or body.get("success") is not True:
+        if status != 200 or body.get("success") is not True:
             message = body.get("message") or body.get("detail") or body
-            raise WeightSyncError(
-                f"server refused weights from {path} (HTTP {response.status_code}): {message}"
-            )
+            raise WeightSyncError(f"server refused weights from {path} (HTTP {status}): {message}")
         self.model_path = path
         self.weight_version = version
         seconds = time.perf_counter() - t0
