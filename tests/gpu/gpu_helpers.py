@@ -6,11 +6,6 @@ import importlib.util
 
 import pytest
 
-# Re-exported for the GPU tests; defined beside the tiny preset.
-from grail.models.tiny import MID_PRESET
-
-__all__ = ["MID_PRESET", "require_package"]
-
 
 def require_package(name: str) -> None:
     """Skip the calling test unless `name` (vllm or sglang) is importable here."""
