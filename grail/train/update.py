@@ -57,16 +57,15 @@ def pack_microbatch(
 ) -> MicroBatch:
     """Pack (prompt ids, sample) pairs into the tensors of one micro-batch."""
     index: dict[tuple[int, ...], int] = {}
-    for prompt, _ in items:
-        index.setdefault(tuple(prompt), len(index))
+    prompt_index = [index.setdefault(tuple(prompt), len(index)) for prompt, _ in items]
     prompts = list(index)
     width = max(len(p) for p in prompts)
-    lengths = [len(s.completion_ids) for _, s in items]
+    samples = [s for _, s in items]
+    lengths = [len(s.completion_ids) for s in samples]
     k = max(*lengths, 1)
     # Padded Python rows, then one tensor each: a tensor per row costs more than the copying.
     prompt_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    samples = [s for _, s in items]
     for s in samples:
         if len(s.behaviour_logprobs) != len(s.completion_ids):
             raise ValueError(
@@ -88,7 +87,7 @@ def pack_microbatch(
     return MicroBatch(
         prompt_ids=prompt_ids.to(device),
         prompt_mask=prompt_mask.to(device),
-        prompt_index=torch.tensor([index[tuple(p)] for p, _ in items]).to(device),
+        prompt_index=torch.tensor(prompt_index).to(device),
         completion_ids=completion_ids.to(device),
         completion_mask=completion_mask.to(device),
         behaviour_logprobs=behaviour.to(device),
