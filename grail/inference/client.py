@@ -435,6 +435,11 @@ class _LoopState:
     idle: list[_Connection] = field(default_factory=list)
     in_flight: int = 0
 
+    async def close_idle(self) -> None:
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            await conn.close()
+
 
 class CompletionClient:
     """Completion client for one server and one served model.
@@ -541,9 +546,7 @@ class CompletionClient:
         finally:
             state.sessions -= 1
             if state.sessions == 0:
-                idle, state.idle = state.idle, []
-                for conn in idle:
-                    await conn.close()
+                await state.close_idle()
 
     async def complete(
         self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams, seed: int
@@ -695,9 +698,7 @@ class CompletionClient:
         with self._states_lock:
             state = self._states.pop(asyncio.get_running_loop(), None)
         if state is not None:
-            idle, state.idle = state.idle, []
-            for conn in idle:
-                await conn.close()
+            await state.close_idle()
 
     async def __aenter__(self) -> CompletionClient:
         return self
