@@ -8,7 +8,9 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -37,13 +39,22 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def peak_rss_mb(pid: int | None = None) -> float:
-    """Peak resident memory (VmHWM) of a live process, this one by default, in MiB (Linux)."""
+def _status_mb(field: str, pid: int | None) -> float:
     status = Path(f"/proc/{pid or os.getpid()}/status")
     for line in status.read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM in {status}")
+    raise RuntimeError(f"no {field} in {status}")
+
+
+def peak_rss_mb(pid: int | None = None) -> float:
+    """Peak resident memory (VmHWM) of a live process, this one by default, in MiB (Linux)."""
+    return _status_mb("VmHWM", pid)
+
+
+def rss_mb(pid: int | None = None) -> float:
+    """Resident memory now (VmRSS) of a live process, this one by default, in MiB (Linux)."""
+    return _status_mb("VmRSS", pid)
 
 
 def machine() -> dict[str, Any]:
@@ -119,3 +130,47 @@ class ServerPeakRss:
 
     def __exit__(self, *exc: object) -> None:
         self._restore()
+
+
+def stop_worker(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM first, so that a worker's `grail.train.loop.run` stops its inference server and
+    removes its temporary files; then SIGKILL to the worker's group if it has not exited within
+    `grace_s` (its server, asked of the kernel to die with its parent, goes too)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_worker(
+    cmd: Sequence[str], env: dict[str, str], log_path: Path, timeout_s: float, what: str
+) -> None:
+    """Run a benchmark worker in a session of its own, its output in `log_path`. Raises
+    RuntimeError naming `what` with the output's tail when it fails or outlives `timeout_s`; on
+    a timeout or Ctrl-C it is stopped (`stop_worker`) before anything else happens."""
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            list(cmd),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except BaseException as exc:  # timeout, Ctrl-C: never leave a worker or its server behind
+            stop_worker(proc)
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise RuntimeError(
+                    f"{what} did not finish within {timeout_s:g} s and was stopped; last "
+                    f"output:\n{log_path.read_text(errors='replace')[-4000:]}"
+                ) from None
+            raise
+    if code != 0:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{what} failed (exit {code}); last output:\n{tail}")

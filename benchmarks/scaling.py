@@ -44,9 +44,7 @@ import json
 import math
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import ServerPeakRss, peak_rss_mb, print_table, write_results
+from common import ServerPeakRss, peak_rss_mb, print_table, rss_mb, run_worker, write_results
 
 LINEAR_SLACK = 0.1  # exponent b up to 1 + slack counts as linear (timings are noisy)
 FLAT_MEMORY = 0.10  # trainer peak growth up to 10 % over the rollouts series counts as flat
@@ -228,7 +226,7 @@ def worker(spec_path: Path) -> int:
         cfg = compose(config_name="offline_grpo", overrides=spec["overrides"])
     config = OmegaConf.to_object(cfg)
     validate(config)  # type: ignore[arg-type]
-    rss_start = _rss_mb()
+    rss_start = rss_mb()
     with ServerPeakRss() as server:
         loop.run(config, Path(spec["run_dir"]))  # type: ignore[arg-type]
     result = {
@@ -239,17 +237,6 @@ def worker(spec_path: Path) -> int:
     }
     Path(spec["result"]).write_text(json.dumps(result))
     return 0
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-# --------------------------------------------------------------------------------------------
-# driver
 
 
 def run_point(
@@ -274,35 +261,15 @@ def run_point(
     }
     spec_path = work / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    log_path = work / f"{tag}.log"
     t0 = time.perf_counter()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(spec_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=timeout)
-        except BaseException as exc:
-            # The worker's server dies with it (the harness asks the kernel for that), and its
-            # own group holds nothing else.
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if isinstance(exc, subprocess.TimeoutExpired):
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(
-                    f"{point.name} did not finish in {timeout:.0f} s (--timeout) and was killed; "
-                    f"log tail:\n{tail}"
-                ) from exc
-            raise
+    run_worker(
+        [sys.executable, __file__, "--worker", str(spec_path)],
+        {**os.environ, "PYTHONUNBUFFERED": "1"},
+        work / f"{tag}.log",
+        timeout,
+        f"{point.name} (--timeout {timeout:g} s)",
+    )
     wall = time.perf_counter() - t0
-    if code != 0:
-        tail = log_path.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{point.name} failed with exit code {code}; log tail:\n{tail}")
     records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("metrics/train_iter_*"))]
     memory = json.loads(Path(spec["result"]).read_text())
     return {

@@ -99,12 +99,10 @@ benchmarks/results/vs_trl.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -113,7 +111,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import ServerPeakRss, peak_rss_mb, print_table, spread, write_results
+from common import ServerPeakRss, peak_rss_mb, print_table, run_worker, spread, write_results
 
 from grail.config import split_cores
 
@@ -569,20 +567,6 @@ def summarize(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     }
 
 
-def stop_arm(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM first: the worker turns it into SystemExit, so `run()` stops its inference server
-    (which lives in a session of its own, out of reach of a signal to the worker's group); then
-    SIGKILL to the worker's group if it has not exited within `grace_s`."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def run_arm(arm: str, w: Workload, timeout_s: float, log_dir: Path) -> dict[str, Any]:
     """One arm in a fresh process (own session, so a timeout kills its server too)."""
     out = log_dir / f"{arm}-{time.monotonic_ns()}.json"
@@ -606,23 +590,9 @@ def run_arm(arm: str, w: Workload, timeout_s: float, log_dir: Path) -> dict[str,
         "--out",
         str(out),
     ]
-    with log.open("w") as log_file:
-        proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except BaseException as exc:  # timeout, Ctrl-C: never leave the arm or its server behind
-            stop_arm(proc)
-            if isinstance(exc, subprocess.TimeoutExpired):
-                raise RuntimeError(
-                    f"arm {arm} did not finish within --arm-timeout {timeout_s:g} s; last "
-                    f"output:\n{log.read_text()[-4000:]}"
-                ) from None
-            raise
-    if rc != 0 or not out.exists():
-        tail = log.read_text()[-4000:]
-        raise RuntimeError(f"arm {arm} failed (exit {rc}); last output:\n{tail}")
+    run_worker(cmd, env, log, timeout_s, f"arm {arm} (--arm-timeout {timeout_s:g} s)")
+    if not out.exists():
+        raise RuntimeError(f"arm {arm} wrote no results; last output:\n{log.read_text()[-4000:]}")
     return json.loads(out.read_text())
 
 
