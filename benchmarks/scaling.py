@@ -44,6 +44,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -215,7 +216,9 @@ def worker(spec_path: Path) -> int:
 
     import grail.train.loop as loop
     from grail.config import validate
-    from grail.train.cli import CONF_DIR
+    from grail.train.cli import CONF_DIR, exit_on_sigterm
+
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # stop_worker's SIGTERM: run() cleans up
 
     transformers.utils.logging.disable_progress_bar()
     if spec["ignore_eos"]:

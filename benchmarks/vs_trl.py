@@ -499,12 +499,10 @@ def run_trl(w: Workload, threads: int) -> dict[str, Any]:
     }
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through run(), whose context managers stop the server
-
-
 def worker(arm: str, w: Workload, out: Path) -> None:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    from grail.train.cli import exit_on_sigterm
+
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     t0 = time.perf_counter()
     result = run_trl(w, arm_threads(arm, w.threads)) if arm in TRL_ARMS else run_ours(w, arm)
     result["process_s"] = time.perf_counter() - t0

@@ -93,7 +93,7 @@ OmegaConf.register_new_resolver("grail_parallel", _parallel_resolver, replace=Tr
 OmegaConf.register_new_resolver("grail_gpus", visible_gpus, replace=True)
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
+def exit_on_sigterm(signum: int, _frame: object) -> None:
     # SLURM and process managers stop jobs with SIGTERM; raising SystemExit runs the cleanup
     # (context managers stop the inference server) that a bare SIGTERM would skip.
     raise SystemExit(128 + signum)
@@ -198,7 +198,7 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
 
 def train_job(cfg: DictConfig) -> None:
     """What `grail-train` does with a composed config: one run, or one job of a sweep (`-m`)."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
