@@ -39,6 +39,12 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def core_iteration_s(timings: dict[str, float]) -> float:
+    """An iteration's `timings.iteration_s` from its metrics file without evaluation and the
+    checkpoint, which run at intervals the user picks: generation + training + weight sync."""
+    return timings["iteration_s"] - timings.get("eval_s", 0.0) - timings.get("checkpoint_s", 0.0)
+
+
 def _status_mb(field: str, pid: int | None) -> float:
     status = Path(f"/proc/{pid or os.getpid()}/status")
     for line in status.read_text().splitlines():

@@ -54,7 +54,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import ServerPeakRss, peak_rss_mb, print_table, rss_mb, run_worker, write_results
+from common import (
+    ServerPeakRss,
+    core_iteration_s,
+    peak_rss_mb,
+    print_table,
+    rss_mb,
+    run_worker,
+    write_results,
+)
 
 LINEAR_SLACK = 0.1  # exponent b up to 1 + slack counts as linear (timings are noisy)
 FLAT_MEMORY = 0.10  # trainer peak growth up to 10 % over the rollouts series counts as flat
@@ -140,9 +148,7 @@ def iteration_timings(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
         raise ValueError(f"no iterations left after {warmup} warm-up ones ({len(records)} ran)")
     timings = [r["timings"] for r in timed]
     return {
-        "core_s": [
-            t["iteration_s"] - t.get("eval_s", 0.0) - t.get("checkpoint_s", 0.0) for t in timings
-        ],
+        "core_s": [core_iteration_s(t) for t in timings],
         "generation_s": [t["generation_s"] for t in timings],
         "train_s": [t["train_s"] for t in timings],
         "weight_sync_s": [t["weight_sync_s"] for t in timings],

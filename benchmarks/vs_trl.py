@@ -111,7 +111,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import ServerPeakRss, peak_rss_mb, print_table, run_worker, spread, write_results
+from common import (
+    ServerPeakRss,
+    core_iteration_s,
+    peak_rss_mb,
+    print_table,
+    run_worker,
+    spread,
+    write_results,
+)
 
 from grail.config import split_cores
 
@@ -370,12 +378,13 @@ def run_ours(w: Workload, arm: str) -> dict[str, Any]:
             path = run_dir / "metrics" / f"train_iter_{i:03d}.json"
             record = json.loads(path.read_text())
             t = record["timings"]
-            excluded = t.get("checkpoint_s", 0.0) + t.get("eval_s", 0.0)
+            step_s = core_iteration_s(t)
+            excluded = t["iteration_s"] - step_s  # evaluation and checkpoint
             end = path.stat().st_mtime_ns / 1e9
             iterations.append(
                 {
                     "iteration": i,
-                    "step_s": t["iteration_s"] - excluded,
+                    "step_s": step_s,
                     "wall_s": None if previous_end is None else end - previous_end - excluded,
                     "completion_tokens": record["tokens"]["completion"],
                     "reward_mean": record["reward_mean"],
