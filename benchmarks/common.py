@@ -116,7 +116,7 @@ class ServerPeakRss:
         self.pids: list[int] = []  # every server stopped meanwhile (restarts included)
 
     def __enter__(self) -> ServerPeakRss:
-        from grail.inference.servers import ServerManager
+        from grail.inference.process import ServerManager
 
         original = ServerManager.stop
         self._restore = lambda: setattr(ServerManager, "stop", original)

@@ -220,6 +220,7 @@ def worker(spec_path: Path) -> int:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    import grail.server_rollouts as rollout_source
     import grail.train.loop as loop
     from grail.config import validate
     from grail.train.cli import CONF_DIR, exit_on_sigterm
@@ -228,9 +229,11 @@ def worker(spec_path: Path) -> int:
 
     transformers.utils.logging.disable_progress_bar()
     if spec["ignore_eos"]:
-        if not hasattr(loop, "CompletionClient"):
-            raise RuntimeError("grail.train.loop no longer builds a CompletionClient to patch")
-        loop.CompletionClient = partial(loop.CompletionClient, extra_body={"ignore_eos": True})
+        if not hasattr(rollout_source, "CompletionClient"):
+            raise RuntimeError("grail.server_rollouts no longer builds a CompletionClient to patch")
+        rollout_source.CompletionClient = partial(  # type: ignore[misc]
+            rollout_source.CompletionClient, extra_body={"ignore_eos": True}
+        )
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="offline_grpo", overrides=spec["overrides"])
     config = OmegaConf.to_object(cfg)

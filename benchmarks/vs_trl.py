@@ -23,9 +23,10 @@ How the workloads were made equal (TRL's name in brackets where it differs):
   [model_init_kwargs={"dtype": "float32"}, bf16=False, fp16=False], no gradient checkpointing
   [gradient_checkpointing=False; TRL defaults to True], on CPU [use_cpu=True;
   CUDA_VISIBLE_DEVICES is emptied for every arm].
-- Prompts: iteration i trains on exactly the problem seeds `grail.train.loop.iteration_seeds(cfg,
-  i)` of the copy_digits task. TRL's dataset holds those seeds' `prompt_messages` in that order
-  (iteration 0's problems, then iteration 1's, ...) with shuffling off [shuffle_dataset=False],
+- Prompts: iteration i trains on exactly the problem seeds
+  `grail.server_rollouts.iteration_seeds(cfg, i)` of the copy_digits task. TRL's dataset holds
+  those seeds' `prompt_messages` in that order (iteration 0's problems, then iteration 1's, ...)
+  with shuffling off [shuffle_dataset=False],
   so TRL's generation batch i holds the same problems as our iteration i; the TRL arm fails
   unless its reward function saw exactly those seeds, each G times, in step i. Both render the
   messages with the tokenizer's chat template and add_generation_prompt=True.
@@ -109,7 +110,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from common import (
     ServerPeakRss,
@@ -121,7 +122,7 @@ from common import (
     write_results,
 )
 
-from grail.config import split_cores
+from grail.config import LossType, split_cores
 
 ARMS = ("sync", "pipelined", "trl", "trl_half")
 OURS_ARMS = ("sync", "pipelined")
@@ -294,7 +295,7 @@ def trl_config_kwargs(w: Workload, output_dir: str) -> dict[str, Any]:
 
 def train_seeds(w: Workload) -> list[list[int]]:
     """The problem seeds of every iteration, exactly as the harness picks them."""
-    from grail.train.loop import iteration_seeds
+    from grail.server_rollouts import iteration_seeds
 
     cfg = _compose(ours_overrides(w, "sync", "tiny"))
     return [iteration_seeds(cfg, i) for i in range(w.iterations)]
@@ -619,7 +620,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="samples")
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--loss-type", default=d.loss_type, choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    p.add_argument("--loss-type", default=d.loss_type, choices=get_args(LossType))
     p.add_argument("--threads", type=int, default=cores, help="total cores for each arm")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per arm run")

@@ -184,7 +184,7 @@ def bench_model(
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grail.inference.servers import BuiltinServer
+    from grail.inference.backends.builtin import BuiltinServer
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     tol = TOLERANCE[dtype_name]

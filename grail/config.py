@@ -10,9 +10,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from omegaconf import MISSING
+
+# Every choice a config key offers, defined once: `validate` checks against these, and the
+# components that take the values (grail/algo/grpo.py, grail/inference/) use the same types.
+# (OmegaConf structured configs cannot hold Literal fields, so the fields are typed `str`.)
+Backend = Literal["builtin", "vllm", "sglang"]  # the rollout servers (grail/inference/backends/)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+GpuStrategy = Literal["single", "multi"]
+WeightSyncMode = Literal["in_place", "restart"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+ScaleRewards = Literal["group", "batch", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
 
 
 def available_cores() -> int:
@@ -66,7 +78,7 @@ class GenerationConfig:
     top_k: int = -1  # -1: off
     weight_sync: str = "in_place"  # in_place | restart
     server_threads: int | None = None  # None: half the cores (see split_cores)
-    start_timeout_s: float = 120.0
+    start_timeout_s: float | None = None  # None: the backend's default (built-in 120, else 900)
     request_timeout_s: float = 120.0
     max_concurrency: int = 64
     # Flags appended to the server's command line (flags the harness sets itself are refused).
@@ -160,7 +172,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+def _one_of(key: str, value: str, choices: Any) -> None:
+    """`choices`: a Literal type, whose arguments are the allowed values."""
+    allowed = get_args(choices)
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
 
@@ -172,17 +186,17 @@ def _positive(key: str, value: float) -> None:
 
 def validate(cfg: Config) -> None:
     """Reject combinations that cannot work, naming the key. Types were checked by OmegaConf."""
-    _one_of("gpu.strategy", cfg.gpu.strategy, ("single", "multi"))
-    _one_of("generation.backend", cfg.generation.backend, ("builtin", "vllm", "sglang"))
-    _one_of("generation.weight_sync", cfg.generation.weight_sync, ("in_place", "restart"))
-    _one_of("train.loss_type", cfg.train.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo"))
+    _one_of("gpu.strategy", cfg.gpu.strategy, GpuStrategy)
+    _one_of("generation.backend", cfg.generation.backend, Backend)
+    _one_of("generation.weight_sync", cfg.generation.weight_sync, WeightSyncMode)
+    _one_of("train.loss_type", cfg.train.loss_type, LossType)
     _one_of(
         "train.importance_sampling_level",
         cfg.train.importance_sampling_level,
-        ("token", "sequence"),
+        ImportanceSamplingLevel,
     )
-    _one_of("train.scale_rewards", cfg.train.scale_rewards, ("group", "batch", "none"))
-    _one_of("train.kl_estimator", cfg.train.kl_estimator, ("k1", "k2", "k3"))
+    _one_of("train.scale_rewards", cfg.train.scale_rewards, ScaleRewards)
+    _one_of("train.kl_estimator", cfg.train.kl_estimator, KLEstimator)
 
     _positive("generation.max_new_tokens", cfg.generation.max_new_tokens)
     if cfg.generation.temperature <= 0:
@@ -203,7 +217,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"generation.max_restarts must be >= 0, got {cfg.generation.max_restarts}"
         )
-    _positive("generation.start_timeout_s", cfg.generation.start_timeout_s)
+    if cfg.generation.start_timeout_s is not None:
+        _positive("generation.start_timeout_s", cfg.generation.start_timeout_s)
     for key in ("iterations", "lr", "batch_size", "grad_accum_steps", "epsilon"):
         _positive(f"train.{key}", getattr(cfg.train, key))
     for key in ("adam_beta1", "adam_beta2"):

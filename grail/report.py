@@ -31,14 +31,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from grail.records import SUMMARY, metric_records, read_json
 from grail.runs import (
-    SUMMARY,
     distinguishing_overrides,
     find_runs,
-    metric_records,
     natural_key,
     read_config,
-    read_json,
     read_overrides,
     run_status,
 )

@@ -1,4 +1,5 @@
-"""Rollout generation: problem seeds in, scored groups with advantages out.
+"""Rollouts: problem seeds in, scored groups with advantages out, and the one seam between the
+training loop and where rollouts come from (`RolloutSource`).
 
 One request per problem asks the server for `replicas` samples (`n`). The prompt travels as token
 ids rendered with the tokenizer's chat template, and the completion ids and behaviour
@@ -13,11 +14,11 @@ groups.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,7 +27,8 @@ from grail.envs.base import Environment, Problem
 from grail.envs.rewards import RewardFunctions, score_completions
 
 if TYPE_CHECKING:
-    from grail.inference.client import Completion, CompletionClient, SamplingParams
+    from grail.inference.client import CompletionClient, SamplingParams
+    from grail.inference.process import SyncResult
 
 
 @dataclass
@@ -70,6 +72,61 @@ class RolloutBatch:
         return [s for g in self.groups for s in g.samples]
 
 
+@dataclass
+class GeneratedBatch:
+    """A rollout batch with where it came from: the policy version that sampled it and when."""
+
+    batch: RolloutBatch
+    policy_version: int  # optimizer updates applied to the weights that generated it
+    generation_s: float
+    started: float = 0.0  # time.perf_counter() interval, for overlap accounting
+    finished: float = 0.0
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """What publishing new weights to a rollout source did and cost."""
+
+    result: SyncResult  # the server's weight sync (mode used, fallback)
+    seconds: float  # writing the weights and loading them into the server
+    generation_wait_s: float  # waiting for a running generation to finish first
+    # (started, finished) of the batch generated meanwhile (pipelined), for overlap accounting
+    prefetched: tuple[float, float] | None = None
+
+
+class RolloutSource(Protocol):
+    """Where the training loop gets its rollouts, and where it publishes new weights.
+
+    The loop holds policy version v (updates applied so far) while it trains iteration v. The
+    source owns everything on the far side: servers, clients, recovery from a server that dies,
+    prefetching. `ServerRollouts` (grail/server_rollouts.py) generates them through an inference
+    server; a source fed with scored groups from outside (the trainer as a service) implements
+    the same four methods.
+    """
+
+    def next_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:
+        """The scored rollouts iteration `iteration` trains on (the loop holds `policy_version`)."""
+        ...
+
+    def sync_weights(self, save: Callable[[Path], None], policy_version: int) -> WeightSync:
+        """Let the generator use new weights: once nothing is generating with the old ones,
+        `save(directory)` writes them, and the source loads them."""
+        ...
+
+    def evaluate(self, on_progress: Callable[[int], None] | None = None) -> RolloutBatch:
+        """The held-out evaluation batch, generated with the current weights."""
+        ...
+
+    def pending(self) -> GeneratedBatch | None:
+        """A batch already generated for the next iteration (pipelined), which a checkpoint keeps
+        so that a resumed run trains on exactly what the uninterrupted one would have."""
+        ...
+
+    def close(self) -> None:
+        """Stop whatever is running and release every process and connection. Idempotent."""
+        ...
+
+
 def request_seed(base_seed: int, round_index: int, problem_seed: int) -> int:
     """A stable 31-bit sampling seed for one request (same on every machine and Python run)."""
     digest = hashlib.blake2b(
@@ -102,7 +159,6 @@ class RolloutGenerator:
         *,
         base_seed: int = 0,
         scale_rewards: ScaleRewards = "group",
-        advantage_clip_percentile: float | None = None,
         extra_rewards: RewardFunctions | None = None,
     ) -> None:
         self.env = env
@@ -111,50 +167,28 @@ class RolloutGenerator:
         self.sampling = sampling
         self.base_seed = base_seed
         self.scale_rewards: ScaleRewards = scale_rewards
-        self.advantage_clip_percentile = advantage_clip_percentile
         self.extra_rewards = extra_rewards
 
-    def generate(
+    async def generate(
         self,
         problem_seeds: Sequence[int],
         replicas: int,
         *,
         round_index: int = 0,
-        on_group_done: Callable[[], None] | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> RolloutBatch:
-        """Generate, score and compute advantages for `replicas` samples of each problem seed."""
-        return asyncio.run(
-            self.agenerate(
-                problem_seeds, replicas, round_index=round_index, on_group_done=on_group_done
-            )
-        )
-
-    async def agenerate(
-        self,
-        problem_seeds: Sequence[int],
-        replicas: int,
-        *,
-        round_index: int = 0,
-        on_group_done: Callable[[], None] | None = None,
-    ) -> RolloutBatch:
+        """Generate, score and compute advantages for `replicas` samples of each problem seed;
+        `on_progress(k)` is told as k more problems are done. Groups keep the order of
+        `problem_seeds`."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         problems = [self.env.problem(int(seed)) for seed in problem_seeds]
         prompt_ids = [render_prompt_ids(self.tokenizer, p) for p in problems]
 
-        async def one(problem: Problem, ids: list[int]) -> list[Completion]:
-            seed = request_seed(self.base_seed, round_index, problem.seed)
-            completions = await self.client.complete(ids, replicas, self.sampling, seed)
-            if on_group_done is not None:
-                on_group_done()
-            return completions
-
-        # gather keeps the input order: groups line up with problem_seeds whatever finishes first.
-        # One session: the requests share keep-alive connections, closed before we return.
-        async with self.client.session():
-            results = await asyncio.gather(
-                *(one(p, ids) for p, ids in zip(problems, prompt_ids, strict=True))
-            )
+        seeds = [request_seed(self.base_seed, round_index, p.seed) for p in problems]
+        results = await self.client.complete_many(
+            prompt_ids, replicas, self.sampling, seeds, on_done=on_progress
+        )
 
         groups = []
         for problem, ids, completions in zip(problems, prompt_ids, results, strict=True):
@@ -181,9 +215,7 @@ class RolloutGenerator:
         stats: dict[str, float] = {}
         if replicas > 1:  # a single sample has no group baseline (evaluation at pass@1)
             rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-            advantages, stats = compute_advantages(
-                rewards, self.scale_rewards, clip_percentile=self.advantage_clip_percentile
-            )
+            advantages, stats = compute_advantages(rewards, self.scale_rewards)
             for group, row in zip(groups, advantages.tolist(), strict=True):
                 for sample, advantage in zip(group.samples, row, strict=True):
                     sample.advantage = float(advantage)

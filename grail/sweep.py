@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from grail.config import split_cores
+from grail.records import LAUNCH_KEYS, override_key
 
 SUBMITIT_LOCAL = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
 SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -142,7 +143,7 @@ def explicit_keys(task_overrides: Sequence[str], keys: Sequence[str]) -> set[str
     """Which of `keys` the command line set (`key=...`, `+key=...`, `++key=...`)."""
     found = set()
     for override in task_overrides:
-        name = override.split("=", 1)[0].lstrip("+~")
+        name = override_key(override)
         if name in keys:
             found.add(name)
     return found
@@ -173,13 +174,9 @@ class Decision:
     reason: str
 
 
-# Overrides that do not change what a run computes, so they may differ between attempts.
-_ATTEMPT_KEYS = frozenset({"resume"})
-
-
 def _as_mapping(overrides: Sequence[str]) -> Mapping[str, str]:
     pairs = (o.split("=", 1) for o in overrides if "=" in o)
-    return {k.lstrip("+~"): v for k, v in pairs if k.lstrip("+~") not in _ATTEMPT_KEYS}
+    return {override_key(k): v for k, v in pairs if override_key(k) not in LAUNCH_KEYS}
 
 
 def decide(record: RunRecord, *, resume: bool, overrides: Sequence[str]) -> Decision:

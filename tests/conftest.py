@@ -46,7 +46,7 @@ def leaked_processes() -> dict[int, str]:
     if not Path("/proc/self/stat").exists():
         return {}
     try:
-        from grail.inference.servers import started_process_groups
+        from grail.inference.os_process import started_process_groups
 
         server_groups = started_process_groups()
     except ImportError:

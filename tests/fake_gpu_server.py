@@ -140,7 +140,8 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 else:
-    from grail.inference.backends import SGLangServer, VLLMServer
+    from grail.inference.backends.sglang import SGLangServer
+    from grail.inference.backends.vllm import VLLMServer
 
     class FakeVLLMServer(VLLMServer):
         """`VLLMServer` running this script (its real argv after the script's own flags)."""

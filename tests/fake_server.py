@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     main()
 else:
-    from grail.inference.servers import BuiltinServer
+    from grail.inference.backends.builtin import BuiltinServer
 
     class FakeBuiltinServer(BuiltinServer):
         """`BuiltinServer` running this script; every other behaviour is the real class's."""

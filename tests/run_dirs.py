@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from grail.train.metrics import write_metrics
+from grail.records import write_metrics
 
 
 def train_record(iteration: int, reward: float, *, kl: float | None = 0.01) -> dict[str, Any]:

@@ -32,29 +32,28 @@ import pytest
 from fake_gpu_server import FakeSGLangServer, FakeVLLMServer
 
 from grail.config import Config, ConfigError, DataConfig, GenerationConfig, GpuConfig, validate
-from grail.inference import backends
-from grail.inference.backends import (
+from grail.inference.backends import gpu as gpu_backend
+from grail.inference.backends import make_server_manager, server_manager_from_config
+from grail.inference.backends.builtin import BuiltinServer
+from grail.inference.backends.gpu import (
     DEFAULT_MEMORY_FRACTION_OWN_GPU,
     DEFAULT_MEMORY_FRACTION_SHARED,
-    SGLangServer,
-    VLLMServer,
-    make_server_manager,
-    server_manager_from_config,
+    GpuServer,
 )
+from grail.inference.backends.sglang import SGLangServer
+from grail.inference.backends.vllm import VLLMServer
 from grail.inference.client import (
     CompletionClient,
     MalformedResponseError,
-    RetryPolicy,
     SamplingParams,
     parse_completions,
 )
-from grail.inference.servers import (
-    BuiltinServer,
+from grail.inference.os_process import visible_devices
+from grail.inference.process import (
     ServerDiedError,
     ServerStartError,
     WeightSyncError,
     call_with_recovery,
-    visible_devices,
 )
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -63,8 +62,6 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="process checks read /proc (Linux only)"
 )
 SAMPLING = SamplingParams(max_tokens=3, temperature=0.7, top_p=1.0, top_k=-1)
-# Long enough in total (~1 s) for a crashed server's exit to be seen by the liveness check.
-FAST_RETRY = RetryPolicy(max_attempts=6, initial_backoff=0.05, max_backoff=0.5)
 
 
 def fixture(name: str) -> dict:
@@ -255,7 +252,7 @@ def test_server_from_config_places_and_sizes_the_server(model_dir: Path, tmp_pat
     assert (server.max_model_len, server.max_num_seqs, server.seed) == (1024, 32, 11)
     assert server.child_env()["CUDA_VISIBLE_DEVICES"] == "1"
     assert server.build_command()[-1] == "--enforce-eager"
-    assert server.start_timeout == backends.DEFAULT_START_TIMEOUT_S  # not the builtin's 120 s
+    assert server.start_timeout == GpuServer.default_start_timeout_s  # not the builtin's 120 s
     patient = _config("sglang", start_timeout_s=1800.0)
     assert (
         server_manager_from_config(patient, model_dir, tmp_path, cuda_available=True).start_timeout
@@ -272,6 +269,14 @@ def test_server_from_config_places_and_sizes_the_server(model_dir: Path, tmp_pat
         _config("builtin"), model_dir, tmp_path, cuda_available=False
     )
     assert isinstance(builtin, BuiltinServer) and builtin.device == "cpu"
+    # generation.start_timeout_s null: each backend's own default; a set value wins everywhere
+    assert builtin.start_timeout == BuiltinServer.default_start_timeout_s == 120.0
+    assert GpuServer.default_start_timeout_s == 900.0
+    quick = _config("builtin", start_timeout_s=30.0)
+    assert (
+        server_manager_from_config(quick, model_dir, tmp_path, cuda_available=False).start_timeout
+        == 30.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -281,6 +286,7 @@ def test_server_from_config_places_and_sizes_the_server(model_dir: Path, tmp_pat
         ({"max_model_len": 0}, "generation.max_model_len"),
         ({"max_num_seqs": -1}, "generation.max_num_seqs"),
         ({"max_restarts": -1}, "generation.max_restarts"),
+        ({"start_timeout_s": 0.0}, "generation.start_timeout_s"),
     ],
 )
 def test_bad_generation_sizes_name_the_key(override: dict, key: str) -> None:
@@ -354,7 +360,7 @@ def test_gpu_indices_are_mapped_through_the_parents_visible_devices(
 def test_missing_package_is_reported_before_spawning(
     cls, extra: str, model_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gpu_backend.importlib.util, "find_spec", lambda name: None)
     server = cls(model_dir, "policy", log_dir=tmp_path / "logs", device="cuda:0")
     with pytest.raises(ServerStartError, match=rf"uv sync --extra {extra}"):
         server.launch()
@@ -551,7 +557,7 @@ def test_vllm_failed_sync_falls_back_to_a_restart_on_the_new_weights(
     server.launch()
     pid = server.pid
     plan(server, collective_rpc=[{"fixture": "/collective_rpc failed"}])
-    with caplog.at_level(logging.WARNING, logger="grail.inference.servers"):
+    with caplog.at_level(logging.WARNING, logger="grail.inference.process"):
         result = server.sync_weights(checkpoint, weight_version="iter_001")
     assert (result.mode_used, result.fell_back) == ("restart", True)
     assert "KeyError" in result.fallback_reason
@@ -644,18 +650,26 @@ def test_dead_server_is_restarted_from_the_newest_weights_and_the_batch_retried(
     server.sync_weights(checkpoint)  # the newest weights are now the checkpoint
     first_pid = server.pid
     plan(server, v1__completions=[{"die": True}])
-    client = CompletionClient(
-        server.base_url,
-        server.model_name,
-        backend="vllm",
-        retry=FAST_RETRY,
-        liveness_check=server.check_alive,
-    )
     attempts = []
 
     def generate():
         attempts.append(server.pid)
-        return asyncio.run(client.complete([1, 2, 3], 2, SAMPLING, seed=0))
+        # The SDK's retries (~1.5 s with 2) outlast the crash; then the liveness check sees it.
+        client = CompletionClient(
+            server.base_url,
+            server.model_name,
+            backend="vllm",
+            max_retries=2,
+            liveness_check=server.check_alive,
+        )
+
+        async def run():
+            try:
+                return await client.complete([1, 2, 3], 2, SAMPLING, seed=0)
+            finally:
+                await client.aclose()
+
+        return asyncio.run(run())
 
     completions = call_with_recovery(server, generate, max_restarts=2, what="iteration 3")
     assert [c.token_ids for c in completions] == [[49, 50, 2], [55, 120, 57]]

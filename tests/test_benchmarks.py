@@ -202,7 +202,7 @@ def test_relative_growth() -> None:
 
 
 def test_server_peak_rss_reads_the_server_before_it_stops(tiny_model_dir: Path) -> None:
-    from grail.inference.servers import BuiltinServer
+    from grail.inference.backends.builtin import BuiltinServer
 
     server = BuiltinServer(
         tiny_model_dir, "policy", log_dir=tiny_model_dir.parent / "logs", threads=1
@@ -300,7 +300,7 @@ def test_vs_trl_measures_the_default_jobs_iteration_by_default() -> None:
 
 def test_vs_trl_dataset_is_the_harness_seeds_in_order() -> None:
     from grail.envs import make_env
-    from grail.train.loop import iteration_seeds
+    from grail.server_rollouts import iteration_seeds
 
     w = vs_trl.Workload(problems=5, group_size=2, iterations=3, micro_batch=5)
     rows = vs_trl.trl_rows(w)

@@ -3,7 +3,7 @@
 The engine decodes many sequences at once but promises per-sequence results that do not depend on
 the batch (the trainer compares runs bitwise, and a request's samples must not change with what
 else the server is doing). These tests pin the two batched pieces against one-row-at-a-time
-references: token sampling (`_draw`) and row-wise attention with rows grouped by padding.
+references: token sampling (`draw`) and row-wise attention with rows grouped by padding.
 """
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from grail.inference.builtin.engine import (
-    GREEDY_EPS,
-    SamplingParams,
-    _draw,
-    _rowwise_attention,
-    attention_batch_invariant,
-)
+from grail.inference.builtin.invariance import _rowwise_attention, attention_batch_invariant
+from grail.inference.builtin.sampling import GREEDY_EPS, SamplingParams, draw
 
 
 @pytest.fixture
@@ -84,7 +79,7 @@ def test_batched_sampling_equals_sampling_one_row_at_a_time(params: SamplingPara
     logits = torch.randn(37, 300) * 4
     logits[3] = (logits[3] * 2).round() / 2  # many exact ties
     logits[5, 7:] = -math.inf  # most of the vocabulary impossible
-    tokens, logprobs, top = _draw(logits, params, _generators(37, 11))
+    tokens, logprobs, top = draw(logits, params, _generators(37, 11))
     alone = [_draw_one(logits[r], params, g) for r, g in enumerate(_generators(37, 11))]
     assert tokens == [t for t, _, _ in alone]
     assert logprobs == [lp for _, lp, _ in alone]  # bitwise, not approximately
@@ -97,8 +92,8 @@ def test_each_row_draws_from_its_own_generator() -> None:
     torch.manual_seed(1)
     logits = torch.randn(8, 64)
     params = SamplingParams(max_tokens=1, temperature=1.0)
-    together, _, _ = _draw(logits, params, _generators(8, 100))
-    subset, _, _ = _draw(logits[[2, 5]], params, [_generators(8, 100)[i] for i in (2, 5)])
+    together, _, _ = draw(logits, params, _generators(8, 100))
+    subset, _, _ = draw(logits[[2, 5]], params, [_generators(8, 100)[i] for i in (2, 5)])
     assert subset == [together[2], together[5]]
 
 

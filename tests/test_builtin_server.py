@@ -307,6 +307,32 @@ def test_batch_prompts_are_prompt_major_and_batch_invariant(
     assert concurrent_results == alone * 2
 
 
+def test_seeds_give_each_prompt_of_a_batch_the_samples_of_its_own_request(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    """The `seeds` extension: prompt j of a multi-prompt request gets bitwise the token ids and
+    logprobs a request for prompt j alone with seed=seeds[j] gets (sample i: seeds[j] + i)."""
+    require_batch_invariance(server)
+    prompts = [PROMPT_A, PROMPT_B, PROMPT_C, PROMPT_A]
+    seeds = [11, 3, 2**31 - 2**16, 12]
+    kw = {"n": 3, "max_tokens": 6}
+    extra = {"ignore_eos": True, "seeds": seeds}
+    batch = complete(client, prompts, seed=openai.NOT_GIVEN, extra=extra, **kw)
+    kw["extra"] = {"ignore_eos": True}
+    alone = [
+        samples(complete(client, p, seed=s, **kw)) for p, s in zip(prompts, seeds, strict=True)
+    ]
+    assert samples(batch) == [s for per_prompt in alone for s in per_prompt]
+    assert [c["prompt_token_ids"] for c in batch["choices"]] == [
+        p for p in prompts for _ in range(3)
+    ]
+    # Prompt 3 (PROMPT_A with seed 12) shares prompt 0's samples 1.. (seed 11 + 1 = 12 + 0).
+    assert samples(batch)[9:11] == samples(batch)[1:3]
+    # A plain seed gives every prompt the same seed + i, as vLLM does.
+    same = complete(client, [PROMPT_A, PROMPT_A], seed=11, **kw)
+    assert samples(same)[:3] == samples(same)[3:] == alone[0]
+
+
 def test_chat_completion_with_logprobs(client: openai.OpenAI, tokenizer: Any) -> None:
     messages = [{"role": "user", "content": "Copy the digits 1 2 3"}]
     resp = client.chat.completions.create(
@@ -388,6 +414,8 @@ def test_length_finish(client: openai.OpenAI) -> None:
 
 
 GOOD = {"model": NAME, "prompt": PROMPT_A, "max_tokens": 2, "temperature": 1.0, "seed": 0}
+# Two prompts with the `seeds` extension (one seed per prompt) instead of `seed`.
+SEEDS = {**{k: v for k, v in GOOD.items() if k != "seed"}, "prompt": [PROMPT_A, PROMPT_B]}
 
 BAD_REQUESTS = [
     ("malformed json", "/v1/completions", b'{"prompt": [1, 2', 400, None),
@@ -411,7 +439,18 @@ BAD_REQUESTS = [
     ("penalty", "/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("min_tokens", "/v1/completions", {**GOOD, "min_tokens": 2}, 400, "min_tokens"),
     ("stop id >= vocab", "/v1/completions", {**GOOD, "stop_token_ids": [600]}, 400, None),
+    ("seed and seeds", "/v1/completions", {**GOOD, "seeds": [1]}, 400, "seeds"),
+    ("too few seeds", "/v1/completions", {**SEEDS, "seeds": [1]}, 400, "seeds"),
+    ("too many seeds", "/v1/completions", {**SEEDS, "seeds": [1, 2, 3]}, 400, "seeds"),
+    ("seeds not ints", "/v1/completions", {**SEEDS, "seeds": [1, "x"]}, 400, "seeds.1"),
     ("no messages", "/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    (
+        "seeds in chat",
+        "/v1/chat/completions",
+        {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "seeds": [1]},
+        400,
+        "seeds",
+    ),
     (
         "top_logprobs without logprobs",
         "/v1/chat/completions",

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 import torch
 
+from grail.records import atomic_write_text, validate_metrics, write_metrics
 from grail.train.checkpoint import (
     commit_checkpoint,
     latest_checkpoint,
@@ -18,7 +19,6 @@ from grail.train.checkpoint import (
     set_rng_state,
     stage_checkpoint,
 )
-from grail.train.metrics import atomic_write_text, validate_metrics, write_metrics
 
 
 class _Saves:

@@ -1,4 +1,5 @@
-"""The async completion client against a real local HTTP server that misbehaves on cue."""
+"""The completion client (the openai SDK underneath) against real local HTTP servers: a scripted
+one that misbehaves on cue, and the built-in server on the tiny model."""
 
 from __future__ import annotations
 
@@ -6,48 +7,63 @@ import asyncio
 import gc
 import json
 import math
-import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import pytest
 
+from grail.config import GenerationConfig
 from grail.inference.client import (
     VLLM_NEG_INF,
     Completion,
     CompletionClient,
     GenerationError,
     MalformedResponseError,
-    RetryPolicy,
     SamplingParams,
     parse_completions,
     request_body,
 )
 
-FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.02)
 SAMPLING = SamplingParams(max_tokens=3, temperature=0.7, top_p=1.0, top_k=-1, stop=("\n\n",))
 Action = str | Callable[[dict], tuple[int, object]]
 
 
-def ok_response(body: dict) -> dict:
-    """A vLLM-shaped answer: choice i continues the prompt with ids last+1+i, ..."""
-    last = body["prompt"][-1]
-    length = body["max_tokens"]
+def fake_choices(prompt: list[int], n: int, seed: int, length: int, first: int) -> list[dict]:
+    """Sample i of `prompt` under `seed`: token ids [seed + i, prompt[-1], 1, 2, ...], so a test
+    can read back which seed and prompt produced it."""
     choices = []
-    for i in range(body["n"]):
-        ids = [last + 1 + i + j for j in range(length)]
+    for i in range(n):
+        ids = [seed + i, prompt[-1], *range(1, length - 1)][:length]
         choices.append(
             {
-                "index": i,
+                "index": first + i,
                 "text": " ".join(map(str, ids)),
                 "token_ids": ids,
                 "logprobs": {"token_logprobs": [-0.25 * (j + 1) for j in range(length)]},
                 "finish_reason": "length",
             }
         )
+    return choices
+
+
+def ok_response(body: dict) -> dict:
+    """A vLLM-shaped answer, prompt-major over a batch of prompts, with `seeds` (one per
+    prompt, the built-in server's extension) or `seed` (every prompt the same, as vLLM)."""
+    prompt = body["prompt"]
+    prompts = prompt if isinstance(prompt[0], list) else [prompt]
+    seeds = body.get("seeds") or [body["seed"]] * len(prompts)
+    n = body["n"]
+    choices = []
+    for p, (ids, seed) in enumerate(zip(prompts, seeds, strict=True)):
+        choices += fake_choices(ids, n, seed, body["max_tokens"], p * n)
     return {"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": choices}
 
 
@@ -64,7 +80,7 @@ class ScriptedServer:
     def __init__(self, actions: list[Action] | None = None) -> None:
         self.actions: list[Action] = list(actions or [])
         self.requests: list[dict] = []
-        self.peers: list[tuple[str, int]] = []  # the client end of each request's connection
+        self.headers: list[dict[str, str]] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.lock = threading.Lock()
@@ -77,7 +93,7 @@ class ScriptedServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with outer.lock:
                     outer.requests.append(body)
-                    outer.peers.append(self.client_address)
+                    outer.headers.append({k.lower(): v for k, v in self.headers.items()})
                     action = outer.actions.pop(0) if outer.actions else "ok"
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
@@ -142,41 +158,58 @@ def server() -> Iterator[ScriptedServer]:
 
 
 def make_client(server: ScriptedServer, **kwargs) -> CompletionClient:
-    kwargs.setdefault("retry", FAST_RETRY)
+    kwargs.setdefault("max_retries", 2)
     kwargs.setdefault("timeout", 5.0)
     return CompletionClient(server.base_url, "tiny", **kwargs)
 
 
-def run(coro):
-    return asyncio.run(coro)
+def run(client: CompletionClient, coro_fn: Callable[[CompletionClient], object]) -> object:
+    """One event loop for the client's whole life, closed at the end, as the generation thread
+    uses it."""
+
+    async def main():
+        try:
+            return await coro_fn(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
 
 
-async def complete_and_close(client: CompletionClient, **kwargs) -> list[Completion]:
-    try:
-        return await client.complete(
+def complete(client: CompletionClient, **kwargs) -> list[Completion]:
+    return run(
+        client,
+        lambda c: c.complete(
             kwargs.get("prompt_ids", [5, 6, 7]),
             kwargs.get("n", 2),
             kwargs.get("sampling", SAMPLING),
             kwargs.get("seed", 11),
-        )
-    finally:
-        await client.aclose()
+        ),
+    )
 
 
 # ---- the request and its answer ----------------------------------------------------------------
 
 
 def test_every_sampling_field_is_sent_explicitly(server: ScriptedServer) -> None:
-    completions = run(complete_and_close(make_client(server)))
+    completions = complete(make_client(server))
     (sent,) = server.requests
-    expected = request_body("tiny", [5, 6, 7], 2, SAMPLING, 11)
+    expected = request_body("tiny", [[5, 6, 7]], 2, SAMPLING, [11])
     assert sent == expected
+    assert expected["prompt"] == [5, 6, 7]  # one prompt: a flat token-id list
     assert expected["top_k"] == -1 and expected["logprobs"] == 0 and expected["seed"] == 11
     assert expected["return_token_ids"] is True and expected["stop"] == ["\n\n"]
     assert completions == [
-        Completion([8, 9, 10], [-0.25, -0.5, -0.75], "length", "8 9 10"),
-        Completion([9, 10, 11], [-0.25, -0.5, -0.75], "length", "9 10 11"),
+        Completion([11, 7, 1], [-0.25, -0.5, -0.75], "length", "11 7 1"),
+        Completion([12, 7, 1], [-0.25, -0.5, -0.75], "length", "12 7 1"),
     ]
+
+
+def test_api_key_goes_as_a_bearer_token_and_not_into_repr(server: ScriptedServer) -> None:
+    client = make_client(server, api_key="sk-secret")
+    assert "sk-secret" not in repr(client)
+    complete(client)
+    assert server.headers[0]["authorization"] == "Bearer sk-secret"
 
 
 def test_choices_are_ordered_by_index_and_vllm_neg_inf_is_read_as_inf(
@@ -189,51 +222,130 @@ def test_choices_are_ordered_by_index_and_vllm_neg_inf_is_read_as_inf(
         return 200, payload
 
     server.actions = [shuffled]
-    first, second = run(complete_and_close(make_client(server)))
-    assert first.token_ids == [8, 9, 10]
-    assert second.token_ids == [9, 10, 11] and second.logprobs[1] == -math.inf
+    first, second = complete(make_client(server))
+    assert first.token_ids == [11, 7, 1]
+    assert second.token_ids == [12, 7, 1] and second.logprobs[1] == -math.inf
 
 
-# ---- retries -----------------------------------------------------------------------------------
+def test_sampling_params_from_the_generation_config() -> None:
+    gen = GenerationConfig(max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=7)
+    assert SamplingParams.from_config(gen) == SamplingParams(
+        max_tokens=5, temperature=0.5, top_p=0.9, top_k=7
+    )
+
+
+# ---- many prompts ------------------------------------------------------------------------------
+
+
+def seeds_used(groups: list[list[Completion]]) -> list[list[int]]:
+    """The seed each sample was drawn with (the fake server's first token) per prompt."""
+    return [[c.token_ids[0] for c in group] for group in groups]
+
+
+def test_complete_many_batches_prompts_with_one_seed_each_on_the_builtin_server(
+    server: ScriptedServer,
+) -> None:
+    prompts = [[1, 100 + j] for j in range(5)]
+    seeds = [1000 * (j + 1) for j in range(5)]
+    done: list[int] = []
+    client = make_client(server, max_batch_sequences=7)  # 7 // n=3: two prompts per request
+    groups = run(client, lambda c: c.complete_many(prompts, 3, SAMPLING, seeds, done.append))
+    # In input order; prompt j's sample i was drawn with seeds[j] + i.
+    assert seeds_used(groups) == [[s, s + 1, s + 2] for s in seeds]
+    assert [[c.token_ids[1] for c in g] for g in groups] == [[100 + j] * 3 for j in range(5)]
+    # Requests of at most 7 sequences: [2, 2, 1] prompts, the last one plain OpenAI.
+    bodies = sorted(server.requests, key=lambda b: b.get("seeds", [b.get("seed")])[0])
+    assert [b["prompt"] for b in bodies] == [prompts[0:2], prompts[2:4], prompts[4]]
+    assert [b.get("seeds") for b in bodies] == [seeds[0:2], seeds[2:4], None]
+    assert "seed" not in bodies[0] and bodies[2]["seed"] == seeds[4]
+    assert sorted(done) == [1, 2, 2]
+    assert (client.stats.requests, client.stats.prompts) == (3, 5)
+
+
+def test_complete_many_sends_vllm_and_sglang_one_request_per_prompt(
+    server: ScriptedServer,
+) -> None:
+    """They give every prompt of a request the same seed: one request each keeps seeds[j] + i."""
+    prompts = [[1, 100 + j] for j in range(4)]
+    seeds = [7, 70, 700, 7000]
+    done: list[int] = []
+    client = make_client(server, backend="vllm")
+    groups = run(client, lambda c: c.complete_many(prompts, 2, SAMPLING, seeds, done.append))
+    assert seeds_used(groups) == [[s, s + 1] for s in seeds]
+    assert sorted((b["prompt"], b["seed"]) for b in server.requests) == list(
+        zip(prompts, seeds, strict=True)
+    )
+    assert all("seeds" not in b for b in server.requests) and done == [1, 1, 1, 1]
+
+
+def test_complete_many_sends_the_chunks_concurrently(server: ScriptedServer) -> None:
+    server.actions = ["slow:0.3"] * 4
+    client = make_client(server, max_batch_sequences=2)
+    t0 = time.monotonic()
+    groups = run(
+        client, lambda c: c.complete_many([[1, j] for j in range(8)], 1, SAMPLING, [0] * 8)
+    )
+    assert len(groups) == 8 and time.monotonic() - t0 < 1.0
+    assert server.max_in_flight == 4 and len(server.requests) == 4
+
+
+def test_concurrency_bound_is_honoured(server: ScriptedServer) -> None:
+    server.actions = ["slow:0.15"] * 10
+    client = make_client(server, backend="vllm", max_concurrency=3)
+    prompts = [[1, 2, i + 3] for i in range(10)]
+    groups = run(client, lambda c: c.complete_many(prompts, 1, SAMPLING, list(range(10))))
+    assert seeds_used(groups) == [[i] for i in range(10)]
+    assert server.max_in_flight == 3  # never more, and the bound is actually used
+    assert client.stats.peak_in_flight == 3
+
+
+def test_the_first_failure_cancels_the_other_requests(server: ScriptedServer) -> None:
+    server.actions = ["400", *["slow:2"] * 5]
+    client = make_client(server, backend="vllm", max_concurrency=1)
+    t0 = time.monotonic()
+    with pytest.raises(GenerationError, match="HTTP 400"):
+        run(client, lambda c: c.complete_many([[1, j] for j in range(6)], 1, SAMPLING, [0] * 6))
+    assert time.monotonic() - t0 < 1.5  # the queued requests were not sent after it
+
+
+# ---- retries (the SDK's) and failures ----------------------------------------------------------
 
 
 def test_server_errors_are_retried_until_success(server: ScriptedServer) -> None:
     server.actions = ["500", "503", "ok"]
     client = make_client(server)
-    completions = run(complete_and_close(client))
-    assert len(completions) == 2
+    assert len(complete(client)) == 2
     assert len(server.requests) == 3
-    assert (client.stats.requests, client.stats.attempts, client.stats.retries) == (1, 3, 2)
-    assert client.stats.failures == 0
+    assert (client.stats.requests, client.stats.retries, client.stats.failures) == (1, 2, 0)
 
 
 def test_dropped_connections_are_retried(server: ScriptedServer) -> None:
-    server.actions = ["drop", "drop", "ok"]
-    assert len(run(complete_and_close(make_client(server)))) == 2
-    assert len(server.requests) == 3
-
-
-def test_persistent_failure_gives_a_clear_error_after_max_attempts(server: ScriptedServer) -> None:
-    server.actions = ["500"] * 10
-    client = make_client(server, retry=RetryPolicy(max_attempts=3, initial_backoff=0.01))
-    with pytest.raises(GenerationError) as info:
-        run(complete_and_close(client))
-    message = str(info.value)
-    assert "failed after 3 attempt(s)" in message
-    assert "HTTP 500: engine hiccup 500" in message
-    assert "/v1/completions (n=2, 3 prompt tokens)" in message
-    assert info.value.attempts == 3 and info.value.status_code == 500
-    assert len(server.requests) == 3 and client.stats.failures == 1
-
-
-def test_timeouts_are_retried_then_reported(server: ScriptedServer) -> None:
-    server.actions = ["hang:2", "hang:2"]
-    client = make_client(server, timeout=0.3, retry=RetryPolicy(2, 0.01, 0.01))
-    t0 = time.monotonic()
-    with pytest.raises(GenerationError, match=r"2 attempt\(s\).*timed out after 0.3 s"):
-        run(complete_and_close(client))
-    assert time.monotonic() - t0 < 1.5  # two bounded attempts, not two server sleeps
+    server.actions = ["drop", "ok"]
+    assert len(complete(make_client(server))) == 2
     assert len(server.requests) == 2
+
+
+def test_persistent_failure_gives_a_clear_error_after_the_retries(server: ScriptedServer) -> None:
+    server.actions = ["500"] * 10
+    client = make_client(server, max_retries=1)
+    with pytest.raises(GenerationError) as info:
+        complete(client)
+    message = str(info.value)
+    assert "failed after 2 attempt(s)" in message
+    assert "HTTP 500: engine hiccup 500" in message
+    assert "/v1/completions (1 prompt(s) of 3 tokens, n=2)" in message
+    assert info.value.attempts == 2 and info.value.status_code == 500
+    assert len(server.requests) == 2 and client.stats.failures == 1
+
+
+def test_a_timeout_raises(server: ScriptedServer) -> None:
+    server.actions = ["hang:2", "hang:2"]
+    client = make_client(server, timeout=0.3, max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(GenerationError, match=r"1 attempt\(s\).*timed out after 0.3 s"):
+        complete(client)
+    assert time.monotonic() - t0 < 1.5  # a bounded attempt, not the server's sleep
+    assert len(server.requests) == 1
 
 
 def test_client_errors_are_not_retried_and_carry_the_servers_message(
@@ -242,14 +354,14 @@ def test_client_errors_are_not_retried_and_carry_the_servers_message(
     server.actions = ["400", "ok"]
     client = make_client(server)
     with pytest.raises(GenerationError) as info:
-        run(complete_and_close(client))
+        complete(client)
     assert "HTTP 400 (not retried)" in str(info.value)
     assert "maximum context length is 32 tokens" in str(info.value)
     assert info.value.status_code == 400 and info.value.attempts == 1
     assert len(server.requests) == 1
 
 
-def test_liveness_check_stops_retrying_a_dead_server(server: ScriptedServer) -> None:
+def test_liveness_check_turns_a_dead_server_into_its_error(server: ScriptedServer) -> None:
     class Died(RuntimeError):
         pass
 
@@ -257,39 +369,41 @@ def test_liveness_check_stops_retrying_a_dead_server(server: ScriptedServer) -> 
         raise Died("server died with exit code -9")
 
     server.actions = ["drop"] * 10
-    client = make_client(server, liveness_check=check_alive)
+    client = make_client(server, liveness_check=check_alive, max_retries=1)
     with pytest.raises(Died):
-        run(complete_and_close(client))
-    assert len(server.requests) == 1
+        complete(client)
+    assert len(server.requests) == 2  # checked once the SDK gave up
 
 
-def test_backoff_doubles_up_to_the_cap_with_bounded_jitter() -> None:
-    rng = random.Random(0)
-    exact = RetryPolicy(max_attempts=10, initial_backoff=0.1, max_backoff=0.5, jitter=0.0)
-    assert [exact.delay(k, rng) for k in range(1, 6)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
-    jittered = RetryPolicy(max_attempts=10, initial_backoff=0.1, max_backoff=0.5, jitter=0.5)
-    delays = [jittered.delay(3, rng) for _ in range(200)]
-    assert all(0.2 <= d <= 0.4 for d in delays)
-    assert max(delays) - min(delays) > 0.1  # actually spread out
+def test_liveness_check_is_not_asked_about_a_bad_request(server: ScriptedServer) -> None:
+    def check_alive() -> None:
+        raise AssertionError("a 400 says nothing about the server's health")
+
+    server.actions = ["400"]
+    with pytest.raises(GenerationError, match="HTTP 400"):
+        complete(make_client(server, liveness_check=check_alive))
 
 
-def test_total_retry_wait_is_bounded(server: ScriptedServer) -> None:
-    server.actions = ["500"] * 10
-    policy = RetryPolicy(max_attempts=4, initial_backoff=0.1, max_backoff=0.15, jitter=0.5)
-    t0 = time.monotonic()
-    with pytest.raises(GenerationError):
-        run(complete_and_close(make_client(server, retry=policy)))
-    elapsed = time.monotonic() - t0
-    # sleeps: min(0.15, 0.1 * 2**(k-1)) * U(0.5, 1) for k = 1..3 -> between 0.2 and 0.4 s
-    assert 0.2 <= elapsed < 0.4 + 0.5
+def test_connection_refused_is_reported_after_the_retries() -> None:
+    client = CompletionClient("http://127.0.0.1:1/v1", "tiny", max_retries=0, timeout=2)
+    with pytest.raises(GenerationError, match=r"failed after 1 attempt\(s\).*Connection error"):
+        complete(client)
 
 
-def test_retry_jitter_leaves_the_global_rng_alone(server: ScriptedServer) -> None:
-    server.actions = ["500", "500", "ok"]
-    random.seed(1234)
-    state = random.getstate()
-    run(complete_and_close(make_client(server)))
-    assert random.getstate() == state
+@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["racing-the-close", "after-the-close"])
+def test_a_connection_the_server_closed_is_replaced(server: ScriptedServer, pause: float) -> None:
+    """Servers close idle keep-alive connections (uvicorn after 5 s): the next request is not an
+    error, whether the close has reached the client before it sends or not."""
+    server.actions = ["ok-then-close", "ok-then-close", "ok"]
+    client = make_client(server)
+
+    async def three(c: CompletionClient) -> None:
+        for i in range(3):
+            await c.complete([1, 2, i + 3], 1, SAMPLING, seed=i)
+            await asyncio.sleep(pause)
+
+    run(client, three)
+    assert client.stats.failures == 0 and client.stats.requests == 3
 
 
 # ---- malformed answers -------------------------------------------------------------------------
@@ -350,9 +464,16 @@ def test_malformed_responses_are_errors_not_empty_completions(
     action, expected = MALFORMED[case]
     server.actions = [action, "ok"]
     with pytest.raises(MalformedResponseError, match="malformed completion response") as info:
-        run(complete_and_close(make_client(server)))
+        complete(make_client(server))
     assert expected in str(info.value)
     assert len(server.requests) == 1  # a server bug is not retried
+
+
+def test_a_batch_answer_with_too_few_choices_is_malformed(server: ScriptedServer) -> None:
+    server.actions = [_mutate(lambda p: p["choices"].pop())]
+    client = make_client(server)
+    with pytest.raises(MalformedResponseError, match=r"asked for 2 prompts x n=2 = 4 completions"):
+        run(client, lambda c: c.complete_many([[1], [2]], 2, SAMPLING, [0, 9]))
 
 
 def test_parse_completions_rejects_non_objects() -> None:
@@ -360,112 +481,35 @@ def test_parse_completions_rejects_non_objects() -> None:
         parse_completions([], 1)
 
 
-# ---- concurrency and event loops ---------------------------------------------------------------
+# ---- event loops and resources -----------------------------------------------------------------
 
 
-def test_concurrency_bound_is_honoured(server: ScriptedServer) -> None:
-    server.actions = ["slow:0.15"] * 10
-    client = make_client(server, max_concurrency=3)
-
-    async def many() -> list[list[Completion]]:
-        try:
-            return await asyncio.gather(
-                *(client.complete([1, 2, i + 3], 1, SAMPLING, seed=i) for i in range(10))
-            )
-        finally:
-            await client.aclose()
-
-    results = run(many())
-    assert [r[0].token_ids[0] for r in results] == [i + 4 for i in range(10)]
-    assert server.max_in_flight == 3  # never more, and the bound is actually used
-    assert client.stats.peak_in_flight == 3
-
-
-def test_client_works_across_event_loops_without_leaking_sockets(server: ScriptedServer) -> None:
-    # The rollout generator runs one asyncio.run per iteration and never closes the client.
+def test_a_second_event_loop_is_refused(server: ScriptedServer) -> None:
     client = make_client(server)
 
     async def once() -> list[Completion]:
         return await client.complete([1, 2], 1, SAMPLING, seed=0)
 
+    run(client, lambda c: once())
+    with pytest.raises(RuntimeError, match="bound to the event loop of its first request"):
+        asyncio.run(once())
+
+
+def test_aclose_leaves_no_socket_open(server: ScriptedServer) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert run(once()) == run(once()) == run(once())
-        gc.collect()
-    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
-    assert not leaks, [str(w.message) for w in leaks]
+        client = make_client(server)
 
-
-def test_a_session_reuses_connections_and_closes_them(server: ScriptedServer) -> None:
-    """Inside session() requests share keep-alive connections (at most max_concurrency of them);
-    outside one, each request has its own. Nothing is left open either way."""
-    client = make_client(server, max_concurrency=3)
-
-    async def in_session() -> None:
-        async with client.session():
-            for i in range(4):  # one after the other: one connection
-                await client.complete([1, 2, i + 3], 1, SAMPLING, seed=i)
-            await asyncio.gather(  # at most 3 at once: at most 3 connections
-                *(client.complete([1, 2, i + 3], 1, SAMPLING, seed=i) for i in range(9))
-            )
-
-    async def outside() -> None:
-        for i in range(4):
-            await client.complete([1, 2, i + 3], 1, SAMPLING, seed=i)
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run(in_session())
-        assert len(set(server.peers[:4])) == 1
-        assert len(set(server.peers)) <= 3
-        server.peers.clear()
-        run(outside())
-        assert len(set(server.peers)) == 4
-        gc.collect()
-    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
-    assert not leaks, [str(w.message) for w in leaks]
-
-
-@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["racing-the-close", "after-the-close"])
-def test_a_connection_the_server_closed_is_replaced_without_a_retry(
-    server: ScriptedServer, pause: float
-) -> None:
-    """Servers close idle keep-alive connections (uvicorn after 5 s): the next request on one
-    goes out on a new connection, and is neither an error nor a retry, whether the close has
-    reached the client before it sends or not."""
-    server.actions = ["ok-then-close", "ok-then-close", "ok"]
-    client = make_client(server)
-
-    async def three() -> None:
-        async with client.session():
+        async def several(c: CompletionClient) -> None:
             for i in range(3):
-                await client.complete([1, 2, i + 3], 1, SAMPLING, seed=i)
-                await asyncio.sleep(pause)
+                await c.complete([1, 2], 1, SAMPLING, seed=i)
+            await c.complete_many([[1, 2]] * 4, 1, SAMPLING, [0] * 4)
 
-    run(three())
-    assert len(server.requests) == 3 and len(set(server.peers)) == 3
-    assert (client.stats.attempts, client.stats.retries, client.stats.failures) == (3, 0, 0)
-
-
-def test_sessions_on_two_event_loops_at_once(server: ScriptedServer) -> None:
-    """A generation thread and the main thread can use one client at the same time."""
-    server.actions = ["slow:0.3"] * 8  # long enough that the two loops surely overlap
-    client = make_client(server, max_concurrency=2)
-
-    async def batch(offset: int) -> list[int]:
-        async with client.session():
-            results = await asyncio.gather(
-                *(client.complete([1, offset + i], 1, SAMPLING, seed=i) for i in range(4))
-            )
-        return [r[0].token_ids[0] for r in results]
-
-    other: list[list[int]] = []
-    thread = threading.Thread(target=lambda: other.append(run(batch(100))))
-    thread.start()
-    mine = run(batch(200))
-    thread.join(10)
-    assert mine == [201 + i for i in range(4)] and other == [[101 + i for i in range(4)]]
-    assert server.max_in_flight == 4  # each loop has its own bound of 2
+        run(client, several)
+        del client
+        gc.collect()
+    leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not leaks, [str(w.message) for w in leaks]
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -491,35 +535,91 @@ def test_a_single_stop_string_is_one_stop_string() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt_ids", "n", "seed", "field"),
+    ("prompts", "n", "seeds", "field"),
     [
-        ([], 1, 0, "prompt_ids is empty"),
-        ([1, -2], 1, 0, r"prompt_ids\[1\]"),
-        ([1, 2.0], 1, 0, r"prompt_ids\[1\]"),
-        ([1], 0, 0, "n must be"),
-        ([1], 1, None, "seed must be"),
+        ([[]], 1, [0], r"prompts\[0\] is empty"),
+        ([[1], [1, -2]], 1, [0, 0], r"prompts\[1\]\[1\]"),
+        ([[1, 2.0]], 1, [0], r"prompts\[0\]\[1\]"),
+        ([[1]], 0, [0], "n must be"),
+        ([[1]], 1, [None], r"seeds\[0\] must be an int"),
+        ([[1], [2]], 1, [0], "2 prompts but 1 seeds"),
     ],
 )
 def test_bad_request_arguments_are_named(
-    server: ScriptedServer, prompt_ids: list, n: int, seed: object, field: str
+    server: ScriptedServer, prompts: list, n: int, seeds: list, field: str
 ) -> None:
     client = make_client(server)
     with pytest.raises(ValueError, match=field):
-        run(client.complete(prompt_ids, n, SAMPLING, seed))  # type: ignore[arg-type]
+        run(client, lambda c: c.complete_many(prompts, n, SAMPLING, seeds))
     assert server.requests == []
 
 
 def test_extra_body_is_sent_with_every_request(server: ScriptedServer) -> None:
-    run(complete_and_close(make_client(server, extra_body={"min_tokens": 2})))
+    complete(make_client(server, extra_body={"min_tokens": 2}))
     assert server.requests[0]["min_tokens"] == 2
     assert server.requests[0]["top_k"] == -1
 
 
-def test_extra_body_cannot_override_sampling_fields() -> None:
-    with pytest.raises(ValueError, match=r"extra_body must not set \['temperature'\]"):
-        CompletionClient("http://127.0.0.1:1/v1", "tiny", extra_body={"temperature": 0.0})
+@pytest.mark.parametrize("name", ["temperature", "seeds"])
+def test_extra_body_cannot_override_the_clients_fields(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"extra_body must not set \['{name}'\]"):
+        CompletionClient("http://127.0.0.1:1/v1", "tiny", extra_body={name: 0})
 
 
-def test_client_does_not_print_its_api_key() -> None:
-    client = CompletionClient("http://127.0.0.1:1/v1", "tiny", api_key="sk-secret")
-    assert "sk-secret" not in repr(client)
+# ---- the built-in server -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builtin_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`grail-serve` on the tiny model (CPU, one thread: batch-invariant); yields its base URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [
+        sys.executable, "-m", "grail.inference.builtin.server", "--model", str(tiny_model_dir),
+        "--served-model-name", "tiny", "--port", str(port), "--threads", "1",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_complete_many_on_the_builtin_server_equals_one_request_per_prompt(
+    builtin_server: str,
+) -> None:
+    """Batched into requests of several prompts with the `seeds` extension, every prompt gets
+    bitwise the samples a request of its own with its seed gets (CPU: batch-invariant engine)."""
+    prompts = [[5, 77, 301, 12], [40, 41, 42], list(range(100, 121)), [9], [3, 4]]
+    seeds = [11, 12, 1000, 0, 2**31 - 2**16]
+    sampling = SamplingParams(max_tokens=5, temperature=1.0)
+
+    def client(**kw) -> CompletionClient:
+        return CompletionClient(builtin_server, "tiny", **kw)
+
+    batched = client(max_batch_sequences=6)  # 6 // n=3: two prompts per request
+    many = run(batched, lambda c: c.complete_many(prompts, 3, sampling, seeds))
+    assert batched.stats.requests == 3
+
+    async def singles(c: CompletionClient) -> list[list[Completion]]:
+        return [await c.complete(p, 3, sampling, s) for p, s in zip(prompts, seeds, strict=True)]
+
+    assert many == run(client(), singles)
+    assert len({tuple(c.token_ids) for group in many for c in group}) > 5

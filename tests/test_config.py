@@ -42,9 +42,11 @@ def test_cpu_threads_trainer_takes_all_cores_only_when_the_server_waits(
     assert cpu_threads(_compose("generation.server_threads=5", "train.pipeline=true")) == (3, 5)
 
 
-@pytest.mark.parametrize("group", ["env=sat", "env=gsm8k", "model=qwen2.5-1.5b"])
+@pytest.mark.parametrize(
+    "group", ["env=sat", "env=gsm8k", "model=qwen2.5-1.5b", "generation=vllm", "generation=sglang"]
+)
 def test_config_groups_compose(group: str) -> None:
-    _compose(group)
+    validate(_compose(group))
 
 
 def test_unknown_key_names_the_key() -> None:
@@ -66,6 +68,8 @@ def test_wrong_type_names_the_key() -> None:
         ("gpu.strategy=multi", "gpu.server_gpu"),
         ("eval.report_ks=[1,64]", "eval.report_ks"),
         ("generation.temperature=0", "generation.temperature"),
+        ("generation.start_timeout_s=0", "generation.start_timeout_s"),
+        ("generation.backend=tgi", "generation.backend"),
         ("train.epsilon_high=0.1", "train.epsilon_high"),
     ],
 )

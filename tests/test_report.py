@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from run_dirs import make_run, train_record, write_hydra
 
+from grail.records import write_metrics, write_summary
 from grail.report import load_runs, main, sort_runs, sparkline
-from grail.runs import write_failure_summary
-from grail.train.metrics import write_metrics
 
 
 @pytest.fixture
@@ -36,7 +35,7 @@ def sweep(tmp_path: Path) -> Path:
     try:
         raise FloatingPointError("loss is NaN at iteration 3")
     except FloatingPointError as exc:
-        write_failure_summary(failed, exc, 40.0, environment="copy_digits")
+        write_summary(failed, 40.0, error=exc, environment="copy_digits")
     make_run(
         root / "2",
         [*fixed, "train.lr=1e-5", "train.kl_coef=0.05"],
@@ -162,7 +161,7 @@ def test_failure_summary_keeps_the_progress_made(tmp_path: Path) -> None:
     try:
         raise RuntimeError("server died")
     except RuntimeError as exc:
-        summary = write_failure_summary(run, exc, 12.5, environment="copy_digits")
+        summary = write_summary(run, 12.5, error=exc, environment="copy_digits")
     stored = json.loads((run / "summary.json").read_text())
     assert stored == summary
     assert summary["status"] == "failed" and summary["iterations"] == 3
@@ -205,6 +204,6 @@ def test_sparkline() -> None:
 
 def test_train_record_helper_matches_the_schema() -> None:
     # The fixtures above are only meaningful if they are what the loop writes.
-    from grail.train.metrics import validate_metrics
+    from grail.records import validate_metrics
 
     validate_metrics(train_record(0, 0.5), "train_iteration")

@@ -26,14 +26,14 @@ import httpx
 import pytest
 from fake_server import FakeBuiltinServer
 
-from grail.inference import servers
-from grail.inference.servers import (
-    BuiltinServer,
+from grail.inference import os_process
+from grail.inference.backends.builtin import BuiltinServer
+from grail.inference.os_process import parse_device
+from grail.inference.process import (
     ServerDiedError,
     ServerError,
     ServerStartError,
     WeightSyncError,
-    parse_device,
 )
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -173,8 +173,8 @@ def test_port_taken_during_startup_is_retried_on_a_new_port(make_server, monkeyp
     try:
         taken = foreign.server_address[1]
         ports = iter([taken])
-        real = servers.free_port
-        monkeypatch.setattr(servers, "free_port", lambda host: next(ports, None) or real(host))
+        real = os_process.free_port
+        monkeypatch.setattr(os_process, "free_port", lambda host: next(ports, None) or real(host))
         server = make_server("--start-delay", "0.3")  # the foreign 200 comes first
         server.launch()
         assert server.port != taken
@@ -447,7 +447,7 @@ def test_failed_in_place_update_falls_back_to_restart_with_warning(
     server = make_server()
     server.launch()
     old_pid, old_url = server.pid, server.base_url
-    with caplog.at_level(logging.WARNING, logger="grail.inference.servers"):
+    with caplog.at_level(logging.WARNING, logger="grail.inference.process"):
         result = server.sync_weights(checkpoint)
     assert (result.mode_used, result.fell_back) == ("restart", True)
     assert "shape mismatch in layer 0" in result.fallback_reason

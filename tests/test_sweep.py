@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from grail.config import validate
-from grail.inference import servers
+from grail.inference import os_process
 from grail.runs import append_attempt, run_record
 from grail.sweep import (
     SUBMITIT_LOCAL,
@@ -236,8 +236,8 @@ def test_concurrent_servers_never_share_a_port(
     port (the race between probing a port and binding it, forced): one binds it, the other sees
     "address already in use" and retries on a new port. Each ends up talking to its own server,
     and each writes its log into its own run directory."""
-    shared = servers.free_port("127.0.0.1")
-    real = servers.free_port
+    shared = os_process.free_port("127.0.0.1")
+    real = os_process.free_port
     handed: list[int] = []
     lock = threading.Lock()
 
@@ -247,7 +247,7 @@ def test_concurrent_servers_never_share_a_port(
             handed.append(port)
             return port
 
-    monkeypatch.setattr(servers, "free_port", racy_free_port)
+    monkeypatch.setattr(os_process, "free_port", racy_free_port)
     model = tmp_path / "model"
     model.mkdir()
     made = [
@@ -305,7 +305,7 @@ DRIVER = textwrap.dedent(
         sys.path.insert(0, TESTS_DIR)
         from fake_server import FakeBuiltinServer
         from run_dirs import eval_record, summary_record, train_record
-        from grail.train.metrics import write_metrics
+        from grail.records import write_metrics
 
         start = time.time()
         fail_lr = os.environ.get("FAKE_FAIL_LR")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from grail.train.metrics import read_metrics, validate_metrics
+from grail.records import read_metrics, validate_metrics
 
 SMALL = [
     "data.problems_per_iteration=4",

@@ -46,10 +46,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, get_args
 
 import torch
 from torch import Tensor
+
+from grail.config import ImportanceSamplingLevel, KLEstimator, LossType, ScaleRewards
+
+if TYPE_CHECKING:
+    from grail.config import Config
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -63,11 +68,6 @@ __all__ = [
     "token_entropy",
     "token_logprobs",
 ]
-
-ScaleRewards = Literal["group", "batch", "none"]
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
-KLEstimator = Literal["k1", "k2", "k3"]
 
 # Rows (token positions) per chunk in token_logprobs / token_entropy: at a 152k vocabulary one
 # chunk is 512 × 152k × 4 B ≈ 300 MB of float32, against ~10 GB for a full 16 × 1024 batch.
@@ -452,6 +452,25 @@ class GRPOLossConfig:
                 "loss_type 'dr_grpo' requires max_completion_length (its normaliser is "
                 "B * max_completion_length)"
             )
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> GRPOLossConfig:
+        """The objective `grail-train` optimises: `train.*`, and `generation.max_new_tokens` as
+        the dr_grpo normaliser."""
+        t = cfg.train
+        return cls(
+            loss_type=t.loss_type,  # type: ignore[arg-type]  # checked by config.validate
+            importance_sampling_level=t.importance_sampling_level,  # type: ignore[arg-type]
+            epsilon=t.epsilon,
+            epsilon_high=t.epsilon_high,
+            kl_coef=t.kl_coef,
+            kl_estimator=t.kl_estimator,  # type: ignore[arg-type]
+            is_ratio_max=t.is_ratio_max,
+            logratio_clamp=t.logratio_clamp,
+            entropy_coef=t.entropy_coef,
+            tis_cap=t.tis_cap,
+            max_completion_length=cfg.generation.max_new_tokens,
+        )
 
     @property
     def eps_high(self) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from grail.records import checkpoint_iteration, iteration_name
+
 STATE_FILE = "trainer_state.pt"
-_NAME = re.compile(r"^iter_(\d+)$")
-
-
-def checkpoint_name(iteration: int) -> str:
-    return f"iter_{iteration:03d}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -64,7 +60,7 @@ def stage_checkpoint(
     """Write checkpoint `iter_XXX` into a hidden temporary directory; `commit_checkpoint` publishes
     it. Between the two the caller writes the iteration's metrics, so a committed checkpoint
     always has its metrics beside it."""
-    tmp = checkpoints_dir / f".{checkpoint_name(iteration)}.tmp"
+    tmp = checkpoints_dir / f".{iteration_name(iteration)}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -87,19 +83,6 @@ def commit_checkpoint(staged: Path) -> Path:
     return final
 
 
-def save_checkpoint(
-    checkpoints_dir: Path,
-    iteration: int,
-    model: Any,
-    tokenizer: Any,
-    trainer_state: dict[str, Any],
-) -> Path:
-    """Stage and commit in one go; returns the checkpoint directory."""
-    return commit_checkpoint(
-        stage_checkpoint(checkpoints_dir, iteration, model, tokenizer, trainer_state)
-    )
-
-
 @dataclass(frozen=True)
 class CheckpointRef:
     iteration: int
@@ -112,9 +95,9 @@ def list_checkpoints(checkpoints_dir: Path) -> list[CheckpointRef]:
         return []
     found = []
     for path in checkpoints_dir.iterdir():
-        match = _NAME.match(path.name)
-        if match and (path / STATE_FILE).is_file():
-            found.append(CheckpointRef(int(match.group(1)), path))
+        iteration = checkpoint_iteration(path.name)
+        if iteration is not None and (path / STATE_FILE).is_file():
+            found.append(CheckpointRef(iteration, path))
     return sorted(found, key=lambda c: c.iteration)
 
 

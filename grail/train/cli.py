@@ -150,7 +150,8 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
     """One run of a sweep. Never raises for a failed run (that would stop the sweep): the failure
     goes into summary.json. KeyboardInterrupt and SIGTERM still stop everything, leaving the run
     incomplete for `resume=true` to continue."""
-    from grail.runs import SUMMARY, append_attempt, run_record, write_failure_summary
+    from grail.records import SUMMARY, write_summary
+    from grail.runs import append_attempt, run_record
 
     overrides = [str(o) for o in hydra_cfg.overrides.task]
     job_num = int(hydra_cfg.job.num)
@@ -187,10 +188,10 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
             snapshot = OmegaConf.to_container(cfg, resolve=True)
         except Exception:
             snapshot = None
-        write_failure_summary(
+        write_summary(
             run_dir,
-            exc,
             time.perf_counter() - t0,
+            error=exc,
             environment=OmegaConf.select(cfg, "data.environment", default=None),
             config=snapshot if isinstance(snapshot, dict) else None,
         )

@@ -43,7 +43,7 @@ from types import ModuleType, TracebackType
 from typing import Any, Literal, Protocol
 
 from grail.config import ConfigError, LoggingConfig
-from grail.train.metrics import atomic_write_text
+from grail.records import atomic_write_text
 
 KINDS = ("train", "eval")
 # Fields every record carries that are not metrics: the step says which iteration it is.

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -38,6 +38,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from grail.algo.grpo import GRPOLossConfig, grpo_loss, token_entropy, token_logprobs
 from grail.rollouts import RolloutBatch, Sample
+
+if TYPE_CHECKING:
+    from grail.config import Config
 
 
 @dataclass
@@ -163,10 +166,20 @@ def microbatches(batch: RolloutBatch, batch_size: int) -> list[list[tuple[list[i
 @dataclass
 class UpdateSettings:
     loss: GRPOLossConfig
-    temperature: float
-    batch_size: int
+    temperature: float  # the sampling temperature: log-probs are log-softmax(logits / T)
+    batch_size: int  # micro-batch, in samples
     grad_accum_steps: int
     grad_clip: float
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> UpdateSettings:
+        return cls(
+            loss=GRPOLossConfig.from_config(cfg),
+            temperature=cfg.generation.temperature,
+            batch_size=cfg.train.batch_size,
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            grad_clip=cfg.train.grad_clip,
+        )
 
 
 def _merge(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:

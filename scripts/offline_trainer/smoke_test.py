@@ -21,9 +21,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from grail.config import Config
+from grail.records import read_metrics, validate_metrics
 from grail.train.checkpoint import latest_checkpoint
 from grail.train.cli import CONF_DIR
-from grail.train.metrics import read_metrics, validate_metrics
 
 OVERRIDES = [
     "train.iterations=2",

@@ -65,9 +65,11 @@ def _generate(server, prompts: list[list[int]], seed: int) -> list[list[Completi
     sampling = SamplingParams(max_tokens=24, temperature=TEMPERATURE, top_p=1.0, top_k=-1)
 
     async def run() -> list[list[Completion]]:
-        return await asyncio.gather(
-            *(client.complete(ids, N, sampling, seed + 1000 * i) for i, ids in enumerate(prompts))
-        )
+        try:
+            seeds = [seed + 1000 * i for i in range(len(prompts))]
+            return await client.complete_many(prompts, N, sampling, seeds)
+        finally:
+            await client.aclose()
 
     return asyncio.run(run())
 
@@ -183,7 +185,7 @@ def test_one_training_iteration_through_the_backend(backend: str, tmp_path: Path
     if "is not available yet" in out:
         pytest.skip(f"grail/train/loop.py does not start generation.backend={backend} yet")
     assert result.returncode == 0, out[-4000:]
-    from grail.train.metrics import read_metrics
+    from grail.records import read_metrics
 
     record = read_metrics(tmp_path / "metrics" / "train_iter_000.json")
     assert record["weight_sync"] == {"mode": "in_place", "fell_back": False}

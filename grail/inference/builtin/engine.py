@@ -1,21 +1,8 @@
 """The generation engine behind the built-in server: one worker thread owns the model.
 
-What the numbers mean (the trainer relies on these, see /work/shared/PROTOCOLS.md rule 3):
+What a token's logprob means and how tokens are drawn: `sampling` (the trainer relies on it, see
+docs/protocols.md). Batch invariance (row-wise attention, the row quantum): `invariance`.
 
-- ``logprob`` of a sampled token ``y`` at step ``t`` is computed in float32 as
-
-      logprob_t = log_softmax(logits_t / T)[y]            (T > 0)
-      logprob_t = log_softmax(logits_t)[y]                (T = 0, greedy: y = argmax logits_t)
-
-  i.e. the distribution AFTER temperature and BEFORE top-k / top-p filtering (SGLang's default,
-  vLLM's ``processed_logprobs`` without truncation). The trainer computes the same quantity, so
-  sample with ``top_p=1`` and top-k off when the logprobs must be exactly on-policy: with
-  filtering, the token is drawn from the renormalised truncated distribution while the reported
-  logprob is that of the untruncated one.
-- Sampling: top-k keeps the logits >= the k-th largest, top-p keeps the smallest prefix of the
-  sorted distribution whose mass reaches ``top_p`` (top-k first, then top-p, as vLLM). The token
-  is drawn by inverse CDF with ONE uniform from the sequence's own ``torch.Generator``, so a
-  sequence's draw never depends on what else is in the batch.
 - Seeds: sample ``i`` of a request with seed ``s`` uses a generator seeded with ``s + i`` (vLLM's
   rule), so ``n=4, seed=s`` reproduces four ``n=1`` requests with seeds ``s..s+3``. No seed: a
   fresh random seed per sample.
@@ -35,26 +22,9 @@ cache is left-padded to the longer), so a short request never waits for a long o
 The batch size bounds the KV cache in memory: rows x layers x 2 x kv_heads x head_dim x context
 elements (for a 0.5B Qwen2 in float32 at 1024 tokens, ~25 MB per row).
 
-Batch invariance (CPU). With plain batching a row's numbers depend on its neighbours: the
-attention reduction runs over the padded length, and BLAS picks a different GEMM kernel for a
-different number of rows (MKL on AVX-512, 2 threads: row outputs of a 896x4864 layer differ by
-up to ~6e-5 between 1, 2-3 and 4 rows; all multiples of 4 agree). Since the harness sends
-concurrent requests, batch composition is timing-dependent, so "same config and seed -> same
-metrics" needs invariance. In batch-invariant mode (default on CPU) the engine therefore
-
-1. computes attention row by row over that row's own tokens only (padding sliced away, not
-   masked), so the reduction lengths are those of the row alone; rows with the same padding
-   share one attention call where a start-up probe finds the kernel's per-row results
-   independent of the batch size (PyTorch's CPU kernel with one thread; with several it splits
-   short queries by batch size, and each row then gets its own call);
-2. measures at start-up, on the model's own linear layers, the smallest ``q`` (1, 2, 4, 8 or 16)
-   such that a row's output is the same for every row count that is a multiple of ``q``, and
-   always runs batches of a multiple of ``q`` rows (at most ``q - 1`` inert filler rows).
-
-The result (tested): a request's tokens and logprobs are bitwise identical whether it runs alone
-or batched with other prompts of other lengths. On CUDA the default is off (cuBLAS chooses
-kernels by shape heuristics, and the per-row attention loop costs too much there); results then
-vary by float rounding with batch composition.
+Batch invariance (default on CPU, see `invariance`): attention runs row by row over each row's
+own tokens, and batches always hold a multiple of the measured row quantum, so a request's tokens
+and logprobs are bitwise identical whether it runs alone or batched with others.
 
 Weight updates load the new safetensors on the caller's thread (serving continues), then the
 worker copies them into the live parameters once the running batch has drained (sequences queued
@@ -66,9 +36,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import json
 import logging
-import math
 import secrets
 import threading
 import time
@@ -78,43 +46,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from safetensors import safe_open
-from transformers import (
-    AttentionInterface,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DynamicCache,
-    PreTrainedModel,
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from grail.inference.builtin.batch import Batch, merge
+from grail.inference.builtin.invariance import (
+    ROWWISE_ATTENTION,
+    group_attention_ok,
+    linear_row_quantum,
 )
+from grail.inference.builtin.sampling import SamplingParams, draw
+from grail.inference.builtin.weights import read_checkpoint
 
 logger = logging.getLogger(__name__)
-
-ROWWISE_ATTENTION = "grail_rowwise"
-# Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
-GREEDY_EPS = 1e-5
-
-
-class WeightUpdateError(ValueError):
-    """A weight update that was refused; the old weights keep serving."""
 
 
 class EngineStopped(RuntimeError):
     """The engine stopped before the sequence finished."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings, already validated by the server."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: no top alternatives; k: k alternatives per step
 
 
 @dataclass
@@ -150,209 +97,8 @@ class _Control:
     future: concurrent.futures.Future[Any]
 
 
-@dataclass
-class _Batch:
-    """The rows being decoded: row r feeds ``tokens[r]`` at position ``next_pos[r]`` next;
-    ``pad_starts[r]`` left-padding positions precede its prompt in ``cache`` and ``mask``.
-    A ``None`` row is an inert filler (see ``Engine.row_quantum``)."""
-
-    rows: list[_Sequence | None]
-    cache: DynamicCache
-    mask: torch.Tensor
-    pad_starts: list[int]
-    next_pos: list[int]
-    tokens: list[int]
-
-
 def _running(seq: _Sequence | None) -> bool:
     return seq is not None and not seq.future.done()
-
-
-def _left_pad(batch: _Batch, extra: int) -> _Batch:
-    """The same rows with ``extra`` more (masked) padding positions on the left."""
-    layers = [
-        (F.pad(layer.keys, (0, 0, extra, 0)), F.pad(layer.values, (0, 0, extra, 0)))
-        for layer in batch.cache.layers
-    ]
-    return _Batch(
-        rows=batch.rows,
-        cache=DynamicCache(layers),
-        mask=F.pad(batch.mask, (extra, 0)),
-        pad_starts=[p + extra for p in batch.pad_starts],
-        next_pos=batch.next_pos,
-        tokens=batch.tokens,
-    )
-
-
-def _merge(a: _Batch, b: _Batch) -> _Batch:
-    """One batch holding the rows of ``a`` then ``b``, left-padded to a common length."""
-    width = max(a.mask.shape[1], b.mask.shape[1])
-    if a.mask.shape[1] < width:
-        a = _left_pad(a, width - a.mask.shape[1])
-    if b.mask.shape[1] < width:
-        b = _left_pad(b, width - b.mask.shape[1])
-    layers = [
-        (torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values]))
-        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True)
-    ]
-    return _Batch(
-        rows=a.rows + b.rows,
-        cache=DynamicCache(layers),
-        mask=torch.cat([a.mask, b.mask]),
-        pad_starts=a.pad_starts + b.pad_starts,
-        next_pos=a.next_pos + b.next_pos,
-        tokens=a.tokens + b.tokens,
-    )
-
-
-def _row_groups(starts: Sequence[int], grouped: bool) -> list[tuple[int, list[int]]]:
-    """Rows that may share one attention call: those with the same padding (so the same
-    unpadded length), in row order; one row per group when ``grouped`` is off."""
-    if not grouped:
-        return [(int(s), [b]) for b, s in enumerate(starts)]
-    groups: dict[int, list[int]] = {}
-    for b, s in enumerate(starts):
-        groups.setdefault(int(s), []).append(b)
-    return list(groups.items())
-
-
-def _rowwise_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    grail_pad_starts: Sequence[int] | None = None,
-    grail_group_rows: bool = False,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention computed separately for each row over its own (unpadded) keys.
-
-    ``grail_pad_starts[b]`` is the number of left-padding positions of row ``b``. Query position
-    ``j`` sits at absolute position ``Tk - Tq + j``; queries inside the padding get zeros (their
-    outputs and cached keys are never read by real positions). Returns ``[B, Tq, H, D]`` like the
-    transformers attention functions.
-
-    ``grail_group_rows``: rows with the same padding run in one call (as a batch of rows of equal
-    length). Only where the engine measured that the attention kernel's per-row results do not
-    depend on the batch size (``attention_batch_invariant``): true of PyTorch's CPU kernel with
-    one thread, not with several (it then splits short queries differently by batch size).
-    """
-    batch, heads, q_len, head_dim = query.shape
-    k_len = key.shape[2]
-    starts = grail_pad_starts if grail_pad_starts is not None else [0] * batch
-    out = query.new_zeros(batch, q_len, heads, head_dim)
-    gqa = key.shape[1] != heads
-    for start, rows in _row_groups(starts, grail_group_rows):
-        q_start = max(0, start - (k_len - q_len))
-        sel: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
-        if rows[-1] - rows[0] + 1 != len(rows):
-            sel = torch.tensor(rows, device=query.device)  # scattered rows: gathered
-        q, k, v = query[sel], key[sel], value[sel]
-        q = q[:, :, q_start:].contiguous()
-        k = k[:, :, start:].contiguous()
-        v = v[:, :, start:].contiguous()
-        n_rows, cols = q.shape[2], k.shape[2]
-        if n_rows == 1:
-            mask, causal = None, False
-        elif n_rows == cols:
-            mask, causal = None, True
-        else:  # queries are the last `n_rows` of `cols` positions
-            offset = cols - n_rows
-            mask = torch.ones(n_rows, cols, dtype=torch.bool, device=q.device).tril(offset)
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
-        )
-        out[sel, q_start:] = o.transpose(1, 2)
-    return out, None
-
-
-def attention_batch_invariant(
-    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> bool:
-    """Whether ``scaled_dot_product_attention`` gives each row the same result in a batch of rows
-    as alone, for this head layout at the current thread count (probed with random inputs on
-    decode, prefill and partial-prefill shapes). A measurement, like ``linear_row_quantum``."""
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    gqa = kv_heads != heads
-    with torch.inference_mode():
-        for q_len, k_len in ((1, 1), (1, 9), (1, 300), (3, 40), (17, 17), (2, 700)):
-            for batch in (2, 3, 8, 32):
-                q = torch.randn(batch, heads, q_len, head_dim, generator=generator)
-                k = torch.randn(batch, kv_heads, k_len, head_dim, generator=generator)
-                v = torch.randn(batch, kv_heads, k_len, head_dim, generator=generator)
-                q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
-                mask = None
-                if 1 < q_len < k_len:
-                    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-                    mask = mask.tril(k_len - q_len)
-                kw: dict[str, Any] = {
-                    "attn_mask": mask,
-                    "is_causal": q_len == k_len > 1,
-                    "enable_gqa": gqa,
-                }
-                together = F.scaled_dot_product_attention(q, k, v, **kw)
-                for b in range(batch):
-                    alone = F.scaled_dot_product_attention(
-                        q[b : b + 1], k[b : b + 1], v[b : b + 1], **kw
-                    )
-                    if not torch.equal(alone[0], together[b]):
-                        return False
-    return True
-
-
-AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
-
-
-def linear_row_quantum(
-    model: torch.nn.Module, max_rows: int = 256, max_features: int = 4096
-) -> int | None:
-    """Smallest q in (1, 2, 4, 8, 16) such that a linear layer's row outputs are the same for
-    every row count that is a multiple of q (probed up to ``max_rows``), or None.
-
-    Why multiples: MKL computes full blocks of rows with one kernel and a remainder with another,
-    and how it splits rows depends on the thread count (measured on AVX-512 with 2 threads: all
-    M >= 12 agree, with 16 threads all M >= 28, but every multiple of 4 agrees in both). Probed
-    on each distinct (in, out, bias, dtype) linear of the model with random inputs, the output
-    features truncated to ``max_features`` to keep a large vocabulary head cheap. A measurement
-    of the BLAS in use at this thread count, not a proof; the end-to-end invariance is tested.
-    """
-    linears: dict[tuple[Any, ...], torch.nn.Linear] = {}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            key = (module.in_features, module.out_features, module.bias is not None)
-            linears.setdefault((*key, module.weight.dtype), module)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    sizes = sorted({*range(1, 65), 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, max_rows})
-    sizes = [m for m in sizes if m <= max_rows]
-    agrees = dict.fromkeys(sizes, True)
-    with torch.inference_mode():
-        for lin in linears.values():
-            weight = lin.weight[:max_features]
-            bias = lin.bias[:max_features] if lin.bias is not None else None
-            x = torch.randn(max_rows, lin.in_features, generator=generator)
-            x = x.to(device=weight.device, dtype=weight.dtype)
-            ref = F.linear(x, weight, bias)
-            for m in sizes:
-                if agrees[m] and not torch.equal(F.linear(x[:m], weight, bias), ref[:m]):
-                    agrees[m] = False
-    for quantum in (1, 2, 4, 8, 16):
-        if all(ok for m, ok in agrees.items() if m % quantum == 0):
-            return quantum
-    return None
-
-
-def _group_attention_ok(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> bool:
-    config = model.config
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads:
-        return False
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return attention_batch_invariant(heads, kv_heads, head_dim, dtype, device)
 
 
 def _eos_ids(tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
@@ -381,59 +127,6 @@ def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
     """Set a result unless the waiter already gave up (a cancelled future)."""
     with contextlib.suppress(concurrent.futures.InvalidStateError):
         future.set_result(value)
-
-
-def _draw(
-    logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator]
-) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
-    """Sample one token per row of ``logits`` [R, V] (float32) under ``params``; row r draws its
-    uniform from ``generators[r]``. Returns the tokens, their logprobs
-    ``log_softmax(logits / T)[token]`` and, when ``params.logprobs`` asks for them, the top
-    alternatives (token id, logprob) per row, best first (see the module docstring)."""
-    greedy = params.temperature < GREEDY_EPS
-    scaled = logits if greedy else logits / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    if greedy:
-        token = torch.argmax(logits, dim=-1)
-    else:
-        filtered = scaled
-        vocab = filtered.shape[-1]
-        if 0 < params.top_k < vocab:
-            kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
-            filtered = filtered.masked_fill(filtered < kth, -math.inf)
-        if params.top_p < 1.0:
-            probs_sorted, order = torch.sort(
-                torch.softmax(filtered, dim=-1), dim=-1, descending=True
-            )
-            # Drop a token when the mass before it already reaches top_p (keeps >= 1 token).
-            drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= params.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            filtered = filtered.masked_fill(drop, -math.inf)
-        probs = torch.softmax(filtered.double(), dim=-1)
-        cdf = probs.cumsum(-1)
-        u = torch.stack(
-            [
-                torch.rand((), generator=g, device=logits.device, dtype=torch.float64)
-                for g in generators
-            ]
-        )
-        token = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)
-        # Rounding at the top end of the CDF can point past the last token or at a token of
-        # probability 0: take the most likely token then.
-        past = token >= vocab
-        hit = probs.gather(-1, token.clamp(max=vocab - 1).unsqueeze(-1)).squeeze(-1)
-        bad = past | (hit == 0.0)
-        if bool(bad.any()):
-            token = torch.where(bad, torch.argmax(probs, dim=-1), token)
-    chosen = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-    top = None
-    if params.logprobs:
-        best = torch.topk(logp, min(params.logprobs, logp.shape[-1]), dim=-1)
-        top = [
-            list(zip(ids, values, strict=True))
-            for ids, values in zip(best.indices.tolist(), best.values.tolist(), strict=True)
-        ]
-    return token.tolist(), chosen.tolist(), top
 
 
 class Engine:
@@ -502,7 +195,7 @@ class Engine:
                 self.model.set_attn_implementation(ROWWISE_ATTENTION)
                 self.row_quantum = quantum
                 self.batch_invariant = True
-                self.group_attention = _group_attention_ok(self.model, self.device, self.dtype)
+                self.group_attention = group_attention_ok(self.model, self.device, self.dtype)
 
         self.weight_version = "default"
         self._token_text: dict[int, str] = {}
@@ -598,15 +291,21 @@ class Engine:
         params: SamplingParams,
         n: int = 1,
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[concurrent.futures.Future[SequenceOutput]]:
         """Queue ``n`` samples of each prompt at once, prompt-major; sample ``i`` of every prompt
-        is seeded with ``seed + i`` (as vLLM does for a batch of prompts). Queued atomically, so
-        the samples of one request are prefilled together when they fit in ``max_batch_size``."""
+        is seeded with ``seed + i`` (as vLLM does for a batch of prompts), or, given ``seeds``
+        (one per prompt, not with ``seed``), sample ``i`` of prompt ``p`` with ``seeds[p] + i``.
+        Queued atomically, so the samples of one request are prefilled together when they fit
+        in ``max_batch_size``."""
+        if seeds is not None and (seed is not None or len(seeds) != len(prompts)):
+            raise ValueError("seeds needs one seed per prompt, and no seed")
         if not self.alive:
             raise EngineStopped("the engine is not running")
         seqs = []
-        for prompt in prompts:
-            base = secrets.randbits(62) if seed is None else seed
+        if seeds is None:
+            seeds = [secrets.randbits(62) if seed is None else seed for _ in prompts]
+        for prompt, base in zip(prompts, seeds, strict=True):
             for i in range(n):
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed((base + i) % (2**64))
@@ -626,7 +325,7 @@ class Engine:
         names, or wrong shapes. Returns a human-readable summary.
         """
         start = time.perf_counter()
-        tensors = self._read_checkpoint(Path(model_path))
+        tensors = read_checkpoint(Path(model_path), self.model)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def copy() -> None:
@@ -648,56 +347,6 @@ class Engine:
             f"loaded {len(tensors)} tensors from {model_path} in {seconds:.2f} s; "
             f"weight_version={self.weight_version}"
         )
-
-    def _read_checkpoint(self, path: Path) -> dict[str, torch.Tensor]:
-        if not path.is_dir():
-            raise WeightUpdateError(f"model_path {path} is not a directory")
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({path / f for f in weight_map.values()})
-        elif (path / "model.safetensors").is_file():
-            files = [path / "model.safetensors"]
-        else:
-            files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise WeightUpdateError(f"no *.safetensors weights in {path}")
-
-        state = self.model.state_dict()
-        tensors: dict[str, torch.Tensor] = {}
-        for file in files:
-            if not file.is_file():
-                raise WeightUpdateError(f"{file} is listed in the index but missing")
-            try:
-                with safe_open(file, framework="pt", device="cpu") as handle:
-                    for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                        if name in tensors:
-                            raise WeightUpdateError(f"tensor {name} appears twice in {path}")
-                        if name not in state:
-                            raise WeightUpdateError(
-                                f"tensor {name} in {file.name} is not a weight of the served model"
-                            )
-                        shape = tuple(handle.get_slice(name).get_shape())
-                        if shape != tuple(state[name].shape):
-                            raise WeightUpdateError(
-                                f"tensor {name}: shape {list(shape)} in {file.name}, model has "
-                                f"{list(state[name].shape)}"
-                            )
-                        tensors[name] = handle.get_tensor(name)
-            except WeightUpdateError:
-                raise
-            except Exception as exc:  # corrupt or unreadable file
-                raise WeightUpdateError(f"cannot read {file}: {exc}") from exc
-
-        # Every parameter must be covered by at least one of its names (tied weights share one).
-        aliases: dict[int, list[str]] = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(param), []).append(name)
-        missing = [names[0] for names in aliases.values() if not any(n in tensors for n in names)]
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise WeightUpdateError(f"{path} lacks {len(missing)} model weights: {shown}")
-        return tensors
 
     # ---------------------------------------------------------------- worker
 
@@ -783,13 +432,13 @@ class Engine:
         forward raises). Admission stops at a queued control job, so a weight update waits for
         this batch to drain and the batch never mixes weights.
         """
-        batch: _Batch | None = None
+        batch: Batch | None = None
         new = seqs
         while True:
             if new:
                 admitted.extend(new)
                 part = self._prefill(new)
-                batch = part if batch is None else _merge(batch, part)
+                batch = part if batch is None else merge(batch, part)
             if batch is not None:
                 batch = self._compact(batch)
             if self._stopping:
@@ -806,7 +455,7 @@ class Engine:
                 return
             self._step(batch)
 
-    def _prefill(self, seqs: list[_Sequence]) -> _Batch:
+    def _prefill(self, seqs: list[_Sequence]) -> Batch:
         """Prefill the distinct prompts once (left padding), give each sequence its own row of
         that cache, and sample every sequence's first token."""
         dev = self.device
@@ -833,7 +482,7 @@ class Engine:
         logits = logits[select]
         tokens = [self.pad_id] * len(rows)
         tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
-        return _Batch(
+        return Batch(
             rows=rows,
             cache=cache,
             mask=mask.to(dev)[select],
@@ -842,7 +491,7 @@ class Engine:
             tokens=tokens,
         )
 
-    def _compact(self, batch: _Batch) -> _Batch | None:
+    def _compact(self, batch: Batch) -> Batch | None:
         """Drop finished rows, keeping as fillers only those the row quantum requires."""
         running = [_running(s) for s in batch.rows]
         live = [r for r, on in enumerate(running) if on]
@@ -855,7 +504,7 @@ class Engine:
         index = torch.tensor(keep, device=self.device)
         batch.cache.batch_select_indices(index)
         live_set = set(live)
-        return _Batch(
+        return Batch(
             rows=[batch.rows[r] if r in live_set else None for r in keep],
             cache=batch.cache,
             mask=batch.mask[index],
@@ -864,7 +513,7 @@ class Engine:
             tokens=[batch.tokens[r] for r in keep],
         )
 
-    def _step(self, batch: _Batch) -> None:
+    def _step(self, batch: Batch) -> None:
         """Feed every row its last token and sample the next one."""
         dev = self.device
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
@@ -896,7 +545,7 @@ class Engine:
             if len(index) < len(seqs):
                 rows = logits[torch.tensor(index, device=logits.device)]
             members = [seqs[i] for i in index]
-            drawn, logprobs, top = _draw(rows, params, [s.generator for s in members])
+            drawn, logprobs, top = draw(rows, params, [s.generator for s in members])
             for j, (seq, token, logprob) in enumerate(zip(members, drawn, logprobs, strict=True)):
                 seq.token_ids.append(token)
                 seq.logprobs.append(logprob)

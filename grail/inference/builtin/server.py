@@ -1,6 +1,6 @@
 """``grail-serve``: an OpenAI-compatible HTTP server around the built-in generation engine.
 
-It speaks the subset of vLLM's protocol the harness uses (see /work/shared/PROTOCOLS.md), so one
+It speaks the subset of vLLM's protocol the harness uses (see docs/protocols.md), so one
 client path serves the built-in server, vLLM and SGLang:
 
 - ``GET /health``: 200 once the engine runs, 503 if its worker died.
@@ -11,6 +11,11 @@ client path serves the built-in server, vLLM and SGLang:
   ``ignore_eos``, ``logprobs`` (k alternatives), ``return_token_ids``,
   ``return_tokens_as_token_ids`` (logprob entries named ``token_id:N``: distinct tokens can
   share a text). Choices are prompt-major: choice ``p * n + i`` is sample ``i`` of prompt ``p``.
+  Extension: ``seeds`` (a list of ints, one per prompt, instead of ``seed``) samples prompt ``p``'s
+  sample ``i`` with ``seeds[p] + i``, exactly what a request for prompt ``p`` alone with
+  ``seed=seeds[p]`` gives (``seed`` gives every prompt the same ``seed + i``, as vLLM does). It
+  lets a client batch many prompts into one request with the seeds of one request per prompt;
+  ``seeds`` with ``seed``, or of another length than the prompts, is a 400 naming ``seeds``.
 - ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template;
   ``logprobs: true`` (+ ``top_logprobs: k``) gives ``logprobs.content``.
 - ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}`` (SGLang's shape):
@@ -52,13 +57,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from grail.inference.builtin.engine import (
-    Engine,
-    EngineStopped,
-    SamplingParams,
-    SequenceOutput,
-    WeightUpdateError,
-)
+from grail.inference.builtin.engine import Engine, EngineStopped, SequenceOutput
+from grail.inference.builtin.sampling import SamplingParams
+from grail.inference.builtin.weights import WeightUpdateError
 
 logger = logging.getLogger("grail.serve")
 
@@ -125,6 +126,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    seeds: list[int] | None = None  # extension: one seed per prompt (see the module docstring)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -256,6 +258,22 @@ def _completion_prompts(req: CompletionRequest, engine: Engine) -> list[list[int
     return prompts
 
 
+def _check_seeds(req: CompletionRequest, prompts: int) -> None:
+    if req.seeds is None:
+        return
+    if req.seed is not None:
+        raise APIError(
+            "seed and seeds are exclusive: send seeds (one per prompt) or seed, not both",
+            param="seeds",
+        )
+    if len(req.seeds) != prompts:
+        raise APIError(
+            f"seeds has {len(req.seeds)} entries but the request has {prompts} prompt(s): "
+            "send one seed per prompt",
+            param="seeds",
+        )
+
+
 def _check_context(prompt: Sequence[int], max_tokens: int, engine: Engine) -> None:
     if len(prompt) + max_tokens > engine.max_model_len:
         raise APIError(
@@ -332,11 +350,15 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
             raise APIError(f"The model `{name}` does not exist.", status=404, param="model")
 
     async def run(
-        prompts: list[list[int]], params: SamplingParams, n: int, seed: int | None
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        seed: int | None,
+        seeds: list[int] | None = None,
     ) -> list[SequenceOutput]:
         """All samples, prompt-major; the event loop only waits on the engine's futures."""
         try:
-            futures = engine.submit_many(prompts, params, n=n, seed=seed)
+            futures = engine.submit_many(prompts, params, n=n, seed=seed, seeds=seeds)
             await _all_done(futures)
             return [f.result() for f in futures]
         except EngineStopped as exc:
@@ -377,9 +399,10 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         params = _sampling_params(req, max_tokens, req.logprobs, engine)
         prompts = _completion_prompts(req, engine)
+        _check_seeds(req, len(prompts))
         for p in prompts:
             _check_context(p, max_tokens, engine)
-        outs = await run(prompts, params, req.n, req.seed)
+        outs = await run(prompts, params, req.n, req.seed, req.seeds)
         choices = []
         for idx, out in enumerate(outs):
             choice: dict[str, Any] = {
@@ -415,6 +438,8 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         _check_unsupported(req)
         if not req.messages:
             raise APIError("messages is empty", param="messages")
+        if (req.model_extra or {}).get("seeds") is not None:
+            raise APIError("seeds is only supported on /v1/completions; use seed", param="seeds")
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
         try:

@@ -1,11 +1,12 @@
-"""Inference-server lifecycle: start a server in its own process, wait until it answers, hand its
+"""Inference-server processes: start a server in its own process, wait until it answers, hand its
 weights a new checkpoint, and stop it without ever leaving a process behind.
 
-One `ServerManager` interface covers the built-in server, vLLM and SGLang. A backend supplies only
-what differs between them: its command line (`build_command`), its readiness route (`ready_path`),
-extra environment (`extra_env`) and its in-place weight update (`update_weights`). Everything else
-(ports, logs, environment, readiness polling, death detection, restart fallback, shutdown) lives
-here once.
+One `ServerManager` interface covers the built-in server, vLLM and SGLang (their classes are in
+`grail.inference.backends`). A backend supplies only what differs between them: its command line
+(`build_command`), its readiness route (`ready_path`), extra environment (`extra_env`), its
+default start timeout (`default_start_timeout_s`) and its in-place weight update
+(`update_weights`). Everything else (ports, logs, environment, readiness polling, death
+detection, restart fallback, shutdown) lives here once.
 
 How a server never outlives the harness:
 - it runs in its own session and process group (`start_new_session=True`), so `stop()` can signal
@@ -17,27 +18,19 @@ How a server never outlives the harness:
   start-up itself is interrupted;
 - a `weakref.finalize` per started process stops it when its manager is garbage collected and at
   interpreter exit (finalize registers itself with `atexit`);
-- on Linux the child asks the kernel for SIGKILL when its parent dies (`PR_SET_PDEATHSIG`), which
-  covers the one case no Python code can handle: the harness itself being SIGKILLed (or OOM-killed).
-  The kernel ties that signal to the *thread* that forked the child, so it is only requested when a
-  server is started from the main thread; a server started from a worker thread relies on the other
-  mechanisms, since the worker thread ending would otherwise kill a healthy server.
+- on Linux the child asks the kernel for SIGKILL when the harness dies (`PR_SET_PDEATHSIG`), even
+  by SIGKILL; servers started from a worker thread go without it (see `grail.inference.os_process`,
+  which holds these OS-level mechanisms).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -45,14 +38,16 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar, get_args
 
 import httpx
+
+from grail.config import WeightSyncMode
+from grail.inference import os_process
 
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
-SyncMode = Literal["in_place", "restart"]
 
 
 class ServerError(RuntimeError):
@@ -80,210 +75,9 @@ class SyncResult:
     """
 
     seconds: float
-    mode_used: SyncMode
+    mode_used: WeightSyncMode
     fell_back: bool
     fallback_reason: str | None = None
-
-
-# --------------------------------------------------------------------------------------------
-# process helpers
-
-# Process-group ids of every server this interpreter started, for leak checks: a server's workers
-# outlive a killed leader in its group, where a walk over our own children no longer finds them.
-_STARTED_GROUPS: set[int] = set()
-
-
-def started_process_groups() -> frozenset[int]:
-    """Process-group ids of all servers started by this process (alive or not)."""
-    return frozenset(_STARTED_GROUPS)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _load_prctl():  # pragma: no cover - depends on the platform
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-# Resolved once in the parent: the pre-exec hook runs between fork and exec, where loading a
-# library (which takes locks another thread may hold) is not safe.
-_PRCTL = _load_prctl()
-
-
-def _make_preexec(parent_pid: int):
-    """Return a pre-exec hook that asks for SIGKILL when the parent dies, or None if unsupported.
-
-    If the parent already died between fork and prctl, the child would be orphaned without the
-    signal ever firing; comparing getppid() with the parent's pid closes that window.
-    """
-    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
-        return None
-    prctl = _PRCTL
-
-    def preexec() -> None:  # runs in the child
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _terminate(proc: subprocess.Popen, pgid: int, grace: float) -> None:
-    """SIGTERM the process group, wait up to `grace` seconds, then SIGKILL it; reap the child.
-
-    The final SIGKILL to the group is sent even when the leader exited on SIGTERM: a server's worker
-    processes stay in its group after the leader is gone, and the group id cannot be reused while
-    any member lives. A second Ctrl-C while waiting skips straight to SIGKILL.
-    """
-    if proc.poll() is None:
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-        except KeyboardInterrupt:
-            _signal_group(pgid, signal.SIGKILL)
-            proc.wait()
-            raise
-    _signal_group(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5.0)
-
-
-def describe_exit(returncode: int | None) -> str:
-    """Human words for a Popen return code (negative means killed by that signal)."""
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        hint = (
-            " (the kernel's OOM killer sends SIGKILL when memory runs out)"
-            if name == "SIGKILL"
-            else ""
-        )
-        return f"exit code {returncode}, killed by {name}{hint}"
-    return f"exit code {returncode}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Ask the kernel for a free TCP port on `host` (bind to port 0, read it back, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    # SO_REUSEADDR as the servers themselves set it, so that a port with connections lingering in
-    # TIME_WAIT after a restart counts as free.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def _listening_inodes(port: int) -> set[str] | None:
-    """Socket inodes listening on TCP `port` (IPv4 or IPv6), from /proc/net; None off Linux."""
-    inodes: set[str] = set()
-    found_table = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as rows:
-                found_table = True
-                next(rows)
-                for row in rows:
-                    fields = row.split()
-                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(fields[9])
-        except OSError:
-            continue
-    return inodes if found_table else None
-
-
-def _port_held_by_group(port: int, pgid: int) -> bool | None:
-    """Whether a process in group `pgid` listens on `port`; None where /proc cannot tell.
-
-    A readiness probe only proves that *something* answers on the port. Between picking a free
-    port and a slow server binding it (minutes for a large model), another job can take the port;
-    its 200 must not be mistaken for ours.
-    """
-    inodes = _listening_inodes(port)
-    if inodes is None:
-        return None
-    targets = {f"socket:[{inode}]" for inode in inodes}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != pgid:
-                continue
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{entry}/fd/{fd}") in targets:
-                    return True
-            except OSError:
-                continue
-    return False
-
-
-def parse_device(device: str) -> tuple[int, ...]:
-    """'cpu' -> (); 'cuda' -> (0,); 'cuda:1' -> (1,); 'cuda:0,1' -> (0, 1)."""
-    text = device.strip().lower()
-    if text == "cpu":
-        return ()
-    if text == "cuda":
-        return (0,)
-    match = re.fullmatch(r"cuda:(\d+(?:,\d+)*)", text)
-    if match is None:
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N[,M...]', got {device!r}")
-    ids = tuple(int(part) for part in match.group(1).split(","))
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"device {device!r} names a GPU twice")
-    return ids
-
-
-def visible_devices(gpu_ids: Sequence[int], parent_visible: str | None) -> str:
-    """The child's CUDA_VISIBLE_DEVICES for the GPUs the harness calls `gpu_ids`.
-
-    GPU indices in the config are the harness's own CUDA indices, which are positions in *its*
-    CUDA_VISIBLE_DEVICES when that is set (SLURM and shared boxes set it). The child must get the
-    entries at those positions, not the bare numbers: with CUDA_VISIBLE_DEVICES=4,5 the harness's
-    cuda:1 is physical GPU 5. Entries may be UUIDs (GPU-...), which are passed through as text.
-    """
-    if not gpu_ids:
-        return ""
-    if parent_visible is None or not parent_visible.strip():
-        return ",".join(str(i) for i in gpu_ids)
-    entries = [e.strip() for e in parent_visible.split(",") if e.strip()]
-    outside = [i for i in gpu_ids if i >= len(entries)]
-    if outside:
-        raise ValueError(
-            f"GPU index {outside[0]} does not exist: this process sees {len(entries)} GPU(s) "
-            f"(CUDA_VISIBLE_DEVICES={parent_visible!r}), numbered 0..{len(entries) - 1}"
-        )
-    return ",".join(entries[i] for i in gpu_ids)
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,6 +95,8 @@ class ServerManager(ABC):
     kind: str = "server"
     #: route polled by `wait_ready` until it answers 200
     ready_path: str = "/health"
+    #: the start timeout (seconds) when `start_timeout` is None; every backend sets its own
+    default_start_timeout_s: ClassVar[float]
 
     def __init__(
         self,
@@ -312,7 +108,7 @@ class ServerManager(ABC):
         threads: int | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
-        start_timeout: float = 600.0,
+        start_timeout: float | None = None,
         stop_timeout: float = 15.0,
         api_key: str | None = None,
         dtype: str | None = None,
@@ -326,6 +122,8 @@ class ServerManager(ABC):
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port must be in 1..65535 or None (pick a free one), got {port}")
+        if start_timeout is None:
+            start_timeout = self.default_start_timeout_s
         for name, value in (
             ("start_timeout", start_timeout),
             ("stop_timeout", stop_timeout),
@@ -336,8 +134,9 @@ class ServerManager(ABC):
         self.model_path = Path(model_path).absolute()
         self.served_model_name = served_model_name
         self.device = device
-        self.gpu_ids = parse_device(device)
-        visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))  # fail early
+        self.gpu_ids = os_process.parse_device(device)
+        # fail early on a GPU index this process cannot see
+        os_process.visible_devices(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.threads = threads
         self.host = host
         self.requested_port = port
@@ -467,7 +266,7 @@ class ServerManager(ABC):
         from oversubscribing the same cores.
         """
         env = dict(os.environ)
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(
+        env["CUDA_VISIBLE_DEVICES"] = os_process.visible_devices(
             self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES")
         )
         if self.threads is not None:
@@ -489,8 +288,8 @@ class ServerManager(ABC):
             raise ServerError(f"{self.kind} server already running (pid {self.pid})")
         self.stop()  # a previous process that died on its own: reap its group, drop its finalizer
         if self.requested_port is None:
-            self.port = free_port(self.host)
-        elif not _port_is_free(self.host, self.requested_port):
+            self.port = os_process.free_port(self.host)
+        elif not os_process.port_is_free(self.host, self.requested_port):
             raise ServerStartError(
                 f"port {self.requested_port} on {self.host} is already in use; "
                 "pick another port or leave it unset to get a free one"
@@ -519,16 +318,18 @@ class ServerManager(ABC):
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_make_preexec(os.getpid()),
+                preexec_fn=os_process.make_preexec(os.getpid()),
                 close_fds=True,
             )
         self._proc = proc
         self._ready = False
-        _STARTED_GROUPS.add(proc.pid)
+        os_process.STARTED_GROUPS.add(proc.pid)
         self._started_at = time.monotonic()
         self._stopped_by_us = False
         # The server's session id is its pid; the finalizer holds the Popen, never `self`.
-        self._finalizer = weakref.finalize(self, _terminate, proc, proc.pid, self.stop_timeout)
+        self._finalizer = weakref.finalize(
+            self, os_process.terminate_group, proc, proc.pid, self.stop_timeout
+        )
         logger.info(
             "started %s server %r (pid %d) on %s, log %s",
             self.kind,
@@ -558,7 +359,7 @@ class ServerManager(ABC):
                     self.stop()  # the exited leader may leave workers in its group
                     raise ServerStartError(
                         f"{self.kind} server {self.served_model_name!r} exited during start-up "
-                        f"with {describe_exit(self._proc.returncode)} after "
+                        f"with {os_process.describe_exit(self._proc.returncode)} after "
                         f"{time.monotonic() - t0:.1f} s.\n{self._failure_context()}"
                     )
                 try:
@@ -568,7 +369,7 @@ class ServerManager(ABC):
                 else:
                     if response.status_code != 200:
                         last = f"HTTP {response.status_code}"
-                    elif _port_held_by_group(self.port, self._proc.pid) is False:
+                    elif os_process.port_held_by_group(self.port, self._proc.pid) is False:
                         last = (
                             f"HTTP 200 from a process outside this server's process group "
                             f"(port {self.port} is taken by someone else)"
@@ -639,7 +440,7 @@ class ServerManager(ABC):
             raise ServerError(f"{self.kind} server {self.served_model_name!r} was stopped")
         raise ServerDiedError(
             f"{self.kind} server {self.served_model_name!r} (pid {self._proc.pid}) died with "
-            f"{describe_exit(self._proc.returncode)} after "
+            f"{os_process.describe_exit(self._proc.returncode)} after "
             f"{time.monotonic() - self._started_at:.1f} s.\n{self._failure_context()}"
         )
 
@@ -677,9 +478,12 @@ class ServerManager(ABC):
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
-        _terminate(proc, proc.pid, grace)
+        os_process.terminate_group(proc, proc.pid, grace)
         logger.info(
-            "stopped %s server (pid %d, %s)", self.kind, proc.pid, describe_exit(proc.poll())
+            "stopped %s server (pid %d, %s)",
+            self.kind,
+            proc.pid,
+            os_process.describe_exit(proc.poll()),
         )
 
     def __enter__(self) -> Self:
@@ -730,7 +534,7 @@ class ServerManager(ABC):
     def sync_weights(
         self,
         checkpoint_dir: str | os.PathLike[str],
-        mode: SyncMode = "in_place",
+        mode: WeightSyncMode = "in_place",
         *,
         fallback: bool = True,
         weight_version: str | None = None,
@@ -741,7 +545,7 @@ class ServerManager(ABC):
         set, it logs a warning and restarts the server on the checkpoint instead (slow but sure).
         mode="restart" always restarts. Raises `WeightSyncError` when nothing worked.
         """
-        if mode not in ("in_place", "restart"):
+        if mode not in get_args(WeightSyncMode):
             raise ValueError(f"weight sync mode must be 'in_place' or 'restart', got {mode!r}")
         t0 = time.perf_counter()
         reason: str | None = None
@@ -772,74 +576,6 @@ class ServerManager(ABC):
             fell_back=reason is not None,
             fallback_reason=reason,
         )
-
-
-class BuiltinServer(ServerManager):
-    """The harness's own FastAPI server (`grail.inference.builtin.server`), CPU or one GPU."""
-
-    kind = "builtin"
-    server_module = "grail.inference.builtin.server"
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if len(self.gpu_ids) > 1:
-            raise ValueError(f"the built-in server runs on one device, got {self.device!r}")
-        self.weight_version: str | None = None
-
-    def server_args(self) -> list[str]:
-        # The child sees only its own GPU (CUDA_VISIBLE_DEVICES), which it addresses as cuda:0.
-        args = [
-            "--model", str(self.model_path),
-            "--served-model-name", self.served_model_name,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--device", "cuda:0" if self.gpu_ids else "cpu",
-        ]  # fmt: skip
-        if self.dtype is not None:
-            args += ["--dtype", self.dtype]
-        if self.threads is not None:
-            args += ["--threads", str(self.threads)]
-        if self.api_key:
-            args += ["--api-key", self.api_key]
-        return args + self.extra_args
-
-    def build_command(self) -> list[str]:
-        return [sys.executable, "-m", self.server_module, *self.server_args()]
-
-    def update_weights(
-        self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None
-    ) -> float:
-        """POST /update_weights_from_disk with the absolute checkpoint path; return seconds.
-
-        `weight_version` labels the weights (default: the directory name) so responses and logs
-        can be keyed by version rather than by path.
-        """
-        path = Path(checkpoint_dir).absolute()
-        if not path.is_dir():
-            raise WeightSyncError(f"checkpoint directory {path} does not exist")
-        if not self.is_alive():
-            try:
-                self.check_alive()
-            except ServerError as exc:
-                raise WeightSyncError(f"cannot update weights: {exc}") from exc
-        version = weight_version or path.name
-        t0 = time.perf_counter()
-        status, body = self._control(
-            "/update_weights_from_disk", body={"model_path": str(path), "weight_version": version}
-        )
-        if not isinstance(body, dict):
-            raise WeightSyncError(
-                f"POST /update_weights_from_disk answered HTTP {status} with a non-JSON-object "
-                f"body: {body!r}"
-            )
-        if status != 200 or body.get("success") is not True:
-            message = body.get("message") or body.get("detail") or body
-            raise WeightSyncError(f"server refused weights from {path} (HTTP {status}): {message}")
-        self.model_path = path
-        self.weight_version = version
-        seconds = time.perf_counter() - t0
-        logger.info("loaded weights %s into the builtin server in %.2f s", version, seconds)
-        return seconds
 
 
 # --------------------------------------------------------------------------------------------

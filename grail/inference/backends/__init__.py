@@ -1,0 +1,126 @@
+"""The rollout servers behind `ServerManager` (grail/inference/process.py): the built-in server
+(`builtin.py`), vLLM (`vllm.py`) and SGLang (`sglang.py`), with what the last two share in
+`gpu.py`; and the one place that picks and sizes a server, from arguments or from the config.
+
+Rollouts for every backend go through the one `CompletionClient` (`/v1/completions`, token ids in,
+`return_token_ids`); the small differences in the answers are handled by the client's `backend`
+argument (`ServerManager.kind`). The server facts the code relies on are in docs/protocols.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from grail.config import BACKENDS, Config, cpu_threads
+from grail.inference.backends.builtin import BuiltinServer
+from grail.inference.backends.gpu import default_memory_fraction
+from grail.inference.backends.sglang import SGLangServer
+from grail.inference.backends.vllm import VLLMServer
+from grail.inference.process import ServerManager, ServerStartError
+
+
+def make_server_manager(
+    backend: str,
+    model_path: str | os.PathLike[str],
+    served_model_name: str,
+    *,
+    log_dir: str | os.PathLike[str],
+    device: str,
+    threads: int | None = None,
+    start_timeout: float | None = None,
+    dtype: str | None = None,
+    gpu_memory_fraction: float | None = None,
+    shares_gpu_with_trainer: bool = False,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    seed: int | None = None,
+    extra_args: Sequence[str] = (),
+    api_key: str | None = None,
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServerManager:
+    """The `ServerManager` for `backend` ("builtin", "vllm" or "sglang").
+
+    gpu_memory_fraction None picks `default_memory_fraction(shares_gpu_with_trainer)`;
+    start_timeout None picks the backend's `default_start_timeout_s` (120 s for the built-in
+    server, 900 s for vLLM and SGLang); dtype None means bfloat16 for the GPU servers and the
+    server's default for the built-in one. Memory fraction, max_model_len and max_num_seqs apply
+    to vLLM/SGLang only; the built-in server ignores them. `threads` applies to the built-in
+    server on CPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    common: dict[str, Any] = {
+        "log_dir": log_dir,
+        "device": device,
+        "start_timeout": start_timeout,
+        "extra_args": extra_args,
+        "api_key": api_key,
+        "port": port,
+        "env": env,
+    }
+    if backend == "builtin":
+        return BuiltinServer(model_path, served_model_name, threads=threads, dtype=dtype, **common)
+    cls = VLLMServer if backend == "vllm" else SGLangServer
+    if gpu_memory_fraction is None:
+        gpu_memory_fraction = default_memory_fraction(shares_gpu_with_trainer)
+    return cls(
+        model_path,
+        served_model_name,
+        dtype="bfloat16" if dtype is None else dtype,
+        gpu_memory_fraction=gpu_memory_fraction,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+        **common,
+    )
+
+
+def server_manager_from_config(
+    cfg: Config,
+    model_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str],
+    *,
+    cuda_available: bool | None = None,
+    served_model_name: str = "policy",
+) -> ServerManager:
+    """The server `grail-train` runs for `cfg`: backend, GPU placement and sizes from the config.
+
+    Placement: the server gets `gpu.server_gpu`; with `gpu.strategy=single` the trainer shares
+    that GPU, so the memory fraction defaults low. The built-in server runs on CPU when CUDA is
+    not available; vLLM and SGLang need CUDA and say so. `generation.start_timeout_s` null means
+    the backend's default.
+    """
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    gen = cfg.generation
+    if gen.backend != "builtin" and not cuda_available:
+        raise ServerStartError(
+            f"generation.backend={gen.backend} needs a CUDA GPU, and torch sees none "
+            "(torch.cuda.is_available() is False); on a CPU machine use generation.backend=builtin"
+        )
+    threads = None
+    if not cuda_available:
+        threads = cpu_threads(cfg)[1]
+    model_dtype = cfg.model.dtype
+    return make_server_manager(
+        gen.backend,
+        model_dir,
+        served_model_name,
+        log_dir=Path(run_dir) / "logs",
+        device=f"cuda:{cfg.gpu.server_gpu}" if cuda_available else "cpu",
+        threads=threads,
+        start_timeout=gen.start_timeout_s,
+        dtype=None if model_dtype == "auto" else model_dtype,
+        gpu_memory_fraction=gen.gpu_memory_fraction,
+        shares_gpu_with_trainer=cfg.gpu.strategy == "single",
+        max_model_len=gen.max_model_len,
+        max_num_seqs=gen.max_num_seqs,
+        seed=cfg.seed,
+        extra_args=list(gen.extra_args),
+    )

@@ -1,0 +1,84 @@
+"""The built-in server (`grail-serve`) as a rollout server: its command line and its in-place
+weight reload (`POST /update_weights_from_disk`, SGLang's shape; see docs/protocols.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from grail.inference.process import ServerError, ServerManager, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+
+class BuiltinServer(ServerManager):
+    """The harness's own FastAPI server (`grail.inference.builtin.server`), CPU or one GPU."""
+
+    kind = "builtin"
+    server_module = "grail.inference.builtin.server"
+    # One HF model loaded by transformers: no compilation, no CUDA graphs.
+    default_start_timeout_s = 120.0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if len(self.gpu_ids) > 1:
+            raise ValueError(f"the built-in server runs on one device, got {self.device!r}")
+        self.weight_version: str | None = None
+
+    def server_args(self) -> list[str]:
+        # The child sees only its own GPU (CUDA_VISIBLE_DEVICES), which it addresses as cuda:0.
+        args = [
+            "--model", str(self.model_path),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--device", "cuda:0" if self.gpu_ids else "cpu",
+        ]  # fmt: skip
+        if self.dtype is not None:
+            args += ["--dtype", self.dtype]
+        if self.threads is not None:
+            args += ["--threads", str(self.threads)]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        return args + self.extra_args
+
+    def build_command(self) -> list[str]:
+        return [sys.executable, "-m", self.server_module, *self.server_args()]
+
+    def update_weights(
+        self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None
+    ) -> float:
+        """POST /update_weights_from_disk with the absolute checkpoint path; return seconds.
+
+        `weight_version` labels the weights (default: the directory name) so responses and logs
+        can be keyed by version rather than by path.
+        """
+        path = Path(checkpoint_dir).absolute()
+        if not path.is_dir():
+            raise WeightSyncError(f"checkpoint directory {path} does not exist")
+        if not self.is_alive():
+            try:
+                self.check_alive()
+            except ServerError as exc:
+                raise WeightSyncError(f"cannot update weights: {exc}") from exc
+        version = weight_version or path.name
+        t0 = time.perf_counter()
+        status, body = self._control(
+            "/update_weights_from_disk", body={"model_path": str(path), "weight_version": version}
+        )
+        if not isinstance(body, dict):
+            raise WeightSyncError(
+                f"POST /update_weights_from_disk answered HTTP {status} with a non-JSON-object "
+                f"body: {body!r}"
+            )
+        if status != 200 or body.get("success") is not True:
+            message = body.get("message") or body.get("detail") or body
+            raise WeightSyncError(f"server refused weights from {path} (HTTP {status}): {message}")
+        self.model_path = path
+        self.weight_version = version
+        seconds = time.perf_counter() - t0
+        logger.info("loaded weights %s into the builtin server in %.2f s", version, seconds)
+        return seconds

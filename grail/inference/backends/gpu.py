@@ -1,0 +1,187 @@
+"""What vLLM and SGLang share as rollout servers: `GpuServer`, the memory-fraction defaults and
+the checks on their command lines. Readiness, logs, death detection, restart fallback and
+shutdown are `ServerManager`'s (grail/inference/process.py); the server facts relied on here are
+in docs/protocols.md.
+
+Why the command lines look the way they do (each flag is there for a reason a user can see):
+- the model directory is the trainer's initial checkpoint, so server and trainer start from
+  identical weights; `--host 127.0.0.1` because vLLM's reload routes are unauthenticated;
+- `--dtype bfloat16` by default: the trainer computes in bf16 autocast, and vLLM's `auto` would
+  serve a float32 checkpoint (what `save_pretrained` of an fp32 master copy writes) in float16;
+- memory fraction: `DEFAULT_MEMORY_FRACTION_SHARED` (0.30) when `gpu.strategy=single` puts the
+  trainer on the same GPU, `DEFAULT_MEMORY_FRACTION_OWN_GPU` (0.85) when the server has its own;
+- the flags that fix what the log-probabilities mean are each backend's own (vllm.py, sglang.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from grail.inference.process import ServerError, ServerManager, ServerStartError, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+# Memory fraction for the server's weights + KV cache: small when the trainer (weights, gradients,
+# AdamW state, activations) shares the GPU, large when the server has a GPU to itself.
+DEFAULT_MEMORY_FRACTION_SHARED = 0.30
+DEFAULT_MEMORY_FRACTION_OWN_GPU = 0.85
+SERVER_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def default_memory_fraction(shares_gpu_with_trainer: bool) -> float:
+    return (
+        DEFAULT_MEMORY_FRACTION_SHARED
+        if shares_gpu_with_trainer
+        else DEFAULT_MEMORY_FRACTION_OWN_GPU
+    )
+
+
+def _flag_name(arg: str) -> str | None:
+    """'--max_model_len=4' -> '--max-model-len'; None for values (both parsers accept '_')."""
+    if not arg.startswith("--"):
+        return None
+    return "--" + arg[2:].split("=", 1)[0].replace("_", "-")
+
+
+class GpuServer(ServerManager):
+    """What vLLM and SGLang share: a GPU, an installed package, a command line built from the
+    config with flags the harness owns, and a timed HTTP control sequence for weight reloads."""
+
+    #: the Python package that must be importable in this environment
+    package: str = ""
+    #: `uv sync --extra NAME` installs it
+    extra: str = ""
+    #: flag -> config key that sets it; such a flag in extra_args is rejected (it would silently
+    #: override what the harness relies on, or what the config says)
+    owned_flags: Mapping[str, str] = {}
+    #: extra flags that break rollouts, -> why
+    forbidden_flags: Mapping[str, str] = {}
+    # Loading a multi-billion-parameter model, compiling and capturing CUDA graphs takes minutes.
+    default_start_timeout_s = 900.0
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        served_model_name: str,
+        *,
+        log_dir: str | os.PathLike[str],
+        device: str,
+        dtype: str | None = "bfloat16",
+        gpu_memory_fraction: float = DEFAULT_MEMORY_FRACTION_OWN_GPU,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        seed: int | None = None,
+        extra_args: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            model_path,
+            served_model_name,
+            log_dir=log_dir,
+            device=device,
+            dtype=dtype,
+            extra_args=extra_args,
+            **kwargs,
+        )
+        name = type(self).__name__
+        if not self.gpu_ids:
+            raise ValueError(
+                f"{name} serves on CUDA GPUs, got device={device!r}; on a CPU machine use "
+                "generation.backend=builtin"
+            )
+        if dtype is not None and dtype not in SERVER_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(SERVER_DTYPES)}, got {dtype!r}")
+        if isinstance(gpu_memory_fraction, bool) or not 0 < gpu_memory_fraction < 1:
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1) (generation.gpu_memory_fraction), "
+                f"got {gpu_memory_fraction!r}"
+            )
+        for key, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{key} must be an int >= 1 or None, got {value!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        for arg in self.extra_args:
+            flag = _flag_name(arg)
+            if flag in self.owned_flags:
+                raise ValueError(
+                    f"extra_args must not set {flag}: the harness sets it "
+                    f"({self.owned_flags[flag]})"
+                )
+            if flag in self.forbidden_flags:
+                raise ValueError(f"extra_args must not set {flag}: {self.forbidden_flags[flag]}")
+        self.gpu_memory_fraction = float(gpu_memory_fraction)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.seed = seed
+        self.weight_version: str | None = None
+        #: seconds per step of the last in-place update, for metrics and diagnosis
+        self.last_sync_timings: dict[str, float] = {}
+
+    # -- installation -----------------------------------------------------------------------
+
+    def check_installed(self) -> None:
+        """Raise `ServerStartError` if the backend package cannot be imported by this Python.
+
+        Checked before spawning, so a missing extra is one clear line rather than a
+        ModuleNotFoundError buried in a server log after the trainer has loaded its model."""
+        if importlib.util.find_spec(self.package) is None:
+            raise ServerStartError(
+                f"generation.backend={self.kind} needs the '{self.package}' package, which is "
+                f"not installed in this environment ({sys.executable}). Install it with "
+                f"`uv sync --extra {self.extra}` (Linux with a CUDA GPU)."
+            )
+
+    def start(self) -> None:
+        self.check_installed()
+        super().start()
+
+    def _prepare_update(self, checkpoint_dir: str | os.PathLike[str]) -> Path:
+        path = Path(checkpoint_dir).absolute()
+        if not path.is_dir():
+            raise WeightSyncError(f"checkpoint directory {path} does not exist")
+        if not any(path.glob("*.safetensors")):
+            raise WeightSyncError(
+                f"checkpoint directory {path} holds no *.safetensors file (save_pretrained with "
+                "safe_serialization=True writes them)"
+            )
+        try:
+            self.check_alive()
+        except ServerError as exc:
+            raise WeightSyncError(f"cannot update weights: {exc}") from exc
+        return path
+
+    def _updated(self, path: Path, version: str, t0: float) -> float:
+        self.model_path = path  # recover() and restarts start from the newest weights
+        self.weight_version = version
+        seconds = time.perf_counter() - t0
+        steps = ", ".join(f"{k} {v:.2f} s" for k, v in self.last_sync_timings.items())
+        logger.info(
+            "loaded weights %s into the %s server in %.2f s (%s)",
+            version,
+            self.kind,
+            seconds,
+            steps,
+        )
+        return seconds
+
+
+def error_message(body: Any) -> str:
+    """The error text in a server's JSON answer (`message`, `error` or `detail`), else its repr."""
+    if isinstance(body, dict):
+        for key in ("message", "error", "detail"):
+            value = body.get(key)
+            if value:
+                if isinstance(value, dict) and value.get("message"):
+                    return str(value["message"])
+                return str(value)
+    return repr(body)[:500]

@@ -1,0 +1,70 @@
+"""Reading a checkpoint for the built-in engine's in-place weight update: the whole checkpoint is
+read and checked against the served model before a single weight is copied, so a refused update
+leaves the old weights serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that was refused; the old weights keep serving."""
+
+
+def read_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The safetensors tensors in ``path`` (an index's shards, ``model.safetensors``, or every
+    ``*.safetensors``), each checked against ``model`` before any is used: every tensor must be a
+    weight of the model with its shape, and every parameter must be covered. Raises
+    ``WeightUpdateError`` otherwise."""
+    if not path.is_dir():
+        raise WeightUpdateError(f"model_path {path} is not a directory")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors weights in {path}")
+
+    state = model.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise WeightUpdateError(f"{file} is listed in the index but missing")
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if name in tensors:
+                        raise WeightUpdateError(f"tensor {name} appears twice in {path}")
+                    if name not in state:
+                        raise WeightUpdateError(
+                            f"tensor {name} in {file.name} is not a weight of the served model"
+                        )
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    if shape != tuple(state[name].shape):
+                        raise WeightUpdateError(
+                            f"tensor {name}: shape {list(shape)} in {file.name}, model has "
+                            f"{list(state[name].shape)}"
+                        )
+                    tensors[name] = handle.get_tensor(name)
+        except WeightUpdateError:
+            raise
+        except Exception as exc:  # corrupt or unreadable file
+            raise WeightUpdateError(f"cannot read {file}: {exc}") from exc
+
+    # Every parameter must be covered by at least one of its names (tied weights share one).
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    missing = [names[0] for names in aliases.values() if not any(n in tensors for n in names)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise WeightUpdateError(f"{path} lacks {len(missing)} model weights: {shown}")
+    return tensors

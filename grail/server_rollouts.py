@@ -1,0 +1,311 @@
+"""The default `RolloutSource`: rollouts generated through an inference server.
+
+`ServerRollouts` owns the server process (built-in, vLLM or SGLang), the completion client, the
+training and evaluation generators, recovery from a server that dies, and prefetching. Every
+request of the run goes through one event loop that lives in its own thread (`EventLoopThread`)
+for the whole run, in synchronous and pipelined mode alike, so the client is bound to one loop.
+
+Pipelined mode (`train.pipeline=true`) overlaps generation and training, one step off-policy:
+
+    iteration i:   [ generate batch i+1 with weights v_i (server) ]
+                   [ train on batch i  v_i -> v_{i+1}  (trainer)  ] wait, sync v_{i+1}, eval
+
+Version v_k is the policy after k updates; the trainer holds v_i while it trains iteration i.
+Batch i+1 is generated with v_i and trained at v_{i+1}, so its staleness is exactly 1 (batch 0,
+generated before any training, has staleness 0). Staleness never exceeds 1 because
+`sync_weights` waits for the running generation before the new weights are written: the server's
+weights never change under a batch. The objective's truncated importance-sampling weight
+(`train.tis_cap`, against the behaviour log-probabilities the server returned) corrects the lag.
+Rollouts are deterministic for a fixed seed whatever the timing: each prompt carries its own
+sampling seed and the built-in server's batches are batch-invariant on CPU.
+
+A server that dies mid-batch is restarted from the newest weights and the batch (fixed seeds, so
+safe to repeat) runs again, at most `generation.max_restarts` times. Restarts always happen on the
+caller's (main) thread: a background batch that failed that way is re-run when it is collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+from grail.inference.client import CompletionClient, SamplingParams
+from grail.inference.process import ServerManager, call_with_recovery
+from grail.rollouts import GeneratedBatch, RolloutBatch, RolloutGenerator, WeightSync
+
+if TYPE_CHECKING:
+    from grail.config import Config
+    from grail.envs.base import Environment
+    from grail.envs.rewards import RewardFunctions
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+EVAL_ROUND = -1  # eval samples use the same seeds every time, so evals differ only by weights
+_CANCEL_WAIT_S = 30.0  # how long close() waits for a cancelled generation to unwind
+
+# Progress reporting: given a description and a total, returns `advance(k)`.
+ProgressFactory = Callable[[str, int], Callable[[int], None]]
+
+
+class GenerationCancelled(Exception):
+    """A generation was cancelled because the run is stopping."""
+
+
+class EventLoopThread:
+    """One asyncio event loop running in a daemon thread until `close()`. Any thread can run a
+    coroutine on it (`run`, blocking) or start one (`submit`, a concurrent Future)."""
+
+    def __init__(self, name: str = "grail-generation") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` on the loop and wait for it; an interrupt (Ctrl-C) while waiting
+        cancels it on the loop before it propagates."""
+        return wait(self.submit(coroutine))
+
+    def close(self, timeout_s: float = _CANCEL_WAIT_S) -> None:
+        """Stop the loop (after cancelling what still runs on it) and join the thread."""
+        if self.loop.is_closed():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+
+        if self._thread.is_alive():
+            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                self.submit(cancel_all()).result(timeout_s)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def wait(future: concurrent.futures.Future[T]) -> T:
+    """`future.result()`, cancelling the future when the wait is interrupted."""
+    try:
+        return future.result()
+    except concurrent.futures.CancelledError:
+        raise GenerationCancelled("generation cancelled") from None
+    except BaseException:
+        future.cancel()
+        raise
+
+
+@dataclass
+class _Prefetch:
+    """The next iteration's batch, generating in the background."""
+
+    iteration: int
+    policy_version: int
+    future: concurrent.futures.Future[GeneratedBatch]
+
+
+def iteration_seeds(cfg: Config, iteration: int) -> list[int]:
+    """The training problem seeds of an iteration, wrapping around the training pool."""
+    per_iter, pool = cfg.data.problems_per_iteration, cfg.data.num_train_seeds
+    start = iteration * per_iter
+    return [cfg.data.train_seed_start + (start + i) % pool for i in range(per_iter)]
+
+
+def eval_seeds(cfg: Config) -> list[int]:
+    return list(range(cfg.eval.id_seed_start, cfg.eval.id_seed_start + cfg.eval.num_ids))
+
+
+def _no_progress(_description: str, _total: int) -> Callable[[int], None]:
+    return lambda _k: None
+
+
+class ServerRollouts:
+    """A `RolloutSource` that generates through the inference server it owns.
+
+    A context manager: entering starts the server and waits until it answers; leaving (also on
+    Ctrl-C or an error) cancels a running generation, closes the client and stops the server.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        server: ServerManager,
+        env: Environment,
+        eval_env: Environment,
+        tokenizer: Any,
+        *,
+        extra_rewards: RewardFunctions | None = None,
+        progress: ProgressFactory = _no_progress,
+        pending: GeneratedBatch | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.server = server
+        self._env, self._eval_env = env, eval_env
+        self._tokenizer = tokenizer
+        self._extra_rewards = extra_rewards
+        self._progress = progress
+        self._sampling = SamplingParams.from_config(cfg.generation)
+        self._weights_dir = server.model_path  # where each sync writes the new weights
+        # A batch generated before a checkpoint (pipelined), or one generating now.
+        self._ready: GeneratedBatch | None = pending
+        self._prefetch: _Prefetch | None = None
+        self._events: EventLoopThread | None = None
+        self._client: CompletionClient | None = None
+        self._generator: RolloutGenerator | None = None
+        self._eval_generator: RolloutGenerator | None = None
+
+    # -- lifetime ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        try:
+            self.server.launch()
+            self._events = EventLoopThread()
+            self._client = CompletionClient(
+                self.server.base_url,
+                self.server.model_name,
+                api_key=self.server.api_key,
+                timeout=self.cfg.generation.request_timeout_s,
+                max_concurrency=self.cfg.generation.max_concurrency,
+                liveness_check=self.server.check_alive,
+                backend=self.server.kind,  # type: ignore[arg-type]
+            )
+            self._generator, self._eval_generator = (
+                RolloutGenerator(
+                    env,
+                    self._tokenizer,
+                    self._client,
+                    self._sampling,
+                    base_seed=self.cfg.seed,
+                    scale_rewards=self.cfg.train.scale_rewards,  # type: ignore[arg-type]
+                    extra_rewards=self._extra_rewards,
+                )
+                for env in (self._env, self._eval_env)
+            )
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        # A background generation stops before the server shuts down under it (Ctrl-C, error).
+        if self._prefetch is not None:
+            self._prefetch.future.cancel()
+            self._prefetch = None
+        if self._events is not None:
+            if self._client is not None:
+                with contextlib.suppress(Exception):
+                    self._events.submit(self._client.aclose()).result(_CANCEL_WAIT_S)
+            self._events.close()
+            self._events = None
+        self._client = None
+        self.server.stop()
+
+    # -- the RolloutSource interface ------------------------------------------------------------
+
+    def next_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:
+        """Iteration `iteration`'s batch: generated now (sync mode, or the first batch of a
+        pipelined run), or the one prefetched during the previous iteration. In pipelined mode
+        the next iteration's batch starts generating before this returns."""
+        if self._ready is not None:
+            batch, self._ready = self._ready, None
+        elif self._prefetch is not None:
+            batch = self._collect()
+        else:
+            batch = self._generate_now(iteration, policy_version)
+        if self.cfg.train.pipeline and iteration + 1 < self.cfg.train.iterations:
+            self._start_prefetch(iteration + 1, policy_version)
+        return batch
+
+    def sync_weights(self, save: Callable[[Path], None], policy_version: int) -> WeightSync:
+        t0 = time.perf_counter()
+        prefetched = None
+        if self._prefetch is not None:  # the server's weights must not change under a batch
+            self._ready = self._collect()
+            prefetched = (self._ready.started, self._ready.finished)
+        t_sync = time.perf_counter()
+        save(self._weights_dir)
+        result = self.server.sync_weights(
+            self._weights_dir,
+            self.cfg.generation.weight_sync,  # type: ignore[arg-type]
+            weight_version=f"iter_{policy_version - 1:03d}",
+        )
+        return WeightSync(result, time.perf_counter() - t_sync, t_sync - t0, prefetched)
+
+    def evaluate(self, on_progress: Callable[[int], None] | None = None) -> RolloutBatch:
+        assert self._eval_generator is not None, "use ServerRollouts as a context manager"
+        generator = self._eval_generator
+        return self._with_recovery(
+            lambda: generator.generate(
+                eval_seeds(self.cfg),
+                self.cfg.eval.replicates,
+                round_index=EVAL_ROUND,
+                on_progress=on_progress,
+            )
+        )
+
+    def pending(self) -> GeneratedBatch | None:
+        return self._ready
+
+    # -- generation -------------------------------------------------------------------------------
+
+    async def _training_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:
+        assert self._generator is not None, "use ServerRollouts as a context manager"
+        seeds = iteration_seeds(self.cfg, iteration)
+        advance = self._progress(f"iter {iteration:03d} generate", len(seeds))
+        started = time.perf_counter()
+        batch = await self._generator.generate(
+            seeds, self.cfg.data.rollouts_per_problem, round_index=iteration, on_progress=advance
+        )
+        finished = time.perf_counter()
+        return GeneratedBatch(batch, policy_version, finished - started, started, finished)
+
+    def _with_recovery(
+        self,
+        make: Callable[[], Coroutine[Any, Any, T]],
+        first: concurrent.futures.Future[T] | None = None,
+    ) -> T:
+        """Run `make()` on the event loop (after collecting `first`, an attempt already
+        running), restarting a server that died and running it again."""
+        assert self._events is not None, "use ServerRollouts as a context manager"
+        events = self._events
+        attempts = [first] if first is not None else []
+
+        def attempt() -> T:
+            return wait(attempts.pop()) if attempts else events.run(make())
+
+        return call_with_recovery(
+            self.server, attempt, max_restarts=self.cfg.generation.max_restarts
+        )
+
+    def _generate_now(self, iteration: int, policy_version: int) -> GeneratedBatch:
+        return self._with_recovery(lambda: self._training_batch(iteration, policy_version))
+
+    def _start_prefetch(self, iteration: int, policy_version: int) -> None:
+        assert self._events is not None, "use ServerRollouts as a context manager"
+        future = self._events.submit(self._training_batch(iteration, policy_version))
+        self._prefetch = _Prefetch(iteration, policy_version, future)
+
+    def _collect(self) -> GeneratedBatch:
+        prefetch, self._prefetch = self._prefetch, None
+        assert prefetch is not None
+        return self._with_recovery(
+            lambda: self._training_batch(prefetch.iteration, prefetch.policy_version),
+            first=prefetch.future,
+        )

@@ -1,0 +1,69 @@
+"""What a run shows on the terminal: rich progress bars on a terminal, plain log lines otherwise
+(CI, files, pipes), and the summary table at the end."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+log = logging.getLogger("grail.train")
+
+
+class Display:
+    """Progress bars for generation, training and evaluation, one line per finished step."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not self.console.is_terminal,
+            transient=True,
+        )
+
+    def __enter__(self) -> Display:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.progress.stop()
+
+    def task(self, description: str, total: int) -> Callable[[int], None]:
+        """A new bar; returns `advance(k)` (safe to call from any thread)."""
+        task_id = self.progress.add_task(description, total=total)
+        return lambda k: self.progress.advance(task_id, k)
+
+    def done(self, description: str) -> None:
+        """Clear the bars and print `description`."""
+        for task in list(self.progress.tasks):
+            self.progress.remove_task(task.id)
+        self.console.log(description) if self.console.is_terminal else log.info(description)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        table = Table(title="grail run summary")
+        table.add_column("eval")
+        table.add_column("iteration", justify="right")
+        table.add_column("success", justify="right")
+        table.add_column("reward", justify="right")
+        for name in ("baseline_eval", "final_eval", "best_eval"):
+            record = summary[name]
+            if record is not None:
+                table.add_row(
+                    name.removesuffix("_eval"),
+                    str(record["iteration"]),
+                    f"{record['success_rate']:.3f}",
+                    f"{record['reward_mean']:.3f}",
+                )
+        self.console.print(table)
+        self.console.print(
+            f"{summary['iterations']} iterations, {summary['tokens']['completion']} completion "
+            f"tokens, {summary['wall_time_s']:.1f}s wall"
+        )

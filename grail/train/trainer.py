@@ -1,0 +1,143 @@
+"""The policy being trained: model, reference model, optimizer and schedule, built from the config
+(fresh, or from a checkpoint to resume) and updated one rollout batch at a time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from omegaconf import OmegaConf
+
+from grail.config import Config, cpu_threads
+from grail.models.loading import load_model, load_tokenizer
+from grail.models.tiny import ensure_tiny_model
+from grail.rollouts import GeneratedBatch, RolloutBatch
+from grail.train.checkpoint import (
+    CheckpointRef,
+    load_trainer_state,
+    set_rng_state,
+    stage_checkpoint,
+)
+from grail.train.update import UpdateSettings, policy_update
+
+log = logging.getLogger("grail.train")
+
+
+def resolve_model(model_id: str) -> str:
+    """'tiny' is the offline tiny model (built once, cached); anything else goes to transformers."""
+    return str(ensure_tiny_model()) if model_id == "tiny" else model_id
+
+
+def lr_multiplier(step: int, warmup_steps: int) -> float:
+    """Linear warmup that starts at lr / (warmup + 1), not at 0 (a zero-lr step is wasted)."""
+    return min(1.0, (step + 1) / (warmup_steps + 1))
+
+
+def setup_torch(cfg: Config) -> Accelerator:
+    """Seed, device and threads of the training process; deterministic kernels on CPU."""
+    torch.manual_seed(cfg.seed)
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.set_device(cfg.gpu.training_gpu)
+    else:
+        torch.set_num_threads(cpu_threads(cfg)[0])
+    accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")
+    torch.use_deterministic_algorithms(not on_cuda, warn_only=True)
+    return accelerator
+
+
+class Trainer:
+    """Holds policy version `start_iteration` after construction and one more after each
+    `update`. `pending_rollouts` is the batch a pipelined checkpoint carried (None otherwise)."""
+
+    def __init__(self, cfg: Config, accelerator: Accelerator, resume_from: CheckpointRef | None):
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.settings = UpdateSettings.from_config(cfg)
+        device = accelerator.device
+        init_id = str(resume_from.path) if resume_from else resolve_model(cfg.model.train_id)
+        self.tokenizer = load_tokenizer(init_id)
+        model = load_model(init_id, dtype="float32", device=device)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.ref_model: torch.nn.Module | None = None
+        if cfg.train.kl_coef > 0:
+            self.ref_model = load_model(
+                resolve_model(cfg.model.ref_id or cfg.model.train_id),
+                dtype="float32",
+                device=device,
+            )
+            self.ref_model.eval().requires_grad_(False)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.train.lr,
+            betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
+            weight_decay=cfg.train.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, cfg.train.warmup_steps)
+        )
+        self.start_iteration = 0
+        self.pending_rollouts: GeneratedBatch | None = None
+        if resume_from is not None:
+            state = load_trainer_state(resume_from.path)
+            optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+            self.start_iteration = state["iteration"] + 1
+            if cfg.train.pipeline:
+                self.pending_rollouts = state.get("pending_rollouts")
+            log.info("resuming after iteration %d from %s", state["iteration"], resume_from.path)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update uses."""
+        return self.scheduler.get_last_lr()[0]
+
+    def update(
+        self, batch: RolloutBatch, on_progress: Callable[[int], None] | None = None
+    ) -> dict[str, float]:
+        """One pass over `batch` (grail/train/update.py); the training metrics."""
+        accelerator = self.accelerator
+        return policy_update(
+            self.model,
+            self.ref_model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            self.settings,
+            pad_token_id=self.tokenizer.pad_token_id,
+            device=accelerator.device,
+            backward=accelerator.backward,
+            clip_grad_norm=lambda c: accelerator.clip_grad_norm_(self.model.parameters(), c),
+            on_microbatch_done=None if on_progress is None else lambda: on_progress(1),
+        )
+
+    def save_weights(self, directory: Path) -> None:
+        """The current weights into a `save_pretrained` directory: what the inference server
+        loads (the tokenizer is written there once, at the start)."""
+        self.accelerator.unwrap_model(self.model).save_pretrained(
+            directory, safe_serialization=True
+        )
+
+    def stage_checkpoint(
+        self, checkpoints_dir: Path, iteration: int, pending: GeneratedBatch | None
+    ) -> Path:
+        """Write (not yet publish) the checkpoint after `iteration`; `pending` is a batch already
+        generated for the next iteration, so a resumed pipelined run trains on exactly it."""
+        return stage_checkpoint(
+            checkpoints_dir,
+            iteration,
+            self.accelerator.unwrap_model(self.model),
+            self.tokenizer,
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
+                "pending_rollouts": pending,
+            },
+        )
