@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
-import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from common import print_table, spread, write_results
 
 from grail.envs import make_env
+from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.models.tiny import ensure_tiny_model
 
@@ -34,40 +34,6 @@ from grail.models.tiny import ensure_tiny_model
 PROMPTS = 64
 N = 16
 SAMPLING = SamplingParams(max_tokens=4, temperature=1.0, top_p=1.0, top_k=-1)
-
-
-@contextlib.contextmanager
-def builtin_server(
-    model_dir: Path, threads: int = 1, max_batch_size: int = 256, timeout: float = 180.0
-) -> Iterator[str]:
-    """`grail-serve` on `model_dir` (CPU) on a free port; yields its base URL (".../v1")."""
-    command = [
-        sys.executable, "-m", "grail.inference.builtin.server", "--model", str(model_dir),
-        "--served-model-name", "tiny", "--port", "0", "--threads", str(threads),
-        "--max-batch-size", str(max_batch_size), "--log-level", "warning",
-    ]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + timeout
-        lines = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "grail-serve ready:" in line:
-                url = line.split(" at ", 1)[1].split()[0]
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("grail-serve not ready:\n" + "".join(lines))
-        else:
-            raise RuntimeError(f"grail-serve exited with {proc.wait()}:\n" + "".join(lines))
-        yield f"{url}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def default_prompts(model_dir: Path, count: int = PROMPTS) -> list[list[int]]:
@@ -143,9 +109,16 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = ensure_tiny_model()
     prompts = default_prompts(model_dir)
-    with builtin_server(model_dir, args.server_threads, args.max_batch_size) as base_url:
+    server = BuiltinServer(
+        model_dir,
+        "tiny",
+        log_dir=Path(tempfile.mkdtemp(prefix="grail-client-overhead-")),
+        threads=args.server_threads,
+        extra_args=["--max-batch-size", str(args.max_batch_size)],
+    )
+    with server:
         client = CompletionClient(
-            base_url, "tiny", max_batch_sequences=args.max_batch_size, timeout=120
+            server.base_url, "tiny", max_batch_sequences=args.max_batch_size, timeout=120
         )
 
         async def run() -> tuple[list[float], list[float], int]:

@@ -65,8 +65,9 @@ class ModelConfig:
 @dataclass
 class GpuConfig:
     strategy: str = "single"  # single: server and trainer share a device | multi: one GPU each
-    server_gpu: int = 0
-    training_gpu: int = 0
+    # CUDA indices as this process sees them; None: see `gpu_placement` (0, or 0 and 1 for multi)
+    server_gpu: int | None = None
+    training_gpu: int | None = None
 
 
 @dataclass
@@ -241,10 +242,15 @@ def validate(cfg: Config) -> None:
     _positive("data.problems_per_iteration", cfg.data.problems_per_iteration)
     _positive("data.num_train_seeds", cfg.data.num_train_seeds)
 
-    if cfg.gpu.strategy == "multi" and cfg.gpu.server_gpu == cfg.gpu.training_gpu:
+    for key in ("server_gpu", "training_gpu"):
+        value = getattr(cfg.gpu, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"gpu.{key} must be >= 0 or null, got {value}")
+    server_gpu, training_gpu = gpu_placement(cfg)
+    if cfg.gpu.strategy == "multi" and server_gpu == training_gpu:
         raise ConfigError(
-            f"gpu.strategy=multi needs gpu.server_gpu ({cfg.gpu.server_gpu}) != "
-            f"gpu.training_gpu ({cfg.gpu.training_gpu}); use gpu.strategy=single to share one GPU"
+            f"gpu.strategy=multi needs gpu.server_gpu ({server_gpu}) != gpu.training_gpu "
+            f"({training_gpu}); use gpu.strategy=single to share one GPU"
         )
 
     if cfg.eval.enabled:
@@ -270,6 +276,19 @@ def validate(cfg: Config) -> None:
 
     _positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
     _positive("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k)
+
+
+def gpu_placement(cfg: Config) -> tuple[int, int]:
+    """(server, trainer) CUDA indices: `gpu.server_gpu` and `gpu.training_gpu` where set. Unset,
+    `single` puts both on the other's GPU (GPU 0 when neither is set), `multi` gives them GPUs 0
+    and 1 (whichever the other does not have)."""
+    server, trainer = cfg.gpu.server_gpu, cfg.gpu.training_gpu
+    if cfg.gpu.strategy == "single":
+        shared = next((g for g in (server, trainer) if g is not None), 0)
+        return (shared if server is None else server), (shared if trainer is None else trainer)
+    if server is None:
+        server = 1 if trainer == 0 else 0
+    return server, (1 if server == 0 else 0) if trainer is None else trainer
 
 
 def cpu_threads(cfg: Config) -> tuple[int, int]:

@@ -7,9 +7,6 @@ import asyncio
 import gc
 import json
 import math
-import socket
-import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -17,10 +14,10 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 
 from grail.config import GenerationConfig
+from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import (
     VLLM_NEG_INF,
     Completion,
@@ -572,34 +569,9 @@ def test_extra_body_cannot_override_the_clients_fields(name: str) -> None:
 @pytest.fixture(scope="module")
 def builtin_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`grail-serve` on the tiny model (CPU, one thread: batch-invariant); yields its base URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [
-        sys.executable, "-m", "grail.inference.builtin.server", "--model", str(tiny_model_dir),
-        "--served-model-name", "tiny", "--port", str(port), "--threads", "1",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    log_dir = tmp_path_factory.mktemp("server")
+    with BuiltinServer(tiny_model_dir, "tiny", log_dir=log_dir, threads=1) as server:
+        yield server.base_url
 
 
 def test_complete_many_on_the_builtin_server_equals_one_request_per_prompt(

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from grail import config as config_module
-from grail.config import Config, ConfigError, cpu_threads, split_cores, validate
+from grail.config import Config, ConfigError, cpu_threads, gpu_placement, split_cores, validate
 from grail.train.cli import CONF_DIR
 
 
@@ -65,7 +65,7 @@ def test_wrong_type_names_the_key() -> None:
         ("data.rollouts_per_problem=1", "data.rollouts_per_problem"),
         ("eval.id_seed_start=10", "eval.id_seed_start"),
         ("train.loss_type=ppo", "train.loss_type"),
-        ("gpu.strategy=multi", "gpu.server_gpu"),
+        ("gpu.strategy=multi gpu.server_gpu=1 gpu.training_gpu=1", "gpu.server_gpu"),
         ("eval.report_ks=[1,64]", "eval.report_ks"),
         ("generation.temperature=0", "generation.temperature"),
         ("generation.start_timeout_s=0", "generation.start_timeout_s"),
@@ -75,7 +75,27 @@ def test_wrong_type_names_the_key() -> None:
 )
 def test_impossible_combinations_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(_compose(override))
+        validate(_compose(*override.split()))
+
+
+@pytest.mark.parametrize(
+    "overrides,placement",
+    [
+        ([], (0, 0)),
+        (["gpu.server_gpu=2"], (2, 2)),  # single: the trainer follows the server's GPU
+        (["gpu.training_gpu=3"], (3, 3)),
+        (["gpu.strategy=multi"], (0, 1)),
+        (["gpu.strategy=multi", "gpu.server_gpu=1"], (1, 0)),
+        (["gpu.strategy=multi", "gpu.training_gpu=0"], (1, 0)),
+        (["gpu.strategy=multi", "gpu.server_gpu=2", "gpu.training_gpu=5"], (2, 5)),
+    ],
+)
+def test_unset_gpus_are_placed_by_the_strategy(
+    overrides: list[str], placement: tuple[int, int]
+) -> None:
+    cfg = _compose(*overrides)
+    validate(cfg)
+    assert gpu_placement(cfg) == placement
 
 
 def test_logging_backends_are_accepted() -> None:

@@ -317,10 +317,9 @@ def _decode_json(body: bytes) -> Any:
         ) from None
 
 
-def _server_message(exc: openai.APIStatusError) -> str:
-    """The server's own words: OpenAI's {"error": {"message"}}, FastAPI's {"detail"}, or the
-    start of the raw body."""
-    body = exc.body
+def error_message(body: Any) -> str | None:
+    """The server's own words in a JSON error answer: OpenAI's {"error": {"message"}},
+    FastAPI's {"detail"}, SGLang's and the built-in server's {"message"}; None if it has none."""
     if isinstance(body, dict):
         for key in ("message", "detail", "error"):
             value = body.get(key)
@@ -328,8 +327,13 @@ def _server_message(exc: openai.APIStatusError) -> str:
                 if isinstance(value, dict) and value.get("message"):
                     return str(value["message"])
                 return str(value)
+    return None
+
+
+def _server_message(exc: openai.APIStatusError) -> str:
+    """What the server said: its error message, or the start of the raw body."""
     text = exc.response.text[:200] if exc.response is not None else ""
-    return text or exc.message
+    return error_message(exc.body) or text or exc.message
 
 
 # --------------------------------------------------------------------------------------------

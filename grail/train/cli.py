@@ -32,9 +32,6 @@ from omegaconf import DictConfig, OmegaConf
 from grail.config import (
     Config,
     ConfigError,
-    GenerationConfig,
-    GpuConfig,
-    TrainConfig,
     available_cores,
     validate,
 )
@@ -59,14 +56,14 @@ log = logging.getLogger("grail.train")
 for _noisy in ("httpx", "httpx2", "openai"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
 
-# The config fields a sweep sets per run, with their schema defaults: a field whose value differs
-# from its default was set by the user (in a YAML file or on the command line) and is left alone.
-_RESOURCE_DEFAULTS: dict[str, Any] = {
-    "train.threads": TrainConfig.threads,
-    "generation.server_threads": GenerationConfig.server_threads,
-    "gpu.server_gpu": GpuConfig.server_gpu,
-    "gpu.training_gpu": GpuConfig.training_gpu,
-}
+# The config fields a sweep sets per run. Each is None unless the user set it (in a YAML file or on
+# the command line), and what the user set is left alone.
+_RESOURCE_KEYS = (
+    "train.threads",
+    "generation.server_threads",
+    "gpu.server_gpu",
+    "gpu.training_gpu",
+)
 
 
 def visible_gpus() -> int:
@@ -122,10 +119,8 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
         cpus=available_cores(),
         strategy=str(cfg.gpu.strategy),
     )
-    explicit = explicit_keys(list(hydra_cfg.overrides.task), list(_RESOURCE_DEFAULTS))
-    explicit |= {
-        key for key, default in _RESOURCE_DEFAULTS.items() if OmegaConf.select(cfg, key) != default
-    }
+    explicit = explicit_keys(list(hydra_cfg.overrides.task), _RESOURCE_KEYS)
+    explicit |= {key for key in _RESOURCE_KEYS if OmegaConf.select(cfg, key) is not None}
     return resource_overrides(resources, explicit, pipelined=bool(cfg.train.pipeline))
 
 

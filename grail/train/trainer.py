@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from grail.config import Config, cpu_threads
+from grail.config import Config, cpu_threads, gpu_placement
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.tiny import ensure_tiny_model
 from grail.rollouts import GeneratedBatch, RolloutBatch
@@ -41,7 +41,7 @@ def setup_torch(cfg: Config) -> Accelerator:
     torch.manual_seed(cfg.seed)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
-        torch.cuda.set_device(cfg.gpu.training_gpu)
+        torch.cuda.set_device(gpu_placement(cfg)[1])
     else:
         torch.set_num_threads(cpu_threads(cfg)[0])
     accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grail.config import BACKENDS, Config, cpu_threads
+from grail.config import BACKENDS, Config, cpu_threads, gpu_placement
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.backends.gpu import default_memory_fraction
 from grail.inference.backends.sglang import SGLangServer
@@ -113,7 +113,7 @@ def server_manager_from_config(
         model_dir,
         served_model_name,
         log_dir=Path(run_dir) / "logs",
-        device=f"cuda:{cfg.gpu.server_gpu}" if cuda_available else "cpu",
+        device=f"cuda:{gpu_placement(cfg)[0]}" if cuda_available else "cpu",
         threads=threads,
         start_timeout=gen.start_timeout_s,
         dtype=None if model_dtype == "auto" else model_dtype,

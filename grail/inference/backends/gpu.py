@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from grail.inference.client import error_message
 from grail.inference.process import ServerError, ServerManager, ServerStartError, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -175,13 +176,6 @@ class GpuServer(ServerManager):
         return seconds
 
 
-def error_message(body: Any) -> str:
-    """The error text in a server's JSON answer (`message`, `error` or `detail`), else its repr."""
-    if isinstance(body, dict):
-        for key in ("message", "error", "detail"):
-            value = body.get(key)
-            if value:
-                if isinstance(value, dict) and value.get("message"):
-                    return str(value["message"])
-                return str(value)
-    return repr(body)[:500]
+def server_error(body: Any) -> str:
+    """The error text in a control route's JSON answer, else the answer itself."""
+    return error_message(body) or repr(body)[:500]

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from grail.inference.backends.gpu import GpuServer, error_message
+from grail.inference.backends.gpu import GpuServer, server_error
 from grail.inference.process import WeightSyncError
 
 
@@ -107,6 +107,6 @@ class SGLangServer(GpuServer):
         self.last_sync_timings["reload"] = time.perf_counter() - t0
         if status != 200 or not isinstance(body, dict) or body.get("success") is not True:
             raise WeightSyncError(
-                f"SGLang refused weights from {path} (HTTP {status}): {error_message(body)}"
+                f"SGLang refused weights from {path} (HTTP {status}): {server_error(body)}"
             )
         return self._updated(path, version, t0)

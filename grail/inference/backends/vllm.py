@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from grail.inference.backends.gpu import GpuServer, error_message
+from grail.inference.backends.gpu import GpuServer, server_error
 from grail.inference.process import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class VLLMServer(GpuServer):
                 )
             if status != 200:
                 raise WeightSyncError(
-                    f"vLLM POST {route} failed with HTTP {status}: {error_message(body)}"
+                    f"vLLM POST {route} failed with HTTP {status}: {server_error(body)}"
                 )
             return body
 
