@@ -23,7 +23,8 @@ request per prompt) with one seed per prompt in the `seeds` extension field. vLL
 every prompt of a multi-prompt request the same seed, so they get one request per prompt.
 
 Seeds: sample i of a prompt sent with seed s is sampled with seed s + i (vLLM's rule, which the
-built-in server and SGLang follow), in a batch or alone.
+built-in server follows), in a batch or alone. SGLang samples from a request's seed only in its
+deterministic mode, which the harness refuses (docs/protocols.md, "Seeds").
 
 Retries are the SDK's: connection errors, timeouts, 408/409/429 and 5xx are retried
 `max_retries` times with capped exponential backoff and jitter; other 4xx are not (a bad request
