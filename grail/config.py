@@ -8,8 +8,10 @@ cannot express (for example evaluation seeds that overlap the training pool).
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args
 
 from omegaconf import MISSING
@@ -48,7 +50,16 @@ def split_cores(cores: int, *, pipelined: bool) -> tuple[int, int]:
     return (half if pipelined else cores), half
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """An error the user fixes from its message alone: a bad config value, a missing data file or
+    model path, a reward plugin that cannot load, a run directory another run holds. `grail-train`
+    prints the message as one line (the run's log file keeps the traceback) and exits non-zero;
+    any other exception keeps its traceback. Raise a subclass (also deriving from the built-in
+    type callers may catch, e.g. `class X(UserError, FileNotFoundError)`) whose message names the
+    bad thing and what to do."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value that cannot work; the message names the key."""
 
 
@@ -185,8 +196,53 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be > 0, got {value}")
 
 
+def closest(word: str, choices: Sequence[str]) -> str | None:
+    """The choice a typo of `word` most likely meant, or None when none is close."""
+    matches = difflib.get_close_matches(word, choices, n=1)
+    return matches[0] if matches else None
+
+
+def unknown_keys(node: object, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """Keys set on `node` (a config dataclass) and its sections that the schema does not define,
+    each with the keys its section does define.
+
+    Why this is needed on top of the schema: Hydra's `+key=value` and `++key=value` insert a key
+    with the struct flag off (`OmegaConf.update(..., force_add=True)`), even into a structured
+    node, and `OmegaConf.to_object` then sets it as a plain attribute of the dataclass instance,
+    where nothing ever reads it: `+train.lrr=1e-3` ran with the default learning rate. (A key
+    that YAML adds fails in composition already.) Free-form fields (`data.env_kwargs`, lists)
+    are not sections; their keys are checked by what takes them.
+    """
+    known = [f.name for f in fields(node)]  # type: ignore[arg-type]
+    found = [(prefix + key, known) for key in vars(node) if key not in known]
+    for name in known:
+        value = getattr(node, name)
+        if is_dataclass(value) and not isinstance(value, type):
+            found.extend(unknown_keys(value, f"{prefix}{name}."))
+    return found
+
+
+def check_known_keys(cfg: Config) -> None:
+    """Refuse a key outside the schema (see `unknown_keys`), naming it and the closest valid one."""
+    for key, known in unknown_keys(cfg):
+        section, _, name = key.rpartition(".")
+        where = f"{section}." if section else ""
+        close = closest(name, known)
+        hint = (
+            f"did you mean {where}{close}?"
+            if close
+            else f"{section or 'the top level'} has: {', '.join(known)}"
+        )
+        raise ConfigError(
+            f"unknown config key {key} ({hint}); a key added with + or ++ must still be one of "
+            "the schema's (grail/config.py)"
+        )
+
+
 def validate(cfg: Config) -> None:
-    """Reject combinations that cannot work, naming the key. Types were checked by OmegaConf."""
+    """Reject keys outside the schema and combinations that cannot work, naming the key. Types
+    were checked by OmegaConf."""
+    check_known_keys(cfg)
     _one_of("gpu.strategy", cfg.gpu.strategy, GpuStrategy)
     _one_of("generation.backend", cfg.generation.backend, Backend)
     _one_of("generation.weight_sync", cfg.generation.weight_sync, WeightSyncMode)

@@ -9,7 +9,9 @@ A run directory (Hydra's `outputs/DATE/TIME` or `multirun/DATE/TIME/N`):
     checkpoints/iter_XXX/         save_pretrained dir + tokenizer + trainer_state.pt (newest k kept)
     weights/                      what the inference server loads (initial weights, then each sync)
     logs/                         the inference server's log
+    parts.json                    each part of the run (the start, each resume): when, how long
     summary.json                  written at the end (also for a failed run, with the error)
+    .grail.lock                   the lock a running grail-train holds (its pid inside)
 
 Every metrics file (and `summary.json`) validates against a JSON Schema in `grail/schemas/`, so
 tools that read them (`grail-report`, dashboards) can rely on the fields. A write goes to a
@@ -19,12 +21,17 @@ killed at any moment, never sees a half-written file.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
 import tempfile
+import time
 import traceback
+from collections.abc import Iterator
+from datetime import datetime
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -32,11 +39,16 @@ from typing import Any
 
 import jsonschema
 
+from grail.config import UserError
+
 log = logging.getLogger(__name__)
 
 METRICS_DIR = "metrics"
 CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"
 SUMMARY = "summary.json"
+PARTS = "parts.json"
+LOCK_FILE = ".grail.lock"
 _CHECKPOINT_NAME = re.compile(r"^iter_(\d+)$")
 _MAX_MESSAGE = 4000  # characters of an error message kept in summary.json
 _TRACEBACK_LINES = 40
@@ -75,6 +87,66 @@ LAUNCH_KEYS = frozenset({"resume"})
 def override_key(override: str) -> str:
     """The config key of a Hydra override: `+a.b=1`, `++a.b=1`, `~a.b` and `a.b=1` -> `a.b`."""
     return override.split("=", 1)[0].lstrip("+~")
+
+
+# ---- the run lock -------------------------------------------------------------------------------
+
+
+class RunDirLocked(UserError, RuntimeError):
+    """Another process holds the run directory: two runs writing one directory would interleave
+    their files (the config of one beside the metrics of the other)."""
+
+
+# Run directories this process holds: run dir -> (lock file descriptor, nesting depth). flock
+# locks belong to an open file, so a second open + flock in this same process would conflict
+# with the first; nested holders (a run, then its summary) share one.
+_held: dict[Path, tuple[int, int]] = {}
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the exclusive lock on `run_dir` (fcntl.flock on `.grail.lock` in it) for the block;
+    RunDirLocked at once, naming the directory and the holder's pid, when another process holds
+    it. The OS releases the lock when its holder dies, even by SIGKILL, so there is no stale lock
+    to clean up; the file stays (removing it would let a third process lock a new file while the
+    second still holds the old one). Nested calls in one process share the lock."""
+    run_dir = Path(os.path.abspath(run_dir))  # one key per directory, as Hydra spells it
+    if run_dir in _held:
+        fd, depth = _held[run_dir]
+        _held[run_dir] = (fd, depth + 1)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Opened without O_TRUNC: until the lock is ours, the file names the holder.
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "pid unknown"
+            os.close(fd)
+            raise RunDirLocked(
+                f"{run_dir} is in use by another grail-train ({holder}): two runs in one "
+                "directory would mix their files. Wait for it to end, or give this run its own "
+                "hydra.run.dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}, since {_now()}\n".encode())
+        _held[run_dir] = (fd, 1)
+    try:
+        yield
+    finally:
+        fd, depth = _held.pop(run_dir)
+        if depth > 1:
+            _held[run_dir] = (fd, depth - 1)
+        else:
+            os.close(fd)  # closing the last descriptor of the file releases the lock
+
+
+def _now() -> str:
+    """Local time with its UTC offset, to the second."""
+    return datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 # ---- metrics files --------------------------------------------------------------------------
@@ -150,6 +222,49 @@ def metric_records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["iteration"])
 
 
+# ---- parts of a run -----------------------------------------------------------------------------
+
+
+def read_parts(run_dir: Path) -> list[dict[str, Any]]:
+    """The parts parts.json records (oldest first); [] when there is none (a run written before
+    parts were recorded, or one that has not started)."""
+    data = read_json(Path(run_dir) / PARTS)
+    parts = data.get("parts") if data is not None else None
+    if not isinstance(parts, list):
+        return []
+    return [
+        p for p in parts if isinstance(p, dict) and isinstance(p.get("wall_time_s"), int | float)
+    ]
+
+
+class RunPart:
+    """One part of a run (its start, or a resume), recorded in parts.json after the parts before
+    it: when it started, its wall time so far and the iterations it trained. Saved as the part goes
+    (`save`, every iteration), so a part killed by SIGKILL still counts up to its last save."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / PARTS
+        self.earlier = read_parts(run_dir)
+        self.started = _now()
+        self.t0 = time.perf_counter()
+        self.iterations = 0
+        self.save()
+
+    @property
+    def wall_time_s(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def save(self, iterations: int = 0) -> None:
+        """Record the wall time so far, and `iterations` more iterations trained."""
+        self.iterations += iterations
+        part = {
+            "started": self.started,
+            "wall_time_s": self.wall_time_s,
+            "iterations": self.iterations,
+        }
+        atomic_write_text(self.path, json.dumps({"parts": [*self.earlier, part]}, indent=2) + "\n")
+
+
 # ---- summary.json -------------------------------------------------------------------------------
 
 
@@ -168,9 +283,13 @@ def run_summary(
     environment: str | None = None,
     config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """summary.json of a run from the metrics files it wrote: iterations, baseline, final and
-    best eval, tokens and time. One place for completed and failed runs alike."""
+    """summary.json of a run from the files it wrote: iterations, baseline, final and best eval,
+    tokens, and time: `wall_time_s` is the sum of the run's parts (parts.json, listed as `parts`),
+    or the caller's `wall_time_s` for a run that recorded none (one that failed before its loop
+    started, or one written before parts were recorded). One place for completed and failed runs
+    alike."""
     trains = metric_records(run_dir, "train")
+    parts = read_parts(run_dir)
     evals = metric_records(run_dir, "eval")
     trained = [e for e in evals if e["iteration"] >= 0]
     baseline = next((e for e in evals if e["iteration"] == -1), None)
@@ -186,8 +305,10 @@ def run_summary(
             "completion": sum(t.get("tokens", {}).get("completion", 0) for t in trains),
         },
         "train_time_s": sum(t.get("timings", {}).get("iteration_s", 0.0) for t in trains),
-        "wall_time_s": max(0.0, wall_time_s),
+        "wall_time_s": max(0.0, sum(p["wall_time_s"] for p in parts) if parts else wall_time_s),
     }
+    if parts:
+        summary["parts"] = parts
     if environment is not None:
         summary["environment"] = environment
     if config is not None:
@@ -203,7 +324,11 @@ def write_summary(
     environment: str | None = None,
     config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write summary.json: "completed", or "failed" with why when `error` is given; returns it."""
+    """Write summary.json: "completed", or "failed" with why when `error` is given; returns it.
+
+    Only while holding the run's lock: when another process runs in `run_dir` (a second
+    grail-train that failed because of it, say), the summary belongs to that run and is not
+    written; a warning says so."""
     status = "completed" if error is None else "failed"
     summary = run_summary(run_dir, status, wall_time_s, environment=environment, config=config)
     if error is not None:
@@ -216,5 +341,9 @@ def write_summary(
             "message": message,
             "traceback": "\n".join(tb),
         }
-    write_metrics(run_dir / SUMMARY, summary, "summary")
+    try:
+        with run_lock(run_dir):
+            write_metrics(run_dir / SUMMARY, summary, "summary")
+    except RunDirLocked as exc:
+        log.warning("summary.json not written: %s", exc)
     return summary

@@ -9,6 +9,7 @@ one thread, where the engine is batch-invariant, so results are compared bitwise
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import shutil
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +48,9 @@ def _free_port() -> int:
 class ServerProcess:
     """`python -m grail.inference.builtin.server` as a subprocess, logging to a file."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path | str, log_path: Path, *extra: str) -> None:
         self.port = _free_port()
+        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
@@ -85,6 +88,24 @@ class ServerProcess:
         self._log.close()
 
 
+@contextlib.contextmanager
+def side_by_side(
+    logs: Path, **specs: tuple[Path | str, tuple[str, ...]]
+) -> Iterator[dict[str, ServerProcess]]:
+    """Servers started side by side, name=(model, extra args), each logging to `logs`/name.log;
+    yielded once all are ready, all stopped on exit."""
+    started: dict[str, ServerProcess] = {}
+    try:
+        for name, (model, extra) in specs.items():
+            started[name] = ServerProcess(model, logs / f"{name}.log", *extra)
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
 @pytest.fixture(scope="module")
 def model_dir(request: pytest.FixtureRequest) -> Path:
     """The shared `tiny_model_dir` fixture where conftest provides it, else the cached build."""
@@ -115,18 +136,10 @@ def perturbed_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def servers(model_dir: Path, perturbed_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     logs = tmp_path_factory.mktemp("logs")
-    started: list[ServerProcess] = []
-    try:
-        main = ServerProcess(model_dir, logs / "main.log", "--api-key", API_KEY)
-        started.append(main)
-        fresh = ServerProcess(perturbed_dir, logs / "fresh.log")
-        started.append(fresh)
-        main.wait_ready()
-        fresh.wait_ready()
-        yield {"main": main, "fresh": fresh}
-    finally:
-        for server in started:
-            server.stop()
+    with side_by_side(
+        logs, main=(model_dir, ("--api-key", API_KEY)), fresh=(perturbed_dir, ())
+    ) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -489,14 +502,28 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) >= 0
 
 
-def test_api_key_guards_v1_routes_only(server: ServerProcess) -> None:
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
-        for method, route in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+def test_api_key_guards_every_route_but_health(server: ServerProcess) -> None:
+    """Weight reloads, unknown routes and the (absent) API docs need the key as much as /v1/."""
+    routes = [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/update_weights_from_disk"),
+        ("GET", "/docs"),
+        ("GET", "/redoc"),
+        ("GET", "/openapi.json"),
+        ("GET", "/no-such-route"),
+    ]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, route in routes:
             resp = httpx.request(method, f"{server.url}{route}", json=GOOD, headers=headers)
-            assert resp.status_code == 401
+            assert resp.status_code == 401, (method, route, headers, resp.text)
             assert resp.json()["error"]["code"] == 401
+            assert "API key" in resp.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/v1/models", headers=AUTH).status_code == 200
+    for route in ("/docs", "/redoc", "/openapi.json"):  # off, not just guarded
+        assert httpx.get(f"{server.url}{route}", headers=AUTH).status_code == 404
 
 
 def test_health_and_new_requests_are_served_while_a_long_generation_runs(
@@ -539,7 +566,10 @@ def _update(server: ServerProcess, path: Any, version: str | None = None) -> htt
     body: dict[str, Any] = {"model_path": str(path)}
     if version is not None:
         body["weight_version"] = version
-    return httpx.post(f"{server.url}/update_weights_from_disk", json=body, timeout=60)
+    headers = AUTH if server.api_key else {}
+    return httpx.post(
+        f"{server.url}/update_weights_from_disk", json=body, headers=headers, timeout=60
+    )
 
 
 def test_weight_update_in_place_equals_a_fresh_server(
@@ -623,8 +653,24 @@ def test_bad_weight_update_is_refused_and_old_weights_keep_serving(
     assert samples(complete(client, PROMPT_A, seed=1)) == before
 
 
+def test_weight_update_without_the_key_is_refused_and_changes_nothing(
+    server: ServerProcess, client: openai.OpenAI, perturbed_dir: Path
+) -> None:
+    before = samples(complete(client, PROMPT_A, seed=1))
+    body = {"model_path": str(perturbed_dir), "weight_version": "evil"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        url = f"{server.url}/update_weights_from_disk"
+        resp = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert resp.status_code == 401, resp.text
+    card = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]
+    assert card["weight_version"] != "evil"
+    assert samples(complete(client, PROMPT_A, seed=1)) == before
+
+
 def test_update_without_model_path_is_a_400(server: ServerProcess) -> None:
-    resp = httpx.post(f"{server.url}/update_weights_from_disk", json={"weight_version": "x"})
+    resp = httpx.post(
+        f"{server.url}/update_weights_from_disk", json={"weight_version": "x"}, headers=AUTH
+    )
     assert resp.status_code == 400
     assert resp.json()["success"] is False and "model_path" in resp.json()["message"]
 

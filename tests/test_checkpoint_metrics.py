@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import jsonschema
@@ -12,6 +13,7 @@ import torch
 
 from grail.records import atomic_write_text, validate_metrics, write_metrics
 from grail.train.checkpoint import (
+    checkpoint_problems,
     commit_checkpoint,
     latest_checkpoint,
     load_trainer_state,
@@ -91,3 +93,72 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> 
         write_metrics(path, {**_eval_record(), "reward_mean": float("nan")}, "eval")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+# --- manifests: resume trusts only intact checkpoints, pruning counts only those ---------------
+
+
+def _commit(checkpoints: Path, iteration: int) -> Path:
+    return commit_checkpoint(stage_checkpoint(checkpoints, iteration, _Saves("m"), _Saves("t"), {}))
+
+
+def test_a_checkpoint_carries_a_manifest_of_its_files(tmp_path: Path) -> None:
+    final = _commit(tmp_path, 0)
+    files = json.loads((final / "manifest.json").read_text())["files"]
+    assert sorted(files) == ["m.json", "t.json", "trainer_state.pt"]
+    state = final / "trainer_state.pt"
+    assert files["trainer_state.pt"]["size"] == state.stat().st_size
+    assert checkpoint_problems(final) == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncate", "same size, other bytes", "delete"],
+)
+def test_resume_skips_a_damaged_newest_checkpoint_naming_the_file(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _commit(tmp_path, 1)
+    newest = _commit(tmp_path, 2)
+    state = newest / "trainer_state.pt"
+    if damage == "truncate":
+        state.write_bytes(state.read_bytes()[:100])
+    elif damage == "delete":
+        state.unlink()
+    else:
+        state.write_bytes(bytes(len(state.read_bytes())))
+    ref = latest_checkpoint(tmp_path)
+    assert ref is not None and ref.iteration == 1  # the newest intact one
+    assert str(state) in caplog.text and "falling back" in caplog.text
+
+
+def test_pruning_counts_intact_checkpoints_only_and_removes_broken_ones(tmp_path: Path) -> None:
+    for it in (33, 34):
+        _commit(tmp_path, it)
+    (tmp_path / "iter_039").mkdir()  # empty: a copy cut short, a disk that filled
+    cut = _commit(tmp_path, 40)  # complete but for its truncated weights
+    (cut / "m.json").write_text("")
+    prune_checkpoints(tmp_path, keep_last_k=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_033", "iter_034"]
+    assert latest_checkpoint(tmp_path).iteration == 34  # type: ignore[union-attr]
+
+
+def test_a_checkpoint_without_a_manifest_from_an_older_version_is_accepted(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written before manifests: accepted (a warning says it is unverified) when the files a resume
+    loads are there, so an upgrade does not restart a run from scratch; refused when they are
+    not."""
+    old = tmp_path / "iter_005"
+    shutil.copytree(tiny_model_dir, old, ignore=shutil.ignore_patterns("grail_manifest.json"))
+    torch.save({"iteration": 5}, old / "trainer_state.pt")
+    ref = latest_checkpoint(tmp_path)
+    assert ref is not None and ref.iteration == 5
+    assert "no manifest.json" in caplog.text
+    prune_checkpoints(tmp_path, keep_last_k=1)
+    assert old.is_dir()
+
+    weights = old / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    assert latest_checkpoint(tmp_path) is None
+    assert f"{weights}: truncated" in caplog.text

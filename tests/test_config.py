@@ -54,6 +54,37 @@ def test_unknown_key_names_the_key() -> None:
         _compose("train.lerning_rate=1e-4")
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+train.lrr=1e-3", r"unknown config key train\.lrr \(did you mean train\.lr\?\)"),
+        ("++train.lrr=1e-3", r"unknown config key train\.lrr \(did you mean train\.lr\?\)"),
+        ("+seeed=1", r"unknown config key seeed \(did you mean seed\?\)"),
+        ("+eval.zzz=1", r"unknown config key eval\.zzz \(eval has: enabled, interval"),
+    ],
+)
+def test_a_key_added_with_plus_is_refused(override: str, message: str) -> None:
+    # Hydra's + and ++ add a key even to a structured node, and OmegaConf.to_object keeps it as a
+    # plain attribute that nothing reads: validate must refuse it.
+    cfg = _compose(override)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"),
+    [
+        (["env=gsm8k", "data.env_kwargs.path=/data/gsm8k.jsonl"], "path", "/data/gsm8k.jsonl"),
+        (["env=sat", "data.env_kwargs.difficulty=0.9"], "difficulty", 0.9),
+        (["data.env_kwargs.num_digits=2"], "num_digits", 2),
+    ],
+)
+def test_env_kwargs_are_set_without_plus(overrides: list[str], key: str, value: object) -> None:
+    cfg = _compose(*overrides)
+    validate(cfg)
+    assert cfg.data.env_kwargs[key] == value
+
+
 def test_wrong_type_names_the_key() -> None:
     with pytest.raises(Exception, match="iterations"):
         _compose("train.iterations=many")

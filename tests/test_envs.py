@@ -15,8 +15,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from omegaconf import OmegaConf
 
-from grail.envs import ENVIRONMENTS, Environment, Problem, make_env
+from grail.config import ConfigError, UserError
+from grail.envs import ENVIRONMENTS, Environment, Problem, env_arguments, make_env
 from grail.envs.gsm8k import (
     GSM8KDataError,
     GSM8KEnv,
@@ -83,10 +85,47 @@ def test_registry_builds_known_envs_and_lists_them_on_unknown_name() -> None:
     assert isinstance(make_env("gsm8k", path=str(FIXTURE)), Environment)
     for name, factory in ENVIRONMENTS.items():
         assert factory.name == name  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match=r"unknown environment 'sta'; known: .*gsm8k.*sat"):
+    with pytest.raises(ConfigError, match=r"unknown environment 'sta' .*; known: .*gsm8k.*sat"):
         make_env("sta")
-    with pytest.raises(TypeError, match=r"environment 'sat'.*difficuly.*accepts \['difficulty'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"environment 'sat' has no argument 'difficuly' \(data.env_kwargs.difficuly\) "
+        r"\(did you mean 'difficulty'\?\); it accepts difficulty, num_vars",
+    ):
         make_env("sat", difficuly=0.5)
+    # a value the environment refuses is a configuration error naming the environment
+    with pytest.raises(ConfigError, match=r"environment 'sat' \(data.env_kwargs\): difficulty"):
+        make_env("sat", difficulty=2.0)
+
+
+def test_each_env_config_declares_exactly_its_constructor_arguments() -> None:
+    """conf/env/NAME.yaml lists the environment's keyword arguments with the constructor's
+    defaults, so that `data.env_kwargs.KEY=VALUE` (no `+`) works for each of them."""
+    declared = {}
+    for path in sorted((REPO / "conf" / "env").glob("*.yaml")):
+        data = OmegaConf.to_container(OmegaConf.load(path))["data"]  # type: ignore[index]
+        assert path.stem == data["environment"], path
+        declared[data["environment"]] = data["env_kwargs"]
+    assert sorted(declared) == sorted(ENVIRONMENTS)
+    for name, kwargs in declared.items():
+        arguments = env_arguments(name)
+        assert list(kwargs) == list(arguments), name  # same keys, in the signature's order
+        for key, default in arguments.items():
+            assert kwargs[key] == default and type(kwargs[key]) is type(default), (name, key)
+
+
+def test_env_components_are_the_keys_of_its_scores() -> None:
+    envs = [make_env("copy_digits"), make_env("sat"), make_env("gsm8k", path=str(FIXTURE))]
+    for env in envs:
+        problem = env.problem(0)
+        for completion in ("", problem.answer, f"<answer>{problem.answer}</answer>"):
+            assert tuple(env.score(problem, completion).components) == env.components
+
+
+def test_missing_data_file_is_a_user_error() -> None:
+    with pytest.raises(FileNotFoundError, match="nope.jsonl") as info:
+        make_env("gsm8k", path="/nonexistent/nope.jsonl")
+    assert isinstance(info.value, UserError)
 
 
 # --- determinism -----------------------------------------------------------------------------

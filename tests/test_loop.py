@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from grail.rollouts import (
 from grail.train.checkpoint import list_checkpoints, load_trainer_state
 from grail.train.display import Display
 from grail.train.loggers import MetricLoggers
-from grail.train.loop import Recorder, iteration_record, run_iterations
+from grail.train.loop import Recorder, iteration_record, resume_point, run_iterations
 from grail.train.trainer import Trainer, setup_torch
 
 
@@ -208,3 +209,34 @@ def test_iteration_record_is_pure_and_reports_staleness_and_bad_norms() -> None:
     assert record["tokens"]["completion"] == completion
     assert record["tokens_per_s"] == completion / 2.0
     assert record["lr"] == 1e-3 and record["loss_total"] == 0.5 and record["kl"] == 0.01
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "trainer_state.pt"])
+def test_resume_falls_back_past_a_truncated_checkpoint_to_the_same_metrics(
+    tmp_path: Path, damaged: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _config(iterations=4)
+    cfg.checkpoint = CheckpointConfig(save_interval=1, keep_last_k=2)
+    _run(cfg, tmp_path / "whole")
+    run_dir = tmp_path / "damaged"
+    _run(cfg, run_dir)
+    truncated = run_dir / "checkpoints" / "iter_003" / damaged
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+
+    resumed = replace(cfg, resume=True)
+    resume_from = resume_point(resumed, run_dir)
+    assert resume_from is not None and resume_from.iteration == 2
+    assert str(truncated) in caplog.text  # the warning names the damaged file
+    trainer = Trainer(resumed, setup_torch(resumed), resume_from)
+    with MetricLoggers.from_config(cfg.logging, run_dir, {}) as loggers:
+        source = ScriptedSource(resumed, trainer.tokenizer, run_dir)
+        run_iterations(
+            resumed, run_dir, trainer, source, Recorder(run_dir, cfg, loggers, Display())
+        )
+    assert [call for call in source.calls if call[0] == "next_batch"] == [("next_batch", 3)]
+    for it in range(4):
+        again, whole = (
+            read_metrics(train_metrics_path(root, it)) for root in (run_dir, tmp_path / "whole")
+        )
+        assert {**again, "timings": None} == {**whole, "timings": None}, it
+    assert [c.iteration for c in list_checkpoints(run_dir / "checkpoints")] == [2, 3]

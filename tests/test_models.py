@@ -1,4 +1,5 @@
-"""The tiny offline model: deterministic build, transformers round-trips, cache, loading errors."""
+"""The tiny offline model: deterministic build, transformers round-trips, cache, loading errors
+(missing and truncated files named before transformers sees them)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ from grail.envs import make_env
 from grail.envs.gsm8k import SYSTEM_PROMPT as GSM8K_SYSTEM_PROMPT
 from grail.envs.sat import SYSTEM_PROMPT as SAT_SYSTEM_PROMPT
 from grail.models import tiny
-from grail.models.loading import load_model, load_tokenizer, parse_dtype, resolve_source
+from grail.models.loading import (
+    load_model,
+    load_tokenizer,
+    model_dir_problems,
+    parse_dtype,
+    resolve_source,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -332,3 +339,48 @@ def test_dtype_names(tiny_model_dir: Path) -> None:
     assert load_model(tiny_model_dir, dtype="bfloat16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         load_model(tiny_model_dir, dtype="float8")
+
+
+def _copy_without(model_dir: Path, dest: Path, *names: str) -> Path:
+    dest.mkdir()
+    for path in model_dir.iterdir():
+        if path.is_file() and path.name not in names:
+            (dest / path.name).write_bytes(path.read_bytes())
+    return dest
+
+
+def test_a_directory_without_tokenizer_files_is_refused_naming_them(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # transformers would load it as a tokenizer with no vocabulary that encodes text to nothing.
+    weights_only = _copy_without(tiny_model_dir, tmp_path / "m", "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="no tokenizer files") as err:
+        load_tokenizer(weights_only)
+    assert str(weights_only) in str(err.value) and "tokenizer.json" in str(err.value)
+    load_model(weights_only)  # the weights alone still load
+
+
+def test_a_directory_without_config_or_weights_is_refused_naming_them(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    no_config = _copy_without(tiny_model_dir, tmp_path / "a", "config.json")
+    with pytest.raises(FileNotFoundError, match=f"{no_config} has no config.json"):
+        load_model(no_config)
+    no_weights = _copy_without(tiny_model_dir, tmp_path / "b", "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="has no weights") as err:
+        load_model(no_weights)
+    assert "model.safetensors" in str(err.value)
+    assert model_dir_problems(tiny_model_dir) == []
+
+
+def test_truncated_weights_are_named(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cut = _copy_without(tiny_model_dir, tmp_path / "m")
+    weights = cut / "model.safetensors"
+    full = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: full // 2])
+    with pytest.raises(FileNotFoundError, match="truncated") as err:
+        load_model(cut)
+    assert f"{weights}: truncated ({full // 2} bytes, its header needs {full})" in str(err.value)
+    weights.write_bytes(b"\x05")  # not even a header
+    with pytest.raises(FileNotFoundError, match=str(weights)):
+        load_model(cut)

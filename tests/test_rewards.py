@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from grail.envs import SATEnv
+from grail.config import UserError
+from grail.envs import CopyDigitsEnv, SATEnv
 from grail.envs.rewards import (
     RewardError,
     RewardFunctions,
@@ -278,6 +279,26 @@ def test_score_completions_rejects_a_name_that_shadows_an_env_component() -> Non
     extras = RewardFunctions.from_specs([{"fn": f"{P}:length_bonus", "name": "format"}])
     with pytest.raises(RewardError, match="'format' is already a component of environment 'sat'"):
         score_completions(env, [env.problem(0)], ["x"], extras)
+
+
+def test_a_name_taken_by_the_env_is_refused_before_scoring_with_how_to_rename() -> None:
+    extras = RewardFunctions.from_specs([f"{P}:length_bonus", {"fn": "correctness"}])
+    extras.check_names("copy_digits", CopyDigitsEnv.components)  # no clash
+    clash = RewardFunctions.from_specs([{"fn": f"{P}:length_bonus", "name": "brevity"}])
+    message = (
+        r"reward 'reward_plugins:length_bonus': name 'brevity' is already a component of "
+        r"environment 'copy_digits' \(correct, found, brevity\); give the reward another name "
+        r"with `name:`"
+    )
+    with pytest.raises(RewardError, match=message):
+        clash.check_names("copy_digits", CopyDigitsEnv.components)
+
+
+def test_reward_errors_are_user_errors() -> None:
+    with pytest.raises(UserError, match="PYTHONPATH"):  # says how to make the module importable
+        RewardFunctions.from_specs(["no_such_module_xyz:f"])
+    with pytest.raises(UserError, match="unknown key"):
+        RewardFunctions.from_specs([{"fn": "correctness", "wieght": 1.0}])
 
 
 def test_score_completions_reports_plugin_errors_by_sample() -> None:

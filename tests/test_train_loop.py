@@ -33,10 +33,14 @@ SMALL = [
 VOLATILE = {"timings", "tokens_per_s", "eval_s"}
 
 
-def _train(run_dir: Path, *overrides: str, **kwargs: object) -> subprocess.Popen[str]:
+def _train(
+    run_dir: Path, *overrides: str, multirun: bool = False, **kwargs: object
+) -> subprocess.Popen[str]:
+    """grail-train into `run_dir`; with `multirun`, a sweep (`-m`) into the sweep dir `run_dir`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    where = ["-m", f"hydra.sweep.dir={run_dir}"] if multirun else [f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(
-        [sys.executable, "-m", "grail.train.cli", *SMALL, *overrides, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "grail.train.cli", *where, *SMALL, *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -92,6 +96,22 @@ def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
+def _kill_after_checkpoint(run_dir: Path, *overrides: str) -> None:
+    """Start a run, SIGKILL it (no cleanup code runs in the trainer) once checkpoint iter_001 is
+    committed, and wait for its orphaned server to die."""
+    proc = _train(run_dir, *overrides)
+    _wait_for(
+        lambda: (run_dir / "checkpoints" / "iter_001").exists() or proc.poll() is not None,
+        240,
+        "checkpoint iter_001",
+    )
+    server_pids = _servers_of(run_dir)
+    assert server_pids, "the run should have a server process"
+    proc.kill()
+    proc.communicate()
+    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the orphaned server to die")
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 4-iteration run, shared by the tests below."""
@@ -136,17 +156,10 @@ def test_same_seed_gives_same_metrics(full_run: Path, tmp_path: Path) -> None:
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(full_run: Path, tmp_path: Path) -> None:
-    proc = _train(tmp_path, "train.iterations=4")
-    _wait_for(
-        lambda: (tmp_path / "checkpoints" / "iter_001").exists() or proc.poll() is not None,
-        240,
-        "checkpoint iter_001",
+    _kill_after_checkpoint(tmp_path, "train.iterations=4")
+    killed_at = max(
+        int(p.name.removeprefix("iter_")) for p in (tmp_path / "checkpoints").glob("iter_*")
     )
-    server_pids = _servers_of(tmp_path)
-    assert server_pids, "the run should have a server process"
-    proc.kill()  # SIGKILL: no cleanup code runs in the trainer
-    proc.communicate()
-    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the orphaned server to die")
 
     out = _finish(_train(tmp_path, "train.iterations=4", "resume=true"))
     assert "resuming after iteration" in out, out[-3000:]
@@ -158,6 +171,47 @@ def test_sigkill_then_resume_matches_uninterrupted_run(full_run: Path, tmp_path:
     assert _stable(final) == _stable(read_metrics(full_run / "metrics" / "eval_iter_003.json"))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 4
+    # The wall time covers both parts: the killed start (up to its last iteration) and the resume.
+    first, resume = summary["parts"]
+    assert first["iterations"] >= 2 and resume["iterations"] == 4 - (killed_at + 1)
+    assert first["wall_time_s"] > 0 and resume["wall_time_s"] > 0
+    assert summary["wall_time_s"] == pytest.approx(first["wall_time_s"] + resume["wall_time_s"])
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint(full_run: Path, tmp_path: Path) -> None:
+    _kill_after_checkpoint(tmp_path, "train.iterations=4")
+    newest = max((tmp_path / "checkpoints").glob("iter_*"))
+    state = newest / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:1000])  # a disk that filled, a copy cut short
+
+    out = _finish(_train(tmp_path, "train.iterations=4", "resume=true"))
+    assert f"checkpoint {newest} is damaged, falling back" in out, out[-3000:]
+    assert str(state) in out
+    older = int(newest.name.removeprefix("iter_")) - 1
+    assert f"resuming after iteration {older} from" in out
+    for it in range(4):
+        name = f"train_iter_{it:03d}.json"
+        resumed = read_metrics(tmp_path / "metrics" / name)
+        assert _stable(resumed) == _stable(read_metrics(full_run / "metrics" / name)), name
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["iter_002", "iter_003"]
+
+
+def test_resume_of_a_finished_run_says_so_without_starting_a_server(full_run: Path) -> None:
+    before = json.loads((full_run / "summary.json").read_text())
+    (full_run / "summary.json").unlink()
+    proc = _train(full_run, "train.iterations=4", "resume=true")
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert f"run {full_run} is complete" in out
+    assert "started builtin server" not in out and "loaded weights" not in out
+    summary = json.loads((full_run / "summary.json").read_text())  # written again
+    assert summary["parts"] == before["parts"] and len(summary["parts"]) == 1
+    assert summary["wall_time_s"] == before["wall_time_s"]
+    assert summary["status"] == "completed" and summary["iterations"] == 4
+    # The end of the summary says where the run's files are.
+    assert f"run directory: {full_run}" in out
+    for name in ("summary.json", "metrics/", "checkpoints/", "logs/"):
+        assert f"\n  {name} " in out, name
 
 
 def test_failing_run_leaves_no_server_and_names_the_plugin(tmp_path: Path) -> None:
@@ -261,16 +315,7 @@ def test_pipelined_batches_are_at_most_one_update_stale(
 def test_pipelined_run_is_deterministic_and_resumes_exactly(
     pipelined_run: Path, tmp_path: Path
 ) -> None:
-    proc = _train(tmp_path, "train.iterations=4", "train.pipeline=true")
-    _wait_for(
-        lambda: (tmp_path / "checkpoints" / "iter_001").exists() or proc.poll() is not None,
-        240,
-        "checkpoint iter_001",
-    )
-    server_pids = _servers_of(tmp_path)
-    proc.kill()
-    proc.communicate()
-    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the orphaned server to die")
+    _kill_after_checkpoint(tmp_path, "train.iterations=4", "train.pipeline=true")
 
     out = _finish(_train(tmp_path, "train.iterations=4", "train.pipeline=true", "resume=true"))
     assert "resuming after iteration" in out, out[-3000:]

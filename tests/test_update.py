@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -128,6 +129,27 @@ def test_pack_refuses_log_probabilities_that_do_not_match_the_tokens() -> None:
         pack_microbatch([([5], _sample([8, 9], [-0.5], 1.0))], pad_token_id=0, device="cpu")
 
 
+def _run_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: RolloutBatch,
+    settings: UpdateSettings,
+) -> dict[str, float | bool | None]:
+    return policy_update(
+        model,
+        None,
+        optimizer,
+        scheduler,
+        batch,
+        settings,
+        pad_token_id=0,
+        device=torch.device("cpu"),
+        backward=lambda loss: loss.backward(),
+        clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c),
+    )
+
+
 @pytest.mark.parametrize(("grad_accum", "steps"), [(4, 1), (2, 2), (1, 4)])
 def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     tiny_model_dir: Path, grad_accum: int, steps: int, monkeypatch: pytest.MonkeyPatch
@@ -154,18 +176,7 @@ def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
         grad_clip=1.0,
     )
     batch = _batch(4, 4, seed=1)
-    metrics = policy_update(
-        model,
-        None,
-        optimizer,
-        scheduler,
-        batch,
-        settings,
-        pad_token_id=0,
-        device=torch.device("cpu"),
-        backward=lambda loss: loss.backward(),
-        clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c),
-    )
+    metrics = _run_update(model, optimizer, scheduler, batch, settings)
     old_passes = 4 - grad_accum if steps > 1 else 0
     assert forwards.count(False) == old_passes  # no-grad passes: old log-probs only
     assert forwards.count(True) == 4
@@ -174,3 +185,103 @@ def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     assert metrics["num_tokens"] == sum(len(s.completion_ids) for s in batch.samples)
     if steps == 1:
         assert metrics["clip_frac"] == 0.0  # ratio exactly 1 everywhere
+
+
+def _zero_advantage(batch: RolloutBatch) -> RolloutBatch:
+    for s in batch.samples:
+        s.advantage = 0.0
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        ({}, True),
+        ({"kl_coef": 0.05}, False),  # the KL term has a gradient of its own
+        ({"entropy_coef": 0.01}, False),  # so has the entropy bonus
+    ],
+)
+def test_only_zero_advantages_without_kl_or_entropy_carry_no_gradient(
+    loss: dict[str, float], expected: bool
+) -> None:
+    config = GRPOLossConfig(**loss)  # type: ignore[arg-type]
+    assert update.carries_no_gradient(_zero_advantage(_batch(2, 3, seed=0)), config) is expected
+    one_signal = _zero_advantage(_batch(2, 3, seed=0))
+    one_signal.groups[1].samples[2].advantage = -1e-30
+    assert not update.carries_no_gradient(one_signal, config)
+
+
+@pytest.mark.parametrize("grad_accum", [4, 1])  # one optimizer step, four
+def test_a_batch_without_gradient_skips_the_passes_but_takes_the_same_steps(
+    tiny_model_dir: Path, grad_accum: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All advantages 0, no KL or entropy term: no forward pass, yet the weights, the optimizer
+    state and the schedule end exactly where the full passes leave them. AdamW still moves the
+    weights on a zero gradient (momentum of the step before, weight decay), so the steps are
+    taken, not skipped."""
+    settings = UpdateSettings(
+        loss=GRPOLossConfig(loss_type="grpo"),
+        temperature=1.0,
+        batch_size=4,
+        grad_accum_steps=grad_accum,
+        grad_clip=1.0,
+    )
+
+    def train(skip: bool) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = load_model(tiny_model_dir)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        _run_update(model, optimizer, scheduler, _batch(4, 4, seed=1), settings)  # momentum
+        before = [p.detach().clone() for p in model.parameters()]
+        forwards: list[int] = []
+        hook = model.register_forward_hook(lambda *_: forwards.append(1))
+        with monkeypatch.context() as patch:
+            if not skip:
+                patch.setattr(update, "carries_no_gradient", lambda *_: False)
+            metrics = _run_update(
+                model, optimizer, scheduler, _zero_advantage(_batch(4, 4, seed=2)), settings
+            )
+        hook.remove()
+        return {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "before": before,
+            "forwards": len(forwards),
+            "metrics": metrics,
+        }
+
+    skipped, full = train(skip=True), train(skip=False)
+    metrics, full_metrics = skipped["metrics"], full["metrics"]
+    assert skipped["forwards"] == 0 and full["forwards"] >= 4
+    steps = 4 // grad_accum
+    assert metrics["update_skipped"] is True and full_metrics["update_skipped"] is False
+    assert metrics["optimizer_steps"] == full_metrics["optimizer_steps"] == steps
+    assert metrics["grad_norm"] == full_metrics["grad_norm"] == 0.0
+    assert metrics["loss_total"] == full_metrics["loss_total"] == 0.0
+    assert metrics["clip_frac_low"] == full_metrics["clip_frac_low"] == 0.0
+    assert metrics["clip_frac_high"] == full_metrics["clip_frac_high"] == 0.0
+    assert metrics["num_tokens"] == full_metrics["num_tokens"]
+    assert metrics["entropy"] is None and metrics["logprob_mismatch"] is None  # not measured
+    assert set(metrics) == set(full_metrics)  # the same fields, whichever way it went
+    # The schedule advanced by the same steps; the weights and AdamW's moments agree exactly,
+    # and the weights did move (a skipped optimizer step would have left them in place).
+    assert (
+        skipped["scheduler"].last_epoch == full["scheduler"].last_epoch == 2 * steps
+    )  # this update and the one before
+    named = zip(skipped["model"].named_parameters(), full["model"].parameters(), strict=True)
+    for i, ((name, p), q) in enumerate(named):
+        assert torch.equal(p, q), name
+        assert not torch.equal(p, skipped["before"][i]), f"{name} did not move"
+        s, f = skipped["optimizer"].state[p], full["optimizer"].state[q]
+        assert set(s) == set(f) and all(torch.equal(s[k], f[k]) for k in s), name
+
+
+def test_an_empty_batch_is_refused_by_name(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    settings = UpdateSettings(GRPOLossConfig(), 1.0, batch_size=4, grad_accum_steps=1, grad_clip=1)
+    with pytest.raises(ValueError, match="rollout batch with no samples"):
+        _run_update(model, optimizer, scheduler, RolloutBatch([]), settings)

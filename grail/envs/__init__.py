@@ -1,21 +1,24 @@
 """Environments by name: `make_env("sat", difficulty=0.5)`.
 
-Every environment implements `grail.envs.base.Environment` (`name`, `problem(seed)`,
-`score(problem, completion)`); `ENVIRONMENTS` maps each name to its factory (the class).
+Every environment implements `grail.envs.base.Environment` (`name`, `components`,
+`problem(seed)`, `score(problem, completion)`); `ENVIRONMENTS` maps each name to its factory (the
+class), whose keyword arguments are what `data.env_kwargs` may set (declared, with their defaults,
+in conf/env/NAME.yaml).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
+from grail.config import ConfigError, UserError, closest
 from grail.envs.base import Environment, Problem, Score
 from grail.envs.copy_digits import CopyDigitsEnv
 from grail.envs.gsm8k import GSM8KEnv
 from grail.envs.sat import SATEnv
 
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
+ENVIRONMENTS: dict[str, type[Environment]] = {
     SATEnv.name: SATEnv,
     GSM8KEnv.name: GSM8KEnv,
     # The learnable toy task (the default job's environment, grail/envs/copy_digits.py).
@@ -23,19 +26,52 @@ ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
 }
 
 
-def make_env(name: str, **kwargs: Any) -> Environment:
-    """Build the environment registered as `name` with keyword arguments checked up front."""
+def env_factory(name: str) -> type[Environment]:
+    """The class registered as `name`; a ConfigError listing the known ones otherwise."""
     if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
-    factory = ENVIRONMENTS[name]
+        raise ConfigError(
+            f"unknown environment {name!r} (data.environment); known: "
+            f"{', '.join(sorted(ENVIRONMENTS))}"
+        )
+    return ENVIRONMENTS[name]
+
+
+def env_arguments(name: str) -> dict[str, Any]:
+    """The keyword arguments environment `name` takes, in order, with their defaults: what
+    `data.env_kwargs` may set (conf/env/NAME.yaml declares exactly these)."""
+    params = inspect.signature(env_factory(name)).parameters.values()
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: p.default for p in params if p.kind in keyword}
+
+
+def check_env_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse an argument environment `name` does not take, naming it, the closest accepted one
+    and all of them; checked before anything loads."""
+    accepted = list(env_arguments(name))
+    for key in kwargs:
+        if key not in accepted:
+            close = closest(str(key), accepted)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            raise ConfigError(
+                f"environment {name!r} has no argument {key!r} (data.env_kwargs.{key}){hint}; "
+                f"it accepts {', '.join(accepted)}"
+            )
+
+
+def make_env(name: str, **kwargs: Any) -> Environment:
+    """Build the environment registered as `name` with keyword arguments checked up front.
+
+    Raises ConfigError for an unknown name or argument and for a value the environment refuses
+    (its constructor's ValueError), so that `grail-train` reports them as configuration errors.
+    """
+    factory = env_factory(name)
+    check_env_kwargs(name, kwargs)
     try:
-        inspect.signature(factory).bind(**kwargs)
-    except TypeError as exc:
-        params = [p for p in inspect.signature(factory).parameters if p != "self"]
-        raise TypeError(
-            f"bad arguments for environment {name!r}: {exc}; it accepts {params}"
-        ) from None
-    return factory(**kwargs)
+        return factory(**kwargs)
+    except UserError:
+        raise  # already says what to fix (a missing data file, the hub unreachable)
+    except ValueError as exc:
+        raise ConfigError(f"environment {name!r} (data.env_kwargs): {exc}") from exc
 
 
 __all__ = [
@@ -46,5 +82,8 @@ __all__ = [
     "Problem",
     "SATEnv",
     "Score",
+    "check_env_kwargs",
+    "env_arguments",
+    "env_factory",
     "make_env",
 ]

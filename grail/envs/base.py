@@ -33,6 +33,9 @@ class Score:
 @runtime_checkable
 class Environment(Protocol):
     name: str
+    # The keys of every `Score.components` it returns, known without scoring: extra rewards must
+    # not reuse them, and a config is checked against them before anything starts.
+    components: tuple[str, ...]
 
     def problem(self, seed: int) -> Problem: ...
 

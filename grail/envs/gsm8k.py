@@ -49,6 +49,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
+from grail.config import UserError
 from grail.envs.base import Problem, Score
 from grail.envs.tags import last_block
 
@@ -71,11 +72,15 @@ _WHOLE_FRACTION_RE = re.compile(r"(?P<sign>[-+])?(?P<num>\d+)\s*/\s*(?P<den>\d+)
 _HASHES_RE = re.compile(r"####[ \t]*([^\n]*)")
 
 
-class GSM8KDataError(ValueError):
+class GSM8KDataError(UserError, ValueError):
     """A GSM8K source file or record is unusable (missing key, bad JSON, no `#### number`)."""
 
 
-class HubUnavailableError(RuntimeError):
+class GSM8KFileNotFoundError(UserError, FileNotFoundError):
+    """The GSM8K data file (`data.env_kwargs.path` or `test_path`) does not exist."""
+
+
+class HubUnavailableError(UserError, RuntimeError):
     """The datasets hub cannot be used: `datasets` is not installed or the download failed."""
 
 
@@ -178,7 +183,7 @@ def load_records(path: str | Path) -> list[Record]:
     """Records of a local `.jsonl`/`.json` (JSON lines) or `.parquet` file, in file order."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"GSM8K data file not found: {p}")
+        raise GSM8KFileNotFoundError(f"GSM8K data file not found: {p}")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json"):
         records = []
@@ -258,6 +263,7 @@ class GSM8KEnv:
     """Math word problems with numeric answers; exact (fraction) comparison of the final number."""
 
     name = "gsm8k"
+    components = ("correct", "format")
 
     def __init__(
         self,

@@ -18,6 +18,9 @@ w·v is added to `reward`:
 
     reward = env_reward + Σ_j w_j · v_j
 
+so a reward's name (the function's name unless the spec sets `name`) must not be one of the
+environment's `components`: `check_names` refuses it, before the run starts.
+
 Problems are never hidden: any plugin that cannot be imported, cannot take the arguments,
 raises, or returns something other than a list of one finite number per sample raises a
 `RewardError` naming the plugin spec (and the sample index where the problem is one sample).
@@ -30,17 +33,27 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from grail.config import ConfigError, UserError
 from grail.envs.base import Environment, Problem, Score
 from grail.envs.tags import last_block
 
 RewardFn = Callable[..., list[float]]
 
+# Where a plugin module may live. `uv run grail-train` runs the console script, so the working
+# directory is not on sys.path; the project's root is (its editable install adds it), as are the
+# environment's installed packages and PYTHONPATH.
+IMPORTABLE = (
+    "put it in the project's root directory (on the path of `uv run grail-train`; the working "
+    "directory is not), or add its directory with PYTHONPATH=DIR, or install its package into "
+    "the environment (`uv pip install -e DIR`)"
+)
 
-class RewardError(Exception):
+
+class RewardError(UserError):
     """A reward function is unusable or misbehaved. `spec` names it; `index` is the sample."""
 
     def __init__(self, spec: str, message: str, index: int | None = None) -> None:
@@ -175,7 +188,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     except ModuleNotFoundError as exc:
         missing = exc.name or module_name
         detail = (
-            f"module {module_name!r} not found"
+            f"module {module_name!r} not found; {IMPORTABLE}"
             if missing == module_name or module_name.startswith(missing + ".")
             else f"importing module {module_name!r} failed: it needs {missing!r}, which is missing"
         )
@@ -249,7 +262,7 @@ class RewardFunctions:
         names = [r.name for r in rewards]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"reward names must be unique; repeated: {dupes} (set `name`)")
+            raise ConfigError(f"reward names must be unique; repeated: {dupes} (set `name`)")
         self.rewards = list(rewards)
 
     @classmethod
@@ -262,19 +275,21 @@ class RewardFunctions:
         if specs is None:
             return cls()
         if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):
-            raise ValueError(f"reward specs must be a list, got {type(specs).__name__}")
+            raise ConfigError(
+                f"reward specs (data.rewards) must be a list, got {type(specs).__name__}"
+            )
         rewards = []
         for i, item in enumerate(specs):
             entry: Mapping[str, Any] = {"fn": item} if isinstance(item, str) else item
             if not isinstance(entry, Mapping):
-                raise ValueError(f"reward spec #{i} must be a string or a mapping, got {item!r}")
+                raise ConfigError(f"reward spec #{i} must be a string or a mapping, got {item!r}")
             unknown = sorted(set(entry) - {"fn", "weight", "name"})
             if unknown:
-                raise ValueError(
+                raise ConfigError(
                     f"reward spec #{i} has unknown key(s) {unknown}; allowed: fn, weight, name"
                 )
             if "fn" not in entry:
-                raise ValueError(f"reward spec #{i} has no 'fn' key: {dict(entry)}")
+                raise ConfigError(f"reward spec #{i} has no 'fn' key: {dict(entry)}")
             spec = entry["fn"]
             weight = entry.get("weight", 1.0)
             if (
@@ -282,11 +297,24 @@ class RewardFunctions:
                 or not isinstance(weight, numbers.Real)
                 or not math.isfinite(float(weight))
             ):
-                raise ValueError(f"reward spec #{i} ({spec!r}): weight must be finite, {weight!r}")
+                raise ConfigError(f"reward spec #{i} ({spec!r}): weight must be finite, {weight!r}")
             fn = load_reward_fn(spec)
             name = entry.get("name") or str(spec).strip().rpartition(":")[2]
             rewards.append(WeightedReward(str(name), str(spec).strip(), fn, float(weight)))
         return cls(rewards)
+
+    def check_names(self, env_name: str, components: Collection[str]) -> None:
+        """Refuse a reward named like a component of the environment's score (its value would
+        replace the component's): called with the environment's `components` before the run
+        starts, and on every scored batch."""
+        for r in self.rewards:
+            if r.name in components:
+                raise RewardError(
+                    r.spec,
+                    f"name {r.name!r} is already a component of environment {env_name!r} "
+                    f"({', '.join(components)}); give the reward another name with `name:`, "
+                    f"e.g. {{fn: {r.spec}, name: {r.name}_bonus}}",
+                )
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -358,13 +386,8 @@ def score_completions(
     kwargs = reward_kwargs(problems)
     rewards = [s.reward for s in scores]
     components = [dict(s.components) for s in scores]
+    extra_rewards.check_names(env.name, list(dict.fromkeys(k for c in components for k in c)))
     for r in extra_rewards:
-        if any(r.name in c for c in components):
-            raise RewardError(
-                r.spec,
-                f"name {r.name!r} is already a component of environment {env.name!r}; "
-                "give it another `name`",
-            )
         values = call_reward_fn(
             r.spec, r.fn, list(prompt_texts), list(completions), **_copied(kwargs)
         )

@@ -1,15 +1,19 @@
 """Load causal LMs and tokenizers by local directory or Hugging Face Hub id.
 
-Why a wrapper around the Auto classes: three failure modes deserve clear messages instead of a
-long transformers traceback: a mistyped local path (FileNotFoundError naming it), a hub id on a
-machine without hub access (an error that says so and suggests a local copy), and a tokenizer
-without a pad token (batched generation and training need one; we fall back to eos, as most
-causal LMs expect).
+Why a wrapper around the Auto classes: these failure modes deserve clear messages instead of a
+long transformers traceback: a mistyped local path (FileNotFoundError naming it), a local
+directory that lacks files (`model_dir_problems`: transformers loads a directory without tokenizer
+files as an empty tokenizer that encodes every text to nothing, misreads a missing config.json as
+"unrecognized model", and names no file for truncated weights), a hub id on a machine without hub
+access (an error that says so and suggests a local copy), and a tokenizer without a pad token
+(batched generation and training need one; we fall back to eos, as most causal LMs expect).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 from pathlib import Path
 
 import torch
@@ -19,6 +23,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from grail.config import UserError
 
 # "org/name" with the characters the hub allows (a revision is not part of the id).
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -49,6 +55,27 @@ _UNREACHABLE_HINTS = (
 )
 
 
+# What a `save_pretrained` directory needs, by role. Weights: one file, or an index naming shards.
+CONFIG_FILE = "config.json"
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+# A tokenizer loads from any one of these vocabularies (fast tokenizers, SentencePiece, byte-level
+# BPE and WordPiece, tiktoken); tokenizer_config.json alone is not a tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tiktoken.model",
+)
+
+
 def is_hub_id(name: str) -> bool:
     """True when `name` has the shape of a hub repository id, `org/name`."""
     return bool(_HUB_ID_RE.match(name))
@@ -75,6 +102,86 @@ def resolve_source(name_or_path: str | Path) -> str:
         f"model path {text!r} does not exist (resolved to {path.resolve()}) and is not a "
         "Hugging Face Hub id of the form 'org/name'"
     )
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file at `path` is cut short, from its header alone (the 8-byte header
+    length, the JSON header, then the tensors' byte ranges); None when its size is what the header
+    promises."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError("header longer than the file")
+            header = json.loads(f.read(header_len))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{path}: not a readable safetensors file ({size} bytes; {exc}); truncated?"
+    expected = 8 + header_len + max(ends, default=0)
+    if size < expected:
+        return f"{path}: truncated ({size} bytes, its header needs {expected})"
+    return None
+
+
+def model_dir_problems(directory: Path, *, tokenizer: bool = True) -> list[str]:
+    """What keeps the `save_pretrained` directory `directory` from loading, each naming the files
+    (empty when nothing does): config.json, weights (safetensors checked against their headers,
+    so a truncated file is named) and, with `tokenizer`, a tokenizer vocabulary."""
+    directory = Path(directory)
+    problems = []
+    if not (directory / CONFIG_FILE).is_file():
+        problems.append(f"{directory} has no {CONFIG_FILE}")
+    weights = [directory / name for name in WEIGHT_FILES if (directory / name).is_file()]
+    if not weights:
+        problems.append(f"{directory} has no weights (none of {', '.join(WEIGHT_FILES)})")
+    safetensors = [p for p in weights if p.name == "model.safetensors"]
+    index = directory / "model.safetensors.index.json"
+    if index in weights:
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            problems.append(f"{index}: unreadable ({exc})")
+            shards = set()
+        for shard in sorted(shards):
+            if (directory / shard).is_file():
+                safetensors.append(directory / shard)
+            else:
+                problems.append(f"{directory / shard} is missing (listed in {index.name})")
+    problems += [p for p in map(_safetensors_problem, safetensors) if p is not None]
+    if tokenizer and (problem := _tokenizer_problem(directory)):
+        problems.append(problem)
+    return problems
+
+
+def _tokenizer_problem(directory: Path) -> str | None:
+    if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    if any(directory.glob("*.tiktoken")):
+        return None
+    return (
+        f"{directory} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)} is needed): "
+        "copy the model's tokenizer files into it (from where the weights came from)"
+    )
+
+
+class ModelFilesError(UserError, FileNotFoundError):
+    """A local model directory lacks files or holds a damaged one; the message names them."""
+
+
+def _raise_problems(directory: Path, problems: list[str]) -> None:
+    if problems:
+        raise ModelFilesError(
+            f"model directory {directory} cannot be loaded:\n  " + "\n  ".join(problems)
+        )
+
+
+def check_model_source(name_or_path: str | Path, *, tokenizer: bool = True) -> None:
+    """Fail now, naming the missing or damaged files, when `name_or_path` is a local directory
+    that cannot load (a hub id is checked when it downloads)."""
+    source = resolve_source(name_or_path)
+    if Path(source).is_dir():
+        _raise_problems(Path(source), model_dir_problems(Path(source), tokenizer=tokenizer))
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -112,6 +219,9 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     are the caller's choice.
     """
     source = resolve_source(name_or_path)
+    if Path(source).is_dir():
+        problem = _tokenizer_problem(Path(source))
+        _raise_problems(Path(source), [problem] if problem else [])
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except OSError as exc:
@@ -135,10 +245,15 @@ def load_model(
     """Load a causal LM with `AutoModelForCausalLM` in `dtype`, moved to `device`."""
     torch_dtype = parse_dtype(dtype)
     source = resolve_source(name_or_path)
+    local = Path(source).is_dir()
+    if local:
+        _raise_problems(Path(source), model_dir_problems(Path(source), tokenizer=False))
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-    except OSError as exc:
-        if Path(source).exists():
-            raise
-        raise _hub_error(source, "model", exc) from exc
+    except Exception as exc:
+        if local:  # e.g. safetensors' "incomplete metadata", which names no file
+            raise OSError(f"could not load the model in {source}: {exc}") from exc
+        if isinstance(exc, OSError):
+            raise _hub_error(source, "model", exc) from exc
+        raise
     return model.to(torch.device(device))

@@ -16,6 +16,8 @@ Public entry points:
 - `MID_PRESET`: a ~0.47B shape for `build_random_qwen2` (GPU tests, benchmarks).
 - `ensure_tiny_model(cache_dir, seed)`: the tiny preset, built once and cached, safe under
   concurrent callers, rebuilt when the cache is partial or corrupt.
+- `resolve_model(model_id)`: what a model name means to `grail-train` (`model.train_id`) and
+  `grail-serve --model`: `tiny` is this model; anything else is left for transformers.
 """
 
 from __future__ import annotations
@@ -411,3 +413,13 @@ def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+#: The model name `grail-train` (`model.train_id`) and `grail-serve --model` give the tiny model.
+TINY_MODEL_NAME = "tiny"
+
+
+def resolve_model(model_id: str) -> str:
+    """'tiny' is the offline tiny model (built once, cached); anything else (a local directory or
+    a hub id) is returned as is, for transformers."""
+    return str(ensure_tiny_model()) if model_id == TINY_MODEL_NAME else model_id

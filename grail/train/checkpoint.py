@@ -3,12 +3,24 @@ transformers load as it is) + tokenizer + `trainer_state.pt` (optimizer, schedul
 iteration, config).
 
 A checkpoint is written into a hidden temporary directory and renamed into place once every file
-is on disk, so a directory named `iter_XXX` is always complete: a run killed at any moment resumes
-from the newest one and loses at most the iterations after it.
+is on disk, so a run killed at any moment never leaves a half-written `iter_XXX`. What the rename
+cannot guard against (a disk that fills or a copy cut short later, a file edited or truncated by
+hand) the manifest catches: `manifest.json`, written last into the staged directory, records the
+size and sha256 of every other file. Resuming verifies the newest checkpoint against it and falls
+back, with a warning naming the damaged file, to the newest intact one; pruning keeps the newest
+`keep_last_k` that pass the cheap part of that check (every file there, at its size) and removes
+the ones that fail it, so a damaged directory never displaces an intact one.
+
+Checkpoints written before manifests existed are accepted with a warning when the files a resume
+loads are there (the model's config and weights, checked against the safetensors header, and
+trainer_state.pt): refusing them would make `resume=true` start an upgraded run over from scratch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import random
 import shutil
@@ -19,9 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from grail.records import checkpoint_iteration, iteration_name
+from grail.models.loading import model_dir_problems
+from grail.records import atomic_write_text, checkpoint_iteration, iteration_name
+
+log = logging.getLogger("grail.train")
 
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
 
 
 def rng_state() -> dict[str, Any]:
@@ -43,11 +59,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _seal(root: Path) -> None:
+    """fsync every file under `root`, then write the manifest of their sizes and hashes (last, and
+    atomically, so a manifest only ever describes files already on disk)."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+        # Hashed right after the write, while the file is still in the page cache.
+        files[path.relative_to(root).as_posix()] = {
+            "size": path.stat().st_size,
+            "sha256": _sha256(path),
+        }
+    atomic_write_text(root / MANIFEST, json.dumps({"files": files}, indent=2) + "\n")
 
 
 def stage_checkpoint(
@@ -67,7 +96,7 @@ def stage_checkpoint(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "iteration": iteration, "rng": rng_state()}, tmp / STATE_FILE)
-        _fsync_tree(tmp)
+        _seal(tmp)
     except BaseException:  # Ctrl-C or a full disk mid-write: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -90,20 +119,70 @@ class CheckpointRef:
 
 
 def list_checkpoints(checkpoints_dir: Path) -> list[CheckpointRef]:
-    """Complete checkpoints, oldest first (temporary directories are ignored)."""
+    """Every committed checkpoint directory (`iter_XXX`), intact or not, oldest first; temporary
+    directories are left out. `checkpoint_problems` says which can be trusted."""
     if not checkpoints_dir.is_dir():
         return []
     found = []
     for path in checkpoints_dir.iterdir():
         iteration = checkpoint_iteration(path.name)
-        if iteration is not None and (path / STATE_FILE).is_file():
+        if iteration is not None and path.is_dir():
             found.append(CheckpointRef(iteration, path))
     return sorted(found, key=lambda c: c.iteration)
 
 
+def checkpoint_problems(checkpoint: Path, *, hashes: bool = True) -> list[str]:
+    """Why `checkpoint` cannot be resumed from, each naming a file; [] when it is intact. Checks
+    every file of its manifest is there at its recorded size and, with `hashes`, has its recorded
+    sha256 (reads every byte: what resume does, once per candidate). Without a manifest (an older
+    checkpoint, or not a checkpoint at all): the files a resume loads are there."""
+    manifest_path = checkpoint / MANIFEST
+    if not any(checkpoint.iterdir()):
+        return [f"{checkpoint} is empty"]
+    if not manifest_path.is_file():
+        state = checkpoint / STATE_FILE
+        problems = model_dir_problems(checkpoint)
+        if not state.is_file() or state.stat().st_size == 0:
+            problems.append(f"{state} is missing or empty")
+        # Nothing wrong but the missing manifest: a checkpoint from before manifests, accepted.
+        return [f"{manifest_path} is missing", *problems] if problems else []
+    try:
+        files: dict[str, dict[str, Any]] = json.loads(manifest_path.read_text())["files"]
+        expected = {name: (int(info["size"]), str(info["sha256"])) for name, info in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [f"{manifest_path} is unreadable ({exc})"]
+    problems = []
+    for name, (size, digest) in expected.items():
+        path = checkpoint / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{path} has {path.stat().st_size} bytes, the manifest says {size}")
+        elif hashes and _sha256(path) != digest:
+            problems.append(f"{path} does not match its sha256 in the manifest")
+    return problems
+
+
 def latest_checkpoint(checkpoints_dir: Path) -> CheckpointRef | None:
-    found = list_checkpoints(checkpoints_dir)
-    return found[-1] if found else None
+    """The newest intact checkpoint (verified against its manifest); each newer damaged one is
+    skipped with a warning naming its damaged files."""
+    for ref in reversed(list_checkpoints(checkpoints_dir)):
+        problems = checkpoint_problems(ref.path)
+        if not problems:
+            if not (ref.path / MANIFEST).is_file():
+                log.warning(
+                    "checkpoint %s has no %s (written by an older version of grail): resuming "
+                    "from it with its files checked for presence only",
+                    ref.path,
+                    MANIFEST,
+                )
+            return ref
+        log.warning(
+            "checkpoint %s is damaged, falling back to an older one:\n  %s",
+            ref.path,
+            "\n  ".join(problems),
+        )
+    return None
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
@@ -112,9 +191,18 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def prune_checkpoints(checkpoints_dir: Path, keep_last_k: int) -> list[Path]:
-    """Delete all but the newest `keep_last_k` checkpoints and stale temporaries."""
-    removed = []
-    for ref in list_checkpoints(checkpoints_dir)[:-keep_last_k]:
+    """Keep the newest `keep_last_k` checkpoints whose files are all there at their recorded
+    sizes; delete the others, the damaged ones (with a warning naming what is wrong) and stale
+    temporaries. Sizes only: hashing every kept checkpoint at every save would cost as much as
+    writing it, and `latest_checkpoint` hashes before a resume trusts one."""
+    removed, kept = [], 0
+    for ref in reversed(list_checkpoints(checkpoints_dir)):
+        problems = checkpoint_problems(ref.path, hashes=False)
+        if problems:
+            log.warning("removing damaged checkpoint %s:\n  %s", ref.path, "\n  ".join(problems))
+        elif kept < keep_last_k:
+            kept += 1
+            continue
         shutil.rmtree(ref.path)
         removed.append(ref.path)
     for tmp in checkpoints_dir.glob(".iter_*.tmp"):

@@ -2,20 +2,29 @@
 
 The typed schema (`grail.config.Config`) is registered with Hydra's ConfigStore and named first in
 `conf/offline_grpo.yaml`'s defaults, so an unknown key or a wrong type fails at composition time
-naming the key; `grail.config.validate` then rejects impossible combinations before any model loads.
+naming the key; `preflight` then rejects what composition lets through (keys added with `+`),
+impossible combinations, environment arguments, reward plugins and model paths before anything
+loads or starts.
+
+A single run reports a known user error (`grail.config.UserError`: a bad config, a missing data
+file, a plugin that cannot load, a run directory in use, ...) as one line and keeps the traceback
+in the run's log file (Hydra's `RUN_DIR/<job>.log`); Ctrl-C prints the command that resumes the
+run. Any other exception keeps its traceback.
 
 Sweeps (`-m`) add three things around `run()` (see grail/sweep.py and docs/sweeps.md):
 - a run that raises does not stop the sweep: its `summary.json` says "failed" and why, and
   `SweepOutcome` (a Hydra callback) lists the failed runs at the end and exits non-zero;
 - runs that share this machine (hydra/launcher=local) get disjoint GPUs and a share of the cores;
 - with `resume=true` a rerun skips completed runs, resumes interrupted ones, retries failed ones.
-A single run (no `-m`) still raises, so its exit status is non-zero on failure.
+A single run (no `-m`) exits non-zero on failure: 2 for a configuration error, 1 for another known
+user error or an exception (with its traceback), 130 after Ctrl-C.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -32,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from grail.config import (
     Config,
     ConfigError,
+    UserError,
     available_cores,
     validate,
 )
@@ -131,14 +141,83 @@ def _train(config: Config, run_dir: Path) -> None:
     run(config, run_dir)
 
 
-def _single_run(cfg: DictConfig, run_dir: Path) -> None:
-    config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+def preflight(config: Config, env_group: str | None = None) -> None:
+    """Check what can be checked before anything loads or starts, raising a UserError that names
+    the bad key: the schema and combinations (`validate`), the environment and its arguments,
+    the reward plugins (imported) and their names against the environment's score components,
+    and that model paths exist. `env_group`: the `env=` choice the config was composed with."""
+    from grail.envs import ENVIRONMENTS, check_env_kwargs, env_factory
+    from grail.envs.rewards import RewardFunctions
+
+    validate(config)
+    name = config.data.environment
+    factory = env_factory(name)
+    if env_group in ENVIRONMENTS and env_group != name:
+        raise ConfigError(
+            f"data.environment={name} but the config group env={env_group} set its arguments "
+            f"(data.env_kwargs); choose the environment with env={name} instead"
+        )
+    check_env_kwargs(name, config.data.env_kwargs)
+    rewards = RewardFunctions.from_specs(list(config.data.rewards))
+    rewards.check_names(name, factory.components)
+    for key in ("train_id", "ref_id"):
+        model_id = getattr(config.model, key)
+        if model_id not in (None, "tiny"):
+            from grail.models.loading import resolve_source
+
+            try:
+                resolve_source(model_id)
+            except (FileNotFoundError, NotADirectoryError) as exc:
+                raise ConfigError(f"model.{key}: {exc}") from exc
+
+
+def _log_files() -> list[logging.FileHandler]:
+    """The handlers writing the run's log file (Hydra's `RUN_DIR/<job>.log`)."""
+    handlers = logging.getLogger().handlers
+    return [
+        h for h in handlers if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull
+    ]
+
+
+def _report(message: str, exc: BaseException, then: str = "") -> None:
+    """`message` and `then` as one line on the console (and in the log file); the traceback of
+    `exc` in the log file only, where a user who wants the details finds them."""
+    files = _log_files()
+    where = f" (details: {files[0].baseFilename})" if files else ""
+    log.error("%s%s%s", message, where, then)
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, "traceback:", (), (type(exc), exc, exc.__traceback__)
+    )
+    for handler in files:
+        handler.handle(record)
+
+
+def resume_command(overrides: list[str], run_dir: Path) -> str:
+    """The command that continues the run in `run_dir` with the config it was started with."""
+    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] != "resume"]
+    return shlex.join(
+        ["uv", "run", "grail-train", *kept, "resume=true", f"hydra.run.dir={run_dir}"]
+    )
+
+
+def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
+    overrides = [str(o) for o in hydra_cfg.overrides.task]
     try:
-        validate(config)
+        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+        preflight(config, hydra_cfg.runtime.choices.get("env"))
+        _train(config, run_dir)
     except ConfigError as exc:
-        log.error("invalid configuration: %s", exc)
+        _report(f"invalid configuration: {exc}", exc)
         sys.exit(2)
-    _train(config, run_dir)
+    except UserError as exc:
+        _report(str(exc), exc)
+        sys.exit(1)
+    except KeyboardInterrupt as exc:
+        # The run's files are consistent at any moment (see grail/train/loop.py): what was
+        # checkpointed is kept, so the useful answer is how to continue, not where it stopped.
+        command = resume_command(overrides, run_dir.absolute())
+        _report("interrupted", exc, f"; to continue from the newest checkpoint: {command}")
+        sys.exit(130)
 
 
 def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
@@ -175,7 +254,7 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
             OmegaConf.update(cfg, key, value, merge=False)
             log.info("sweep job %d: %s=%s", job_num, key, value)
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        validate(config)
+        preflight(config, hydra_cfg.runtime.choices.get("env"))
         _train(config, run_dir)
     except Exception as exc:
         log.exception("run %s failed; the sweep goes on", run_dir)
@@ -198,9 +277,19 @@ def train_job(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        _sweep_job(cfg, run_dir, hydra_cfg)
+        try:
+            _sweep_job(cfg, run_dir, hydra_cfg)
+        except KeyboardInterrupt as exc:
+            sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
+            _report(
+                "interrupted",
+                exc,
+                "; to finish the sweep, rerun the same command with resume=true "
+                f"hydra.sweep.dir={sweep_dir}",
+            )
+            sys.exit(130)
     else:
-        _single_run(cfg, run_dir)
+        _single_run(cfg, run_dir, hydra_cfg)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from grail.records import CHECKPOINTS_DIR, LOGS_DIR, METRICS_DIR, SUMMARY
 
 log = logging.getLogger("grail.train")
 
@@ -47,7 +51,8 @@ class Display:
             self.progress.remove_task(task.id)
         self.console.log(description) if self.console.is_terminal else log.info(description)
 
-    def summary(self, summary: dict[str, Any]) -> None:
+    def summary(self, summary: dict[str, Any], run_dir: Path) -> None:
+        """The eval table, totals, and where the run's files are."""
         table = Table(title="grail run summary")
         table.add_column("eval")
         table.add_column("iteration", justify="right")
@@ -63,7 +68,26 @@ class Display:
                     f"{record['reward_mean']:.3f}",
                 )
         self.console.print(table)
-        self.console.print(
+        resumes = len(summary.get("parts", [])) - 1
+        lines = [
             f"{summary['iterations']} iterations, {summary['tokens']['completion']} completion "
             f"tokens, {summary['wall_time_s']:.1f}s wall"
-        )
+            + (f" (the start and {resumes} resume{'s' * (resumes > 1)})" if resumes > 0 else ""),
+            f"run directory: {run_dir}",
+            *(f"  {name:<16}{what}" for name, what in run_files(run_dir)),
+        ]
+        # Printed whole (soft wrap, no markup) so that paths can be copied from the terminal.
+        self.console.print(escape("\n".join(lines)), soft_wrap=True, highlight=False)
+
+
+def run_files(run_dir: Path) -> list[tuple[str, str]]:
+    """The files of `run_dir` a user opens first, each with what it holds (those that exist)."""
+    described = [
+        (SUMMARY, "this summary, with the config and, for a failed run, the error"),
+        (f"{METRICS_DIR}/", "one JSON file per iteration and per evaluation"),
+        (f"{CHECKPOINTS_DIR}/", "the newest checkpoints (resume=true continues from them)"),
+        (f"{LOGS_DIR}/", "the inference server's log"),
+    ]
+    # The training process's own log, which Hydra names after the program (e.g. grail-train.log).
+    described += [(p.name, "this program's log") for p in sorted(run_dir.glob("*.log"))]
+    return [(name, what) for name, what in described if (run_dir / name).exists()]

@@ -1,11 +1,13 @@
 """The training recipe: set up, then per iteration get rollouts → update → sync weights →
 evaluate → checkpoint → record, one JSON file per iteration.
 
-What a run writes, and where, is described in grail/records.py. Order inside an iteration, chosen
-so a run killed at any moment resumes cleanly: the checkpoint is staged first, the iteration's
-metrics file is written, and only then the checkpoint is committed (renamed into place). A resumed
-run restarts after the newest committed checkpoint, and reruns (deterministically, rewriting the
-same files) any iteration whose checkpoint never committed.
+What a run writes, and where, is described in grail/records.py. A run holds its directory's lock
+from start to end, so a second run into the same directory fails at once. Order inside an
+iteration, chosen so a run killed at any moment resumes cleanly: the checkpoint is staged first,
+the iteration's metrics file is written, and only then the checkpoint is committed (renamed into
+place). A resumed run restarts after the newest intact checkpoint (grail/train/checkpoint.py), and
+reruns (deterministically, rewriting the same files) any iteration whose checkpoint never
+committed or is damaged.
 """
 
 from __future__ import annotations
@@ -21,17 +23,23 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from grail.config import Config, validate
+from grail.config import Config, UserError, validate
 from grail.envs import ENVIRONMENTS, Environment, make_env
 from grail.envs.rewards import RewardFunctions
 from grail.inference.backends import server_manager_from_config
+from grail.models.loading import check_model_source
+from grail.models.tiny import resolve_model
 from grail.records import (
     CHECKPOINTS_DIR,
     METRICS_DIR,
+    PARTS,
     SCHEMA_VERSION,
     SUMMARY,
+    RunPart,
     eval_metrics_path,
     iteration_name,
+    read_json,
+    run_lock,
     train_metrics_path,
     write_metrics,
     write_summary,
@@ -52,23 +60,44 @@ from grail.train.trainer import Trainer, setup_torch
 log = logging.getLogger("grail.train")
 
 
+class RunDirNotEmpty(UserError, FileExistsError):
+    """A fresh run into a directory that already holds a run's metrics."""
+
+
 def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
-    """Train according to `cfg`, writing everything into `run_dir`; returns the summary."""
+    """Train according to `cfg`, writing everything into `run_dir`; returns the summary. Holds
+    the directory's lock throughout; a run resumed after its last iteration only rewrites its
+    summary."""
     validate(cfg)
     run_dir = run_dir.absolute()
-    # Opened before any model loads: a logging backend that is not installed fails at once.
-    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    with MetricLoggers.from_config(cfg.logging, run_dir, config) as loggers:  # type: ignore[arg-type]
-        return train(cfg, run_dir, loggers)
+    with run_lock(run_dir):  # RunDirLocked when another run is writing there
+        resume_from = resume_point(cfg, run_dir)
+        if resume_from is not None and resume_from.iteration + 1 >= cfg.train.iterations:
+            return finished(cfg, run_dir, resume_from)
+        check_models(cfg, resume_from)
+        part = RunPart(run_dir)
+        try:
+            # Opened before any model loads: a logging backend that is not installed fails at once.
+            config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+            with MetricLoggers.from_config(cfg.logging, run_dir, config) as loggers:  # type: ignore[arg-type]
+                return train(cfg, run_dir, loggers, resume_from, part)
+        except BaseException:
+            part.save()  # the wall time of a part that failed or was interrupted
+            raise
 
 
-def train(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict[str, Any]:
+def train(
+    cfg: Config,
+    run_dir: Path,
+    loggers: MetricLoggers,
+    resume_from: CheckpointRef | None,
+    part: RunPart,
+) -> dict[str, Any]:
     """Set up the trainer and the rollout source, run the iterations, write the summary."""
-    t_run = time.perf_counter()
     env, eval_env = make_envs(cfg)
     extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
     accelerator = setup_torch(cfg)
-    trainer = Trainer(cfg, accelerator, resume_point(cfg, run_dir))
+    trainer = Trainer(cfg, accelerator, resume_from)
 
     # The server starts from exactly the trainer's weights, saved where later syncs go.
     weights_dir = run_dir / "weights"
@@ -90,16 +119,11 @@ def train(cfg: Config, run_dir: Path, loggers: MetricLoggers) -> dict[str, Any]:
             pending=trainer.pending_rollouts,
         ) as source,
     ):
-        run_iterations(cfg, run_dir, trainer, source, Recorder(run_dir, cfg, loggers, display))
+        recorder = Recorder(run_dir, cfg, loggers, display, part)
+        run_iterations(cfg, run_dir, trainer, source, recorder)
 
-    summary = write_summary(
-        run_dir,
-        time.perf_counter() - t_run,
-        environment=cfg.data.environment,
-        config=OmegaConf.to_container(OmegaConf.structured(cfg)),  # type: ignore[arg-type]
-    )
-    display.summary(summary)
-    return summary
+    part.save()  # its wall time in parts.json, then in the summary
+    return summarize(cfg, run_dir, part.wall_time_s, display)
 
 
 def run_iterations(
@@ -180,16 +204,17 @@ def make_envs(cfg: Config) -> tuple[Environment, Environment]:
 
 
 def resume_point(cfg: Config, run_dir: Path) -> CheckpointRef | None:
-    """Where to start: the newest complete checkpoint with `resume=true`, else None (fresh).
+    """Where to start: the newest intact checkpoint with `resume=true`, else None (fresh).
     A fresh start refuses a directory that already holds a run's metrics, unless resume=true
-    found no checkpoint there, in which case the old files are cleared."""
+    found no checkpoint there, in which case the old files are cleared. A fresh start records
+    its parts anew."""
     metrics_dir = run_dir / METRICS_DIR
     metrics_dir.mkdir(parents=True, exist_ok=True)
     resume_from = latest_checkpoint(run_dir / CHECKPOINTS_DIR) if cfg.resume else None
     stale = sorted(metrics_dir.glob("*.json"))
     if resume_from is None and stale:
         if not cfg.resume:
-            raise FileExistsError(
+            raise RunDirNotEmpty(
                 f"{run_dir} already holds the metrics of a run ({len(stale)} files in "
                 f"{metrics_dir}); rerun with resume=true to continue it, or use a new "
                 "hydra.run.dir"
@@ -200,22 +225,73 @@ def resume_point(cfg: Config, run_dir: Path) -> CheckpointRef | None:
         )
         for path in [*stale, run_dir / SUMMARY]:
             path.unlink(missing_ok=True)
+    if resume_from is None:
+        (run_dir / PARTS).unlink(missing_ok=True)
     return resume_from
+
+
+def finished(cfg: Config, run_dir: Path, last: CheckpointRef) -> dict[str, Any]:
+    """`resume=true` on a run whose last iteration is checkpointed: nothing to train, so no model
+    loads and no server starts; say so and (re)write the summary."""
+    log.info(
+        "run %s is complete: checkpoint %s holds its last iteration (train.iterations=%d), "
+        "nothing to resume; raise train.iterations to train further",
+        run_dir,
+        last.path.name,
+        cfg.train.iterations,
+    )
+    # The wall time of a run that recorded no parts (written before parts were) is its old one.
+    wall_time_s = (read_json(run_dir / SUMMARY) or {}).get("wall_time_s", 0.0)
+    if not isinstance(wall_time_s, int | float):
+        wall_time_s = 0.0
+    return summarize(cfg, run_dir, wall_time_s, Display())
+
+
+def check_models(cfg: Config, resume_from: CheckpointRef | None) -> None:
+    """Fail before anything starts (the loggers, the server, `weights/`) when a local model
+    directory this run loads lacks files or holds a truncated one, naming them. A resumed policy
+    loads from its checkpoint, verified by `resume_point`."""
+    if resume_from is None:
+        check_model_source(resolve_model(cfg.model.train_id))
+    if cfg.train.kl_coef > 0:  # the reference model: weights only, the tokenizer is the policy's
+        check_model_source(resolve_model(cfg.model.ref_id or cfg.model.train_id), tokenizer=False)
 
 
 # ---- records --------------------------------------------------------------------------------
 
 
+def summarize(cfg: Config, run_dir: Path, wall_time_s: float, display: Display) -> dict[str, Any]:
+    """Write summary.json (see grail/records.py for `wall_time_s`) and show it; returns it."""
+    summary = write_summary(
+        run_dir,
+        wall_time_s,
+        environment=cfg.data.environment,
+        config=OmegaConf.to_container(OmegaConf.structured(cfg)),  # type: ignore[arg-type]
+    )
+    display.summary(summary, run_dir)
+    return summary
+
+
 class Recorder:
     """Where a run's records go: the JSON files, the metric loggers and the display."""
 
-    def __init__(self, run_dir: Path, cfg: Config, loggers: MetricLoggers, display: Display):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Config,
+        loggers: MetricLoggers,
+        display: Display,
+        part: RunPart | None = None,
+    ):
         self.run_dir, self.cfg, self.loggers, self.display = run_dir, cfg, loggers, display
+        self.part = part
 
     def train(self, record: dict[str, Any]) -> None:
         iteration = record["iteration"]
         write_metrics(train_metrics_path(self.run_dir, iteration), record, "train_iteration")
         self.loggers.log("train", record, step=iteration + 1)
+        if self.part is not None:
+            self.part.save(iterations=1)
 
     def evaluate(self, source: RolloutSource, iteration: int) -> float:
         """Evaluate the current weights (iteration -1: the baseline), record it; seconds taken."""
@@ -271,7 +347,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
 def iteration_record(
     iteration: int,
     rollouts: GeneratedBatch,
-    train_metrics: dict[str, float],
+    train_metrics: dict[str, float | bool | None],
     sync: WeightSync,
     lr: float,
     timings: dict[str, float],

@@ -4,16 +4,20 @@
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import huggingface_hub.utils
 import torch
+import transformers
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from grail.config import Config, cpu_threads, gpu_placement
 from grail.models.loading import load_model, load_tokenizer
-from grail.models.tiny import ensure_tiny_model
+from grail.models.tiny import resolve_model
 from grail.rollouts import GeneratedBatch, RolloutBatch
 from grail.train.checkpoint import (
     CheckpointRef,
@@ -25,10 +29,8 @@ from grail.train.update import UpdateSettings, policy_update
 
 log = logging.getLogger("grail.train")
 
-
-def resolve_model(model_id: str) -> str:
-    """'tiny' is the offline tiny model (built once, cached); anything else goes to transformers."""
-    return str(ensure_tiny_model()) if model_id == "tiny" else model_id
+# Consecutive iterations of zero-variance groups only after which the trainer warns (once).
+NO_SIGNAL_WARN_ITERATIONS = 10
 
 
 def lr_multiplier(step: int, warmup_steps: int) -> float:
@@ -36,8 +38,51 @@ def lr_multiplier(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / (warmup_steps + 1))
 
 
+def silence_library_progress_bars() -> None:
+    """Turn off the progress bars libraries draw in this process. transformers draws one at
+    every `save_pretrained` and model load, i.e. at every weight sync and checkpoint: hundreds
+    of lines in a log or CI. The run's own progress is the Display's (grail/train/display.py).
+    huggingface_hub's download bars (a hub model's first download, before the Display starts)
+    stay on when stderr is a terminal and the user has them on."""
+    hub_bars = not huggingface_hub.utils.are_progress_bars_disabled()
+    with warnings.catch_warnings():
+        # huggingface_hub warns that HF_HUB_DISABLE_PROGRESS_BARS=0 overrides the call: as meant.
+        warnings.simplefilter("ignore")
+        transformers.utils.logging.disable_progress_bar()  # turns huggingface_hub's off too
+    if hub_bars and sys.stderr.isatty():
+        huggingface_hub.utils.enable_progress_bars()
+
+
+def no_signal_message(batch: RolloutBatch, iterations: int) -> str:
+    """Why `iterations` iterations in a row, ending with `batch`, had zero-variance groups only:
+    the likely cause, told by whether any completion succeeded."""
+    samples = batch.samples
+    if not any(s.success for s in samples):
+        cause = (
+            "the model never solves the task, so every completion gets the same reward. Use a "
+            "model that solves it some of the time (env=sat needs a pretrained instruction "
+            "model such as model=qwen2.5-0.5b: the tiny default model learns copy_digits only) "
+            "or an easier task"
+        )
+    elif all(s.success for s in samples):
+        cause = "the model solves every problem: the task is too easy for it"
+    else:
+        cause = (
+            "each problem's completions all get the same reward: more rollouts per problem "
+            "(data.rollouts_per_problem) or a higher generation.temperature let them differ"
+        )
+    rewards = [s.reward for s in samples]
+    return (
+        f"{iterations} iterations in a row had zero reward variance in every group (last batch: "
+        f"reward {min(rewards):.3g}..{max(rewards):.3g}), so GRPO got no learning signal from "
+        f"them. Likely cause: {cause}."
+    )
+
+
 def setup_torch(cfg: Config) -> Accelerator:
-    """Seed, device and threads of the training process; deterministic kernels on CPU."""
+    """Seed, device and threads of the training process; deterministic kernels on CPU; no
+    library progress bars."""
+    silence_library_progress_bars()
     torch.manual_seed(cfg.seed)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
@@ -82,6 +127,9 @@ class Trainer:
         )
         self.start_iteration = 0
         self.pending_rollouts: GeneratedBatch | None = None
+        # Iterations in a row (in this process) whose groups all had zero reward variance.
+        self.no_signal_streak = 0
+        self._warned_no_signal = False
         if resume_from is not None:
             state = load_trainer_state(resume_from.path)
             optimizer.load_state_dict(state["optimizer"])
@@ -100,10 +148,11 @@ class Trainer:
 
     def update(
         self, batch: RolloutBatch, on_progress: Callable[[int], None] | None = None
-    ) -> dict[str, float]:
-        """One pass over `batch` (grail/train/update.py); the training metrics."""
+    ) -> dict[str, float | bool | None]:
+        """One pass over `batch` (grail/train/update.py); the training metrics. Warns once when
+        NO_SIGNAL_WARN_ITERATIONS batches in a row had zero-variance groups only."""
         accelerator = self.accelerator
-        return policy_update(
+        metrics = policy_update(
             self.model,
             self.ref_model,
             self.optimizer,
@@ -116,6 +165,17 @@ class Trainer:
             clip_grad_norm=lambda c: accelerator.clip_grad_norm_(self.model.parameters(), c),
             on_microbatch_done=None if on_progress is None else lambda: on_progress(1),
         )
+        self._watch_signal(batch)
+        return metrics
+
+    def _watch_signal(self, batch: RolloutBatch) -> None:
+        if all(min(g.rewards) == max(g.rewards) for g in batch.groups):
+            self.no_signal_streak += 1
+        else:
+            self.no_signal_streak = 0
+        if self.no_signal_streak >= NO_SIGNAL_WARN_ITERATIONS and not self._warned_no_signal:
+            self._warned_no_signal = True
+            log.warning(no_signal_message(batch, self.no_signal_streak))
 
     def save_weights(self, directory: Path) -> None:
         """The current weights into a `save_pretrained` directory: what the inference server

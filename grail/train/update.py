@@ -23,6 +23,14 @@ for the first step's own micro-batches, which still see the old policy when they
 detached log-probabilities are the old ones and the extra forward pass is skipped.
 The server's behaviour log-probabilities feed the truncated importance-sampling weight and the
 mismatch metric (grpo.py).
+
+A batch in which every advantage is exactly 0 (every group's rewards were equal) carries no
+gradient when neither the KL nor the entropy term is on: every term of the loss is A times
+something finite. Its forward and backward passes are skipped, but not its optimizer steps:
+AdamW moves the weights on a zero gradient too (momentum from earlier steps, weight decay, the
+step count its bias correction uses), so each step is taken with gradients set to zero, which is
+the step the full passes would have led to, and the schedule advances as usual. The record says
+`update_skipped: true` and holds null for what needs the policy's log-probabilities.
 """
 
 from __future__ import annotations
@@ -197,6 +205,58 @@ def _merge(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, f
     return merged
 
 
+def carries_no_gradient(batch: RolloutBatch, loss: GRPOLossConfig) -> bool:
+    """True when the loss gradient of `batch` is exactly zero whatever the weights: every
+    advantage is exactly 0 and neither the KL nor the entropy term is on."""
+    return (
+        loss.kl_coef == 0
+        and loss.entropy_coef == 0
+        and all(s.advantage == 0.0 for s in batch.samples)
+    )
+
+
+# A skipped update's metrics: the loss and its clipping fractions are exactly 0 when every
+# advantage is 0 (clipping counts only tokens with A < 0 or A > 0) ...
+_ZERO_ADVANTAGE_METRICS = (
+    "loss_total",
+    "loss_pg",
+    "loss_kl",
+    "loss_entropy",
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac",
+)
+# ... and what needs the policy's log-probabilities was not measured (null in the record).
+_UNMEASURED_METRICS = (
+    "ratio_mean",
+    "ratio_max",
+    "ratio_cap_frac",
+    "logratio_clamp_frac",
+    "tis_cap_frac",
+    "tis_weight_mean",
+    "is_ess",
+    "entropy",
+    "logprob_mismatch",
+    "logprob_mismatch_max",
+)
+
+
+def _optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    clip_grad_norm: Callable[[float], Tensor],
+    grad_clip: float,
+) -> float:
+    """Clip, step (not on a non-finite norm), clear the gradients, advance the schedule; returns
+    the gradient norm before clipping."""
+    grad_norm = float(clip_grad_norm(grad_clip))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return grad_norm
+
+
 def policy_update(
     model: torch.nn.Module,
     ref_model: torch.nn.Module | None,
@@ -210,13 +270,21 @@ def policy_update(
     backward: Callable[[Tensor], None],
     clip_grad_norm: Callable[[float], Tensor],
     on_microbatch_done: Callable[[], None] | None = None,
-) -> dict[str, float]:
+) -> dict[str, float | bool | None]:
     """Train one pass over `batch`; returns the iteration's training metrics.
 
     `backward` and `clip_grad_norm` come from accelerate (mixed precision, multi-GPU); the
     optimizer steps every `grad_accum_steps` micro-batches and once more on a remainder.
-    Non-finite gradient norms skip the step and are counted.
+    Non-finite gradient norms skip the step and are counted. A batch that carries no gradient
+    (`carries_no_gradient`) skips the forward and backward passes, not the steps (module
+    docstring).
     """
+    if not batch.samples:
+        raise ValueError("policy_update got a rollout batch with no samples")
+    if carries_no_gradient(batch, settings.loss):
+        return _zero_gradient_update(
+            optimizer, scheduler, batch, settings, clip_grad_norm, on_microbatch_done
+        )
     packed = [
         pack_microbatch(mb, pad_token_id, device) for mb in microbatches(batch, settings.batch_size)
     ]
@@ -278,17 +346,48 @@ def policy_update(
             index += 1
             if on_microbatch_done is not None:
                 on_microbatch_done()
-        grad_norm = float(clip_grad_norm(settings.grad_clip))
+        grad_norm = _optimizer_step(optimizer, scheduler, clip_grad_norm, settings.grad_clip)
         if math.isfinite(grad_norm):
-            optimizer.step()
             grad_norms.append(grad_norm)
         else:
             skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
 
-    result = _merge(metrics, weights)
+    result: dict[str, float | bool | None] = {**_merge(metrics, weights)}
     result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     result["optimizer_steps"] = float(len(steps) - skipped)
     result["skipped_steps"] = float(skipped)
+    result["update_skipped"] = False
+    return result
+
+
+def _zero_gradient_update(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: RolloutBatch,
+    settings: UpdateSettings,
+    clip_grad_norm: Callable[[float], Tensor],
+    on_microbatch_done: Callable[[], None] | None,
+) -> dict[str, float | bool | None]:
+    """`policy_update` of a batch that carries no gradient: the same optimizer steps, each on
+    gradients set to zero, without a forward or backward pass. Every parameter the optimizer
+    trains gets a zero gradient, as the backward pass gives every parameter the forward reaches
+    (all of them in a causal LM)."""
+    num_microbatches = len(microbatches(batch, settings.batch_size))
+    for _ in range(num_microbatches):
+        if on_microbatch_done is not None:
+            on_microbatch_done()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    num_steps = math.ceil(num_microbatches / settings.grad_accum_steps)
+    grad_norms = []
+    for _ in range(num_steps):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        grad_norms.append(_optimizer_step(optimizer, scheduler, clip_grad_norm, settings.grad_clip))
+    result: dict[str, float | bool | None] = dict.fromkeys(_ZERO_ADVANTAGE_METRICS, 0.0)
+    result.update(dict.fromkeys(_UNMEASURED_METRICS))
+    result["num_tokens"] = float(sum(len(s.completion_ids) for s in batch.samples))
+    result["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    result["optimizer_steps"] = float(num_steps)
+    result["skipped_steps"] = 0.0
+    result["update_skipped"] = True
     return result

@@ -10,6 +10,7 @@ argument (`ServerManager.kind`). The server facts the code relies on are in docs
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ def make_server_manager(
     server's default for the built-in one. Memory fraction, max_model_len and max_num_seqs apply
     to vLLM/SGLang only; the built-in server ignores them. `threads` applies to the built-in
     server on CPU.
+
+    The built-in server always gets an API key: `api_key`, or when None a random one made here
+    (`server.api_key`, which `ServerManager` and the rollout client send). Every route of it but
+    `/health` needs the key, the weight reload included, so no other process that reaches the
+    port can generate with it or swap its weights.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -63,6 +69,7 @@ def make_server_manager(
         "env": env,
     }
     if backend == "builtin":
+        common["api_key"] = api_key or secrets.token_urlsafe(32)
         return BuiltinServer(model_path, served_model_name, threads=threads, dtype=dtype, **common)
     cls = VLLMServer if backend == "vllm" else SGLangServer
     if gpu_memory_fraction is None:

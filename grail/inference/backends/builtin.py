@@ -15,7 +15,11 @@ logger = logging.getLogger(__name__)
 
 
 class BuiltinServer(ServerManager):
-    """The harness's own FastAPI server (`grail.inference.builtin.server`), CPU or one GPU."""
+    """The harness's own FastAPI server (`grail.inference.builtin.server`), CPU or one GPU.
+
+    With `api_key` the server needs it on every route but `/health`; `make_server_manager` (and
+    so `grail-train`) always gives it a random one. The key goes on the command line, which the
+    server log shows redacted (`ServerManager._redacted`)."""
 
     kind = "builtin"
     server_module = "grail.inference.builtin.server"

@@ -19,15 +19,21 @@ client path serves the built-in server, vLLM and SGLang:
 - ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template;
   ``logprobs: true`` (+ ``top_logprobs: k``) gives ``logprobs.content``.
 - ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}`` (SGLang's shape):
-  in-place weight reload, ``{"success", "message"}``, HTTP 400 when refused. Unauthenticated like
-  SGLang's and vLLM's admin routes: bind to 127.0.0.1.
+  in-place weight reload, ``{"success", "message"}``, HTTP 400 when refused.
+
+Security and availability (``Limits``, docs/protocols.md): with ``--api-key`` every route but
+``GET /health`` needs ``Authorization: Bearer <key>`` (401 otherwise), the weight reload included;
+there is no ``/docs``, ``/redoc`` or ``/openapi.json``. A body over ``--max-request-bytes`` gets
+413 before it is read; ``n``, the tokens one request may generate and the sequences waiting in the
+engine are bounded (400 naming the flag, 503 while the engine's queue is full). Tokenizer work and
+the building of large answers run off the event loop, so ``/health`` keeps answering.
 
 Logprobs are log-softmax(logits / T) before top-k/top-p (see ``engine``'s docstring); ``-inf``
 is sent as -9999.0 as vLLM does. Errors use the OpenAI shape
-``{"error": {"message", "type", "param", "code"}}``; ``--api-key`` guards ``/v1/...`` only.
-Unsupported features (streaming, echo, penalties, ``best_of``, ``logit_bias``, ``min_p``,
-``min_tokens``, ``prompt_logprobs``, ...) are refused with a 400 naming the field rather than
-silently ignored; other unknown fields are ignored, as vLLM does.
+``{"error": {"message", "type", "param", "code"}}``. Unsupported features (streaming, echo,
+penalties, ``best_of``, ``logit_bias``, ``min_p``, ``min_tokens``, ``prompt_logprobs``, ...) are
+refused with a 400 naming the field rather than silently ignored; other unknown fields are
+ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import asyncio
 import concurrent.futures
 import gc
 import itertools
+import json
 import logging
 import math
 import secrets
@@ -46,8 +53,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import uvicorn
@@ -70,6 +78,7 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -95,7 +104,154 @@ def error_response(message: str, status: int, param: str | None = None) -> JSONR
     return JSONResponse(body, status_code=status)
 
 
+# --------------------------------------------------------------------------- limits
+
+# 8 MiB holds about 1.2 million token ids as JSON (at most 7 bytes each with the comma): the
+# harness's largest request, 256 sequences of which n share a prompt, carries 256 / n prompts, so
+# 8 MiB is 128 prompts of 9k tokens at n=2, or 16 of 75k tokens at n=16. It parses in ~0.15 s.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+DEFAULT_MAX_N = 1024  # GRPO groups are 2 to a few hundred samples
+# The harness's client keeps at most 64 requests (generation.max_concurrency) of at most 256
+# sequences (the batch size) in flight: 64 full batches waiting are what it sends at most.
+QUEUED_BATCHES = 64
+# Answers of more generated tokens than this are built off the event loop (tens of ms inline).
+INLINE_ANSWER_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server, and how much work may wait in it; each field is
+    the `grail-serve` flag of the same name (`for_engine` gives the defaults)."""
+
+    max_request_bytes: int
+    max_n: int
+    #: prompts x n x max_tokens of one request
+    max_request_tokens: int
+    #: sequences submitted and not finished (waiting or decoding)
+    max_queued_seqs: int
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    @classmethod
+    def for_engine(
+        cls,
+        max_batch_size: int,
+        max_model_len: int,
+        *,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_n: int = DEFAULT_MAX_N,
+        max_request_tokens: int | None = None,
+        max_queued_seqs: int | None = None,
+    ) -> Limits:
+        """The limits of a server with this batch size and context; None sizes a limit to them:
+        a request may generate one full batch (max_batch_size sequences of max_model_len tokens,
+        so a request the engine can decode at once is never refused), and 64 full batches may
+        wait."""
+        return cls(
+            max_request_bytes=max_request_bytes,
+            max_n=max_n,
+            max_request_tokens=(
+                max_batch_size * max_model_len if max_request_tokens is None else max_request_tokens
+            ),
+            max_queued_seqs=(
+                QUEUED_BATCHES * max_batch_size if max_queued_seqs is None else max_queued_seqs
+            ),
+        )
+
+
+def _check_request_size(limits: Limits, prompts: int, n: int, max_tokens: int) -> None:
+    """400 naming the limit and its flag when a request asks too much; before any tokenizing."""
+    if n > limits.max_n:
+        raise APIError(
+            f"n={n} is more than this server allows per prompt (--max-n {limits.max_n})",
+            param="n",
+        )
+    sequences = prompts * n
+    if sequences > limits.max_queued_seqs:
+        raise APIError(
+            f"the request asks for {sequences} sequences ({prompts} prompt(s) x n={n}), more "
+            f"than the server ever holds at once (--max-queued-seqs {limits.max_queued_seqs}); "
+            "split the prompts over several requests",
+            param="prompt" if prompts > 1 else "n",
+        )
+    tokens = sequences * max_tokens
+    if tokens > limits.max_request_tokens:
+        raise APIError(
+            f"the request may generate {tokens} tokens ({prompts} prompt(s) x n={n} x "
+            f"max_tokens={max_tokens}), more than one request may "
+            f"(--max-request-tokens {limits.max_request_tokens}); lower n or max_tokens, or "
+            "split the prompts over several requests",
+            param="max_tokens",
+        )
+
+
+class _Admission:
+    """Counts the sequences submitted to the engine and not finished (waiting or decoding), and
+    refuses a request that would take them past the limit: 503, since the same request succeeds
+    once the engine has worked through its queue (the harness's client retries 503)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.unfinished = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, count: int) -> None:
+        with self._lock:
+            if self.unfinished + count > self.limit:
+                raise APIError(
+                    f"the server is busy: {self.unfinished} sequences are waiting or decoding and "
+                    f"this request adds {count}, more than --max-queued-seqs {self.limit} in "
+                    "all; retry later",
+                    status=503,
+                )
+            self.unfinished += count
+
+    def release(self, count: int) -> None:
+        with self._lock:
+            self.unfinished -= count
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token stands for: a text of more than ``max_model_len`` times this
+    cannot fit the context, whatever it tokenizes to. Vocabulary entries spell a byte-level BPE
+    token one character per byte (a text character is at least one byte), a SentencePiece one
+    with its own characters, so an entry is never shorter than the text it matches."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def _check_text_length(chars: int, limit: int, what: str, param: str) -> None:
+    if chars > limit:
+        raise APIError(
+            f"{what} has {chars} characters, more than the model's context can hold (at most "
+            f"{limit} characters: the context length in tokens times the longest token); "
+            "shorten it",
+            param=param,
+        )
+
+
+def _message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' contents (text parts of list contents included)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            texts = (part.get("text") for part in content if isinstance(part, dict))
+            total += sum(len(text) for text in texts if isinstance(text, str))
+    return total
+
+
 # --------------------------------------------------------------------------- request models
+
+# Lists are validated fail-fast (the first wrong element ends it): otherwise pydantic builds an
+# error per wrong element, per branch of a union, and a body of a million floats as a prompt held
+# the event loop for 90 s. A dict of unsupported settings is kept unvalidated for the same reason.
+_Ids = Annotated[list[int], Field(fail_fast=True)]
+_Texts = Annotated[list[str], Field(fail_fast=True)]
 
 
 class _SamplingRequest(BaseModel):
@@ -110,8 +266,8 @@ class _SamplingRequest(BaseModel):
     top_p: float = 1.0
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | _Texts | None = None
+    stop_token_ids: _Ids | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
@@ -121,12 +277,12 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    seeds: list[int] | None = None  # extension: one seed per prompt (see the module docstring)
+    prompt: str | _Ids | _Texts | Annotated[list[_Ids], Field(fail_fast=True)]
+    seeds: _Ids | None = None  # extension: one seed per prompt (see the module docstring)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -134,7 +290,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[dict[str, Any]]
+    messages: Annotated[list[dict[str, Any]], Field(fail_fast=True)]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -231,8 +387,8 @@ def _sampling_params(
     )
 
 
-def _completion_prompts(req: CompletionRequest, engine: Engine) -> list[list[int]]:
-    """The request's prompts as token-id lists, checked against the vocabulary."""
+def _prompt_items(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts as sent: texts or token-id lists (a list of ids is one prompt)."""
     raw = req.prompt
     items: list[str | list[int]]
     if isinstance(raw, str):
@@ -243,15 +399,21 @@ def _completion_prompts(req: CompletionRequest, engine: Engine) -> list[list[int
         items = list(raw)  # type: ignore[arg-type]
     if not items:
         raise APIError("prompt is empty", param="prompt")
+    return items
+
+
+def _prompt_ids(items: list[str | list[int]], engine: Engine) -> list[list[int]]:
+    """The prompts as token-id lists, texts tokenized (slow for long texts: call it off the
+    event loop when there are any), checked against the vocabulary."""
     prompts = []
     for p, item in enumerate(items):
-        ids = engine.encode(item) if isinstance(item, str) else list(item)
+        ids = engine.encode(item) if isinstance(item, str) else item
         if not ids:
             raise APIError(f"prompt {p} is empty", param="prompt")
-        bad = [t for t in ids if not (0 <= t < engine.vocab_size)]
-        if bad:
+        if min(ids) < 0 or max(ids) >= engine.vocab_size:  # C loops; the message needs a Python one
+            bad = next(t for t in ids if not (0 <= t < engine.vocab_size))
             raise APIError(
-                f"prompt {p}: token id {bad[0]} is outside the vocabulary [0, {engine.vocab_size})",
+                f"prompt {p}: token id {bad} is outside the vocabulary [0, {engine.vocab_size})",
                 param="prompt",
             )
         prompts.append(ids)
@@ -291,8 +453,19 @@ def _clamp(logprob: float) -> float:
 # --------------------------------------------------------------------------- app
 
 
-def create_app(engine: Engine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app; it starts the engine's worker on startup and stops it on shutdown."""
+def create_app(
+    engine: Engine,
+    served_model_name: str,
+    api_key: str | None = None,
+    limits: Limits | None = None,
+) -> FastAPI:
+    """The FastAPI app; it starts the engine's worker on startup and stops it on shutdown.
+
+    ``api_key``: every route but ``/health`` needs it as a Bearer token (None: no key).
+    ``limits``: see `Limits` (None: the defaults for this engine)."""
+    limits = limits or Limits.for_engine(engine.max_batch_size, engine.max_model_len)
+    admission = _Admission(limits.max_queued_seqs)
+    max_prompt_chars = engine.max_model_len * _longest_token_chars(engine.tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -302,7 +475,11 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         finally:
             engine.stop()
 
-    app = FastAPI(title="grail-serve", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the protocol is documented in docs/protocols.md, and a
+    # server with a key answers nothing but /health without it.
+    app = FastAPI(
+        title="grail-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -342,8 +519,7 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
 
-    if api_key is not None:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=limits.max_request_bytes)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -357,12 +533,25 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         seeds: list[int] | None = None,
     ) -> list[SequenceOutput]:
         """All samples, prompt-major; the event loop only waits on the engine's futures."""
+        count = len(prompts) * n
+        admission.reserve(count)
         try:
             futures = engine.submit_many(prompts, params, n=n, seed=seed, seeds=seeds)
             await _all_done(futures)
             return [f.result() for f in futures]
         except EngineStopped as exc:
             raise APIError(str(exc), status=503) from exc
+        finally:
+            admission.release(count)
+
+    async def answer(build: Callable[[], dict[str, Any]], outs: list[SequenceOutput]) -> Response:
+        """The JSON answer; a large one is built and encoded off the event loop, choice by choice
+        (`_encode_by_choice`), so that ``/health`` and other requests are not held up meanwhile.
+        A JSONResponse is sent as is; a dict would first be walked by jsonable_encoder."""
+        if sum(len(o.token_ids) for o in outs) <= INLINE_ANSWER_TOKENS:
+            return JSONResponse(build())
+        body = await asyncio.to_thread(lambda: _encode_by_choice(build()))
+        return Response(body, media_type="application/json")
 
     def usage(prompts: list[list[int]], outs: list[SequenceOutput]) -> dict[str, int]:
         prompt_tokens = sum(len(p) for p in prompts)
@@ -393,16 +582,31 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> JSONResponse:
+    async def completions(req: CompletionRequest) -> Response:
         check_model(req.model)
         _check_unsupported(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         params = _sampling_params(req, max_tokens, req.logprobs, engine)
-        prompts = _completion_prompts(req, engine)
-        _check_seeds(req, len(prompts))
+        items = _prompt_items(req)
+        _check_request_size(limits, len(items), req.n, max_tokens)
+        _check_seeds(req, len(items))
+        texts = [(p, item) for p, item in enumerate(items) if isinstance(item, str)]
+        for p, text in texts:
+            _check_text_length(len(text), max_prompt_chars, f"prompt {p}", "prompt")
+        # Tokenizing runs off the event loop (the tokenizer releases the GIL while it works).
+        prompts = (
+            await asyncio.to_thread(_prompt_ids, items, engine)
+            if texts
+            else _prompt_ids(items, engine)
+        )
         for p in prompts:
             _check_context(p, max_tokens, engine)
         outs = await run(prompts, params, req.n, req.seed, req.seeds)
+        return await answer(lambda: completion_answer(req, prompts, outs), outs)
+
+    def completion_answer(
+        req: CompletionRequest, prompts: list[list[int]], outs: list[SequenceOutput]
+    ) -> dict[str, Any]:
         choices = []
         for idx, out in enumerate(outs):
             choice: dict[str, Any] = {
@@ -420,20 +624,17 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
                 choice["token_ids"] = out.token_ids
                 choice["prompt_token_ids"] = prompts[idx // req.n]
             choices.append(choice)
-        # A JSONResponse is sent as is; a dict would first be walked by jsonable_encoder.
-        return JSONResponse(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": served_model_name,
-                "choices": choices,
-                "usage": usage(prompts, outs),
-            }
-        )
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": served_model_name,
+            "choices": choices,
+            "usage": usage(prompts, outs),
+        }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> JSONResponse:
+    async def chat_completions(req: ChatCompletionRequest) -> Response:
         check_model(req.model)
         _check_unsupported(req)
         if not req.messages:
@@ -442,23 +643,35 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
             raise APIError("seeds is only supported on /v1/completions; use seed", param="seeds")
         if req.top_logprobs and not req.logprobs:
             raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
+        requested = req.max_completion_tokens or req.max_tokens
+        # n first, before any rendering; max_tokens is known once the prompt is.
+        _check_request_size(limits, 1, req.n, max(requested or 1, 1))
+        _check_text_length(_message_chars(req.messages), max_prompt_chars, "messages", "messages")
         try:
-            prompt = engine.render_chat(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs
+            prompt = await asyncio.to_thread(
+                engine.render_chat,
+                req.messages,
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
             )
         except Exception as exc:  # template errors name the problem in the message
             raise APIError(f"cannot render messages: {exc}", param="messages") from exc
         if not prompt:
             raise APIError("the rendered prompt is empty", param="messages")
-        requested = req.max_completion_tokens or req.max_tokens
         # Unset: the rest of the context, as vLLM (a prompt that fills it fails the check below).
         max_tokens = (
             requested if requested is not None else max(1, engine.max_model_len - len(prompt))
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = _sampling_params(req, max_tokens, logprobs, engine)
+        _check_request_size(limits, 1, req.n, max_tokens)
         _check_context(prompt, max_tokens, engine)
         outs = await run([prompt], params, req.n, req.seed)
+        return await answer(lambda: chat_answer(req, prompt, outs), outs)
+
+    def chat_answer(
+        req: ChatCompletionRequest, prompt: list[int], outs: list[SequenceOutput]
+    ) -> dict[str, Any]:
         namer = _token_namer(engine, req.return_tokens_as_token_ids)
         choices = []
         for idx, out in enumerate(outs):
@@ -482,7 +695,7 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         }
         if req.return_token_ids:
             response["prompt_token_ids"] = prompt
-        return JSONResponse(response)
+        return response
 
     @app.post("/update_weights_from_disk")
     async def update_weights(req: UpdateWeightsRequest) -> JSONResponse:
@@ -500,22 +713,70 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
     return app
 
 
-class _BearerAuth:
-    """ASGI middleware: ``/v1/...`` routes need ``Authorization: Bearer <api_key>``. Plain ASGI
-    rather than ``@app.middleware("http")``, whose per-request task group and streams cost more
-    than the rest of a small request's handling."""
+class _Gate:
+    """ASGI middleware in front of every route: the API key, then the body size.
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    - With a key, every route but ``/health`` needs ``Authorization: Bearer <key>``: 401 before
+      anything else happens (unknown routes included, so they reveal nothing).
+    - A body over ``max_body_bytes`` gets 413 before it is read: at once from its Content-Length,
+      or, for a chunked body (no length), as soon as the bytes received pass the limit. uvicorn
+      discards the rest of a body the app did not read, so nothing more is held in memory.
+
+    Plain ASGI rather than ``@app.middleware("http")``, whose per-request task group and streams
+    cost more than the rest of a small request's handling."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if scope["type"] != "http":  # lifespan (and websockets, which no route accepts)
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                await error_response("invalid or missing API key", 401)(scope, receive, send)
+                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+                await error_response(message, 401)(scope, receive, send)
                 return
+        length = headers.get(b"content-length")
+        if length is not None:  # h11 has checked that it is a number
+            if int(length) > self.max_body_bytes:
+                await self._too_large(f"of {int(length)} bytes is", scope, receive, send)
+                return
+        elif b"transfer-encoding" in headers:  # chunked: count while reading, then replay
+            body = bytearray()
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away
+                    return
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > self.max_body_bytes:
+                    await self._too_large("(chunked) is", scope, receive, send)
+                    return
+            receive = _replay(bytes(body), receive)
         await self.app(scope, receive, send)
+
+    async def _too_large(self, what: str, scope: Any, receive: Any, send: Any) -> None:
+        message = (
+            f"request body {what} over this server's limit of {self.max_body_bytes} bytes "
+            "(--max-request-bytes)"
+        )
+        await error_response(message, 413)(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Any) -> Callable[[], Any]:
+    """An ASGI ``receive`` that gives ``body`` first, then what ``receive`` gives (disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Any:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 async def _all_done(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
@@ -548,6 +809,21 @@ async def _all_done(futures: Sequence[concurrent.futures.Future[Any]]) -> None:
         for future in futures:
             future.cancel()
         raise
+
+
+def _encode_by_choice(answer: dict[str, Any]) -> bytes:
+    """``answer`` as JSON (as JSONResponse encodes it), its choices encoded one at a time: one
+    ``json.dumps`` holds the GIL until it returns (it is C), so the event loop waits for one
+    choice's encoding at most rather than the whole answer's (tens of MB with logprobs)."""
+
+    def dumps(value: Any) -> bytes:
+        return json.dumps(
+            value, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+        ).encode()
+
+    rest = dumps({k: v for k, v in answer.items() if k != "choices"})
+    choices = b",".join(dumps(choice) for choice in answer["choices"])
+    return rest[:-1] + b',"choices":[' + choices + b"]}"
 
 
 def _token_namer(engine: Engine, as_ids: bool) -> Callable[[int], str]:
@@ -604,18 +880,32 @@ class _Server(uvicorn.Server):
             print(self.ready_line.format(url=f"http://{host}:{port}"), flush=True)
 
 
+def _positive(text: str) -> int:
+    """argparse type of the limit flags."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="grail-serve", description="OpenAI-compatible server for an HF causal LM directory."
     )
-    parser.add_argument("--model", required=True, help="HF model directory")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="HF model directory, or 'tiny': the offline tiny model (grail-train's default)",
+    )
     parser.add_argument("--served-model-name", help="name clients send (default: dir name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, help="torch CPU threads")
-    parser.add_argument("--api-key", help="Bearer key required on /v1/... routes")
+    parser.add_argument(
+        "--api-key", help="Bearer key every route but GET /health requires (default: none)"
+    )
     parser.add_argument(
         "--max-batch-size", type=int, default=256, help="sequences decoded together at most"
     )
@@ -628,6 +918,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    limits = parser.add_argument_group("limits (see docs/protocols.md)")
+    limits.add_argument(
+        "--max-request-bytes",
+        type=_positive,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get 413 before they are read (default: 8 MiB)",
+    )
+    limits.add_argument(
+        "--max-n",
+        type=_positive,
+        default=DEFAULT_MAX_N,
+        help="samples per prompt (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-request-tokens",
+        type=_positive,
+        help="prompts x n x max_tokens of one request (default: --max-batch-size x the context "
+        "length, one full batch)",
+    )
+    limits.add_argument(
+        "--max-queued-seqs",
+        type=_positive,
+        help=f"sequences waiting or decoding; more get 503 (default: {QUEUED_BATCHES} x "
+        "--max-batch-size)",
     )
     return parser.parse_args(argv)
 
@@ -644,8 +959,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    model_dir = Path(args.model).resolve()
-    name = args.served_model_name or model_dir.name
+    # The model names grail-train's model.train_id takes ('tiny': built offline, cached). Imported
+    # here: the tiny model's builder (tokenizers, Qwen2) adds ~0.2 s to every other start.
+    from grail.models.tiny import resolve_model
+
+    model = resolve_model(args.model)
+    model_dir = Path(model).resolve()
+    name = args.served_model_name or (args.model if model != args.model else model_dir.name)
     try:
         engine = Engine(
             model_dir,
@@ -656,9 +976,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_model_len=args.max_model_len,
         )
     except (OSError, ValueError, RuntimeError) as exc:
-        print(f"grail-serve: cannot load {model_dir}: {exc}", file=sys.stderr, flush=True)
+        hint = " (--model takes an HF model directory or 'tiny')" if not model_dir.is_dir() else ""
+        print(f"grail-serve: cannot load {model_dir}: {exc}{hint}", file=sys.stderr, flush=True)
         return 1
-    app = create_app(engine, name, args.api_key)
+    limits = Limits.for_engine(
+        engine.max_batch_size,
+        engine.max_model_len,
+        max_request_bytes=args.max_request_bytes,
+        max_n=args.max_n,
+        max_request_tokens=args.max_request_tokens,
+        max_queued_seqs=args.max_queued_seqs,
+    )
+    app = create_app(engine, name, args.api_key, limits)
     config = uvicorn.Config(
         app,
         host=args.host,

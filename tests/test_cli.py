@@ -1,0 +1,265 @@
+"""`grail-train` as a user meets it: its help, the errors it gives for a bad command line or bad
+input (one line naming the bad thing, before anything starts), and Ctrl-C.
+
+Each test runs the real command in a subprocess; all but the Ctrl-C test end before any model
+loads, within seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from grail.config import UserError
+from grail.train import cli
+
+REPO = Path(__file__).resolve().parents[1]
+# Small enough that a run reaches its first iteration fast (tests/test_train_loop.py's SMALL).
+SMALL = [
+    "data.problems_per_iteration=4",
+    "data.rollouts_per_problem=4",
+    "eval.enabled=false",
+]
+
+
+def _grail_train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "grail.train.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _output(result: subprocess.CompletedProcess[str]) -> str:
+    return result.stdout + result.stderr
+
+
+def _log_file(run_dir: Path) -> Path:
+    """The run's own log file, which Hydra names after the job (`cli.log` under `python -m`)."""
+    logs = list(run_dir.glob("*.log"))
+    assert len(logs) == 1, logs
+    return logs[0]
+
+
+def _nothing_started(run_dir: Path) -> bool:
+    # The model's weights are written for the server before it starts; the server logs to logs/.
+    return not (run_dir / "weights").exists() and not (run_dir / "logs").exists()
+
+
+# --- 18: --help ------------------------------------------------------------------------------
+
+
+def test_help_says_what_the_program_does_its_groups_and_first_commands() -> None:
+    result = _grail_train("--help")
+    out = _output(result)
+    assert result.returncode == 0, out
+    assert "GRPO" in out and "powered by Hydra" not in out
+    # the config groups with their options, from conf/ itself
+    assert "env: copy_digits, gsm8k, sat" in out
+    assert "generation: builtin, sglang, vllm" in out
+    assert "model: qwen2.5-0.5b, qwen2.5-1.5b, tiny" in out
+    # the three commands a user needs first
+    assert "uv run grail-train\n" in out or "uv run grail-train " in out
+    assert "uv run grail-train -m " in out
+    assert "uv run grail-report " in out
+    assert len(out.splitlines()) < 80, "help should fit a screen or two, not list every key"
+
+
+# --- 9: keys outside the schema --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "hint"),
+    [
+        ("+train.lrr=1e-3", "train.lrr", "train.lr"),
+        ("++train.lrr=1e-3", "train.lrr", "train.lr"),
+        ("+seeed=1", "seeed", "seed"),
+        ("+generation.temprature=0.5", "generation.temprature", "generation.temperature"),
+    ],
+)
+def test_a_key_added_with_plus_is_rejected_naming_it_and_the_closest_key(
+    tmp_path: Path, override: str, key: str, hint: str
+) -> None:
+    result = _grail_train(*SMALL, override, f"hydra.run.dir={tmp_path}")
+    out = _output(result)
+    assert result.returncode == 2, out[-3000:]
+    assert f"unknown config key {key}" in out, out[-3000:]
+    assert f"did you mean {hint}?" in out, out[-3000:]
+    assert "Traceback" not in out
+    assert _nothing_started(tmp_path)
+
+
+# --- 10: environment arguments ---------------------------------------------------------------
+
+
+def test_documented_env_kwargs_spelling_works_and_a_wrong_key_lists_the_accepted_ones(
+    tmp_path: Path,
+) -> None:
+    # README: `uv run grail-train env=gsm8k data.env_kwargs.path=...` (no `+`). A missing file
+    # proves the key reached the environment (it tried to read it).
+    missing = tmp_path / "no_such_gsm8k.jsonl"
+    result = _grail_train(
+        *SMALL, "env=gsm8k", f"data.env_kwargs.path={missing}", f"hydra.run.dir={tmp_path}"
+    )
+    out = _output(result)
+    assert "not in struct" not in out, out[-3000:]
+    assert str(missing) in out and result.returncode != 0, out[-3000:]
+
+    result = _grail_train(
+        *SMALL, "env=gsm8k", "+data.env_kwargs.pth=x", f"hydra.run.dir={tmp_path}"
+    )
+    out = _output(result)
+    assert result.returncode == 2, out[-3000:]
+    assert "environment 'gsm8k' has no argument 'pth'" in out, out[-3000:]
+    assert "did you mean 'path'?" in out
+    assert "path, split, test_path, holdout_fraction" in out  # the accepted ones, in order
+    assert _nothing_started(tmp_path)
+
+
+# --- 11: reward plugins ------------------------------------------------------------------------
+
+
+def test_a_plugin_named_like_an_env_component_fails_before_anything_starts(tmp_path: Path) -> None:
+    # The default environment (copy_digits) scores `correct`, `found` and `brevity`.
+    result = _grail_train(
+        *SMALL, "data.rewards=[tests.cli_plugins:brevity]", f"hydra.run.dir={tmp_path}"
+    )
+    out = _output(result)
+    assert result.returncode == 1, out[-3000:]
+    assert "'brevity' is already a component of environment 'copy_digits'" in out, out[-3000:]
+    assert "name:" in out  # says how to rename it
+    assert _nothing_started(tmp_path)
+    # Named otherwise, the same plugin is accepted (checked without training: --cfg job).
+    renamed = "data.rewards=[{fn: tests.cli_plugins:brevity, name: short}]"
+    assert _grail_train(renamed, "--cfg", "job").returncode == 0
+
+
+# --- 14: known errors in one line, unknown ones with their traceback, Ctrl-C -----------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["data.rewards=[no_such_pkg_xyz.rewards:f]"],
+            "module 'no_such_pkg_xyz.rewards' not found",
+        ),
+        (
+            ["env=gsm8k", "data.env_kwargs.path=/nonexistent/gsm8k.jsonl"],
+            "GSM8K data file not found: /nonexistent/gsm8k.jsonl",
+        ),
+        (["model.train_id=/nonexistent/model"], "model.train_id: model path '/nonexistent/model'"),
+        (["data.rollouts_per_problem=1"], "data.rollouts_per_problem must be >= 2"),
+        (["env=sat", "data.env_kwargs.difficulty=2"], "difficulty must be a number in [0, 1]"),
+    ],
+    ids=["bad-plugin", "missing-data-file", "bad-model-path", "invalid-config", "bad-env-value"],
+)
+def test_known_user_errors_print_one_line_and_log_the_traceback(
+    tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    result = _grail_train(*SMALL, *overrides, f"hydra.run.dir={tmp_path}")
+    out = _output(result)
+    assert result.returncode in (1, 2), out[-3000:]
+    assert message in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "ERROR" in line or message in line]
+    assert len(errors) == 1, out[-3000:]
+    assert len(out.splitlines()) <= 4, out[-3000:]
+    log = _log_file(tmp_path).read_text()
+    assert message in log and "Traceback" in log  # the details stay in the run's log file
+
+
+def test_ctrl_c_says_in_one_line_how_to_resume(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "train.iterations=50", "train.lr=2e-3", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grail.train.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not any((run_dir / "metrics").glob("train_iter_*.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no iteration finished"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, out[-3000:]
+    tail = out[out.rfind("iter 000") :]
+    assert "Traceback" not in tail, tail
+    lines = [line for line in tail.splitlines() if "resume=true" in line]
+    assert len(lines) == 1, tail
+    command = lines[0][lines[0].index("uv run grail-train") :]
+    assert f"hydra.run.dir={run_dir}" in command and "train.lr=2e-3" in command
+    assert "KeyboardInterrupt" in _log_file(run_dir).read_text()
+    # The command it prints composes the run's config again (checked without training).
+    argv = shlex.split(command)[3:]
+    again = _grail_train(*argv, "--cfg", "job")
+    assert again.returncode == 0 and "resume: true" in again.stdout, _output(again)
+
+
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=cli.CONF_DIR, version_base="1.3"):
+        return compose(config_name="offline_grpo", overrides=list(overrides))
+
+
+# What _single_run reads of Hydra's runtime config.
+HYDRA = OmegaConf.create(
+    {"overrides": {"task": []}, "runtime": {"choices": {"env": "copy_digits"}}}
+)
+
+
+def test_an_unknown_error_keeps_its_traceback_and_a_known_one_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def crash(config: object, run_dir: Path) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "_train", crash)
+    with pytest.raises(RuntimeError, match="a bug"):  # not caught: Python prints its traceback
+        cli._single_run(_compose(), tmp_path, HYDRA)
+
+    class DirectoryInUse(UserError):
+        pass
+
+    def refuse(config: object, run_dir: Path) -> None:
+        raise DirectoryInUse(f"{run_dir} is in use by pid 123")
+
+    monkeypatch.setattr(cli, "_train", refuse)
+    with pytest.raises(SystemExit) as info:
+        cli._single_run(_compose(), tmp_path, HYDRA)
+    assert info.value.code == 1
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [f"{tmp_path} is in use by pid 123"]
+    assert errors[0].exc_info is None  # the traceback goes to the log file only
+
+
+def test_resume_command_keeps_the_overrides_and_quotes_them() -> None:
+    command = cli.resume_command(
+        ["train.lr=2e-3", "resume=false", "data.rewards=[{fn: a:b, name: c}]"], Path("/r/x y")
+    )
+    assert command == (
+        "uv run grail-train train.lr=2e-3 'data.rewards=[{fn: a:b, name: c}]' resume=true "
+        "'hydra.run.dir=/r/x y'"
+    )

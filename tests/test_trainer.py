@@ -1,0 +1,180 @@
+"""The trainer process (`grail.train.trainer`): what it prints, and what it does with batches that
+carry no learning signal."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import huggingface_hub.utils
+import pytest
+import torch
+import transformers
+
+from grail.algo.grpo import compute_advantages
+from grail.config import Config, DataConfig, GenerationConfig, TrainConfig
+from grail.envs import make_env
+from grail.inference.process import SyncResult
+from grail.records import validate_metrics
+from grail.rollouts import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
+from grail.train import trainer as trainer_module
+from grail.train.loop import iteration_record
+from grail.train.trainer import Trainer, setup_torch
+
+
+def _config() -> Config:
+    return Config(
+        data=DataConfig(
+            environment="copy_digits", problems_per_iteration=3, rollouts_per_problem=4
+        ),
+        generation=GenerationConfig(max_new_tokens=4),
+        train=TrainConfig(batch_size=4, lr=1e-2),
+    )
+
+
+def _batch(rewards: list[list[float]], seed: int = 0) -> RolloutBatch:
+    """Scored groups of copy_digits problems with the given rewards (a success is reward 1)."""
+    rng = random.Random(seed)
+    env = make_env("copy_digits")
+    groups = []
+    for g, row in enumerate(rewards):
+        samples = [
+            Sample(
+                completion_ids=[rng.randrange(3, 60) for _ in range(rng.randint(1, 4))],
+                behaviour_logprobs=[],
+                finish_reason="stop",
+                text="7",
+                reward=r,
+                components={"correct": r},
+                success=r == 1.0,
+            )
+            for r in row
+        ]
+        for s in samples:
+            s.behaviour_logprobs = [-2.0] * len(s.completion_ids)
+        groups.append(Group(env.problem(g), [rng.randrange(3, 60) for _ in range(6)], samples))
+    advantages, stats = compute_advantages(torch.tensor(rewards, dtype=torch.float64))
+    for group, row in zip(groups, advantages.tolist(), strict=True):
+        for sample, advantage in zip(group.samples, row, strict=True):
+            sample.advantage = advantage
+    return RolloutBatch(groups, stats)
+
+
+NO_SIGNAL = [[0.0] * 4] * 3  # nobody solves anything: every group has zero variance
+SIGNAL = [[0.0, 1.0, 0.0, 0.0], [0.0] * 4, [1.0] * 4]
+
+
+@pytest.fixture
+def library_progress_bars_on() -> Iterator[None]:
+    """Progress bars on, as in a fresh process (another test may have turned them off), and
+    back to how they were afterwards."""
+    transformers_on = transformers.utils.logging.is_progress_bar_enabled()
+    hub_on = not huggingface_hub.utils.are_progress_bars_disabled()
+    transformers.utils.logging.enable_progress_bar()  # huggingface_hub's too
+    yield
+    if not transformers_on:
+        transformers.utils.logging.disable_progress_bar()
+    if hub_on:
+        huggingface_hub.utils.enable_progress_bars()
+    else:
+        huggingface_hub.utils.disable_progress_bars()
+
+
+def test_saving_weights_prints_nothing(
+    tmp_path: Path, library_progress_bars_on: None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every weight sync saves the weights; transformers drew a "Writing model shards" bar for
+    each (181 lines of a piped default run). The trainer process draws none: not on loading
+    the model, not on saving it."""
+    cfg = _config()
+    accelerator = setup_torch(cfg)
+    capfd.readouterr()
+    trainer = Trainer(cfg, accelerator, None)
+    trainer.save_weights(tmp_path / "a")
+    trainer.save_weights(tmp_path / "b")
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
+def test_a_batch_without_signal_is_skipped_and_recorded_as_such() -> None:
+    """All rewards equal in every group, no KL or entropy term: the update runs no forward pass,
+    still steps the optimizer and the schedule, and the iteration's record says so and
+    validates against the schema."""
+    cfg = _config()
+    trainer = Trainer(cfg, setup_torch(cfg), None)
+    forwards: list[int] = []
+    trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+    progress: list[int] = []
+
+    metrics = trainer.update(_batch(NO_SIGNAL), progress.append)
+    assert forwards == [] and metrics["update_skipped"] is True
+    assert sum(progress) == 3  # the display's bar still completes: 12 samples, micro-batch 4
+    # one optimizer step per micro-batch (grad_accum_steps 1), as a full update takes
+    assert trainer.scheduler.last_epoch == 3 and metrics["optimizer_steps"] == 3
+    record = iteration_record(
+        0,
+        GeneratedBatch(_batch(NO_SIGNAL), 0, 0.5),
+        metrics,
+        WeightSync(SyncResult(0.01, "in_place", fell_back=False), 0.02, 0.0),
+        trainer.lr,
+        {
+            "generation_s": 0.5,
+            "train_s": 0.1,
+            "weight_sync_s": 0.02,
+            "eval_s": 0.0,
+            "checkpoint_s": 0.0,
+            "iteration_s": 0.7,
+        },
+        pipelined=False,
+    )
+    validate_metrics(record, "train_iteration")
+    assert record["update_skipped"] is True and record["entropy"] is None
+    assert record["loss_total"] == 0.0 and record["grad_norm"] == 0.0
+
+    metrics = trainer.update(_batch(SIGNAL), progress.append)
+    assert forwards and metrics["update_skipped"] is False
+    assert trainer.scheduler.last_epoch == 6
+
+
+def test_the_trainer_warns_once_after_many_iterations_without_signal(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = _config()
+    trainer = Trainer(cfg, setup_torch(cfg), None)
+    n = trainer_module.NO_SIGNAL_WARN_ITERATIONS
+    assert n == 10
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    with caplog.at_level(logging.WARNING, logger="grail.train"):
+        for _ in range(n - 1):
+            trainer.update(_batch(NO_SIGNAL))
+        trainer.update(_batch(SIGNAL))  # one batch with signal starts the count again
+        for _ in range(n - 1):
+            trainer.update(_batch(NO_SIGNAL))
+        assert warnings() == [] and trainer.no_signal_streak == n - 1
+        trainer.update(_batch(NO_SIGNAL))
+        assert len(warnings()) == 1
+        message = warnings()[0]
+        assert f"{n} iterations in a row had zero reward variance" in message
+        assert "the model never solves the task" in message
+        assert "model=qwen2.5-0.5b" in message
+        for _ in range(n + 1):  # once per run, not once per streak
+            trainer.update(_batch(NO_SIGNAL))
+        assert len(warnings()) == 1
+
+
+@pytest.mark.parametrize(
+    ("rewards", "cause"),
+    [
+        ([[1.0] * 4] * 3, "the model solves every problem"),
+        ([[1.0] * 4, [0.0] * 4], "each problem's completions all get the same reward"),
+    ],
+)
+def test_the_warning_names_the_likely_cause(rewards: list[list[float]], cause: str) -> None:
+    message = trainer_module.no_signal_message(_batch(rewards), 10)
+    assert cause in message and "never solves" not in message
