@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.process import ServerManager, call_with_recovery
+from grail.records import iteration_name
 from grail.rollouts import GeneratedBatch, RolloutBatch, RolloutGenerator, WeightSync
 
 if TYPE_CHECKING:
@@ -244,7 +245,7 @@ class ServerRollouts:
         result = self.server.sync_weights(
             self._weights_dir,
             self.cfg.generation.weight_sync,  # type: ignore[arg-type]
-            weight_version=f"iter_{policy_version - 1:03d}",
+            weight_version=iteration_name(policy_version - 1),
         )
         return WeightSync(result, time.perf_counter() - t_sync, t_sync - t0, prefetched)
 

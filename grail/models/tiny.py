@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import random
@@ -38,6 +37,8 @@ from typing import Any
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from grail.manifest import file_entry, file_problem
 
 # Bump when anything that changes the built files changes (sizes, corpus, template, init): the
 # cache directory is named after it, so old caches are never mistaken for new ones.
@@ -305,19 +306,11 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "grail"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(model_dir: Path, extra: dict[str, Any] | None = None) -> Path:
     """Record the size and sha256 of every file in `model_dir`; written last, so its presence
     marks a complete build. Written atomically (temp file + rename)."""
     files = {
-        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        p.name: file_entry(p)
         for p in sorted(model_dir.iterdir())
         if p.is_file() and p.name != MANIFEST_NAME
     }
@@ -348,13 +341,8 @@ def manifest_problems(model_dir: Path) -> list[str]:
     if not files:
         problems.append("manifest lists no files")
     for name, info in files.items():
-        f = model_dir / name
-        if not f.is_file():
-            problems.append(f"missing {name}")
-        elif f.stat().st_size != info.get("size"):
-            problems.append(f"{name}: size {f.stat().st_size} != {info.get('size')}")
-        elif _sha256(f) != info.get("sha256"):
-            problems.append(f"{name}: sha256 mismatch")
+        if problem := file_problem(model_dir / name, info):
+            problems.append(f"{name}: {problem}")
     return problems
 
 

@@ -18,7 +18,6 @@ trainer_state.pt): refusing them would make `resume=true` start an upgraded run 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grail.manifest import file_entry, file_problem
 from grail.models.loading import model_dir_problems
 from grail.records import atomic_write_text, checkpoint_iteration, iteration_name
 
@@ -59,11 +59,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _seal(root: Path) -> None:
     """fsync every file under `root`, then write the manifest of their sizes and hashes (last, and
     atomically, so a manifest only ever describes files already on disk)."""
@@ -72,10 +67,7 @@ def _seal(root: Path) -> None:
         with path.open("rb") as f:
             os.fsync(f.fileno())
         # Hashed right after the write, while the file is still in the page cache.
-        files[path.relative_to(root).as_posix()] = {
-            "size": path.stat().st_size,
-            "sha256": _sha256(path),
-        }
+        files[path.relative_to(root).as_posix()] = file_entry(path)
     atomic_write_text(root / MANIFEST, json.dumps({"files": files}, indent=2) + "\n")
 
 
@@ -148,18 +140,15 @@ def checkpoint_problems(checkpoint: Path, *, hashes: bool = True) -> list[str]:
         return [f"{manifest_path} is missing", *problems] if problems else []
     try:
         files: dict[str, dict[str, Any]] = json.loads(manifest_path.read_text())["files"]
-        expected = {name: (int(info["size"]), str(info["sha256"])) for name, info in files.items()}
+        entries = {
+            name: {"size": int(i["size"]), "sha256": str(i["sha256"])} for name, i in files.items()
+        }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return [f"{manifest_path} is unreadable ({exc})"]
     problems = []
-    for name, (size, digest) in expected.items():
-        path = checkpoint / name
-        if not path.is_file():
-            problems.append(f"{path} is missing")
-        elif path.stat().st_size != size:
-            problems.append(f"{path} has {path.stat().st_size} bytes, the manifest says {size}")
-        elif hashes and _sha256(path) != digest:
-            problems.append(f"{path} does not match its sha256 in the manifest")
+    for name, entry in entries.items():
+        if problem := file_problem(checkpoint / name, entry, hashes=hashes):
+            problems.append(f"{checkpoint / name}: {problem}")
     return problems
 
 

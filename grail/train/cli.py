@@ -45,6 +45,7 @@ from grail.config import (
     available_cores,
     validate,
 )
+from grail.records import LAUNCH_KEYS, SUMMARY, override_key, write_summary
 from grail.sweep import (
     Action,
     assign_resources,
@@ -148,6 +149,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     and that model paths exist. `env_group`: the `env=` choice the config was composed with."""
     from grail.envs import ENVIRONMENTS, check_env_kwargs, env_factory
     from grail.envs.rewards import RewardFunctions
+    from grail.models.tiny import TINY_MODEL_NAME
 
     validate(config)
     name = config.data.environment
@@ -162,7 +164,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     rewards.check_names(name, factory.components)
     for key in ("train_id", "ref_id"):
         model_id = getattr(config.model, key)
-        if model_id not in (None, "tiny"):
+        if model_id is not None and model_id != TINY_MODEL_NAME:
             from grail.models.loading import resolve_source
 
             try:
@@ -194,7 +196,7 @@ def _report(message: str, exc: BaseException, then: str = "") -> None:
 
 def resume_command(overrides: list[str], run_dir: Path) -> str:
     """The command that continues the run in `run_dir` with the config it was started with."""
-    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] != "resume"]
+    kept = [o for o in overrides if override_key(o) not in LAUNCH_KEYS]
     return shlex.join(
         ["uv", "run", "grail-train", *kept, "resume=true", f"hydra.run.dir={run_dir}"]
     )
@@ -224,7 +226,6 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
     """One run of a sweep. Never raises for a failed run (that would stop the sweep): the failure
     goes into summary.json. KeyboardInterrupt and SIGTERM still stop everything, leaving the run
     incomplete for `resume=true` to continue."""
-    from grail.records import SUMMARY, write_summary
     from grail.runs import append_attempt, run_record
 
     overrides = [str(o) for o in hydra_cfg.overrides.task]

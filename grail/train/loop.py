@@ -12,7 +12,6 @@ committed or is damaged.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import shutil
@@ -24,7 +23,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from grail.config import Config, UserError, validate
-from grail.envs import ENVIRONMENTS, Environment, make_env
+from grail.envs import Environment, env_arguments, make_env
 from grail.envs.rewards import RewardFunctions
 from grail.inference.backends import server_manager_from_config
 from grail.models.loading import check_model_source
@@ -198,7 +197,7 @@ def make_envs(cfg: Config) -> tuple[Environment, Environment]:
     evaluates on its test split; procedural tasks evaluate on held-out seeds of the same task."""
     name, kwargs = cfg.data.environment, dict(cfg.data.env_kwargs)
     train_env = make_env(name, **kwargs)
-    if "split" in inspect.signature(ENVIRONMENTS[name]).parameters:
+    if "split" in env_arguments(name):
         return train_env, make_env(name, **{**kwargs, "split": "test"})
     return train_env, train_env
 

@@ -169,7 +169,8 @@ class Trainer:
         return metrics
 
     def _watch_signal(self, batch: RolloutBatch) -> None:
-        if all(min(g.rewards) == max(g.rewards) for g in batch.groups):
+        # Computed with the advantages (grail/algo/grpo.py): exactly 1.0 when every group is tied.
+        if batch.advantage_stats["zero_variance_group_frac"] == 1.0:
             self.no_signal_streak += 1
         else:
             self.no_signal_streak = 0
