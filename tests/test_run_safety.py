@@ -77,15 +77,22 @@ def test_a_second_grail_train_into_a_running_runs_directory_fails_at_once(tmp_pa
         assert second.returncode != 0
         assert f"{run_dir} is in use by another grail-train (pid {first.pid} " in out, out[-3000:]
         assert "started builtin server" not in out
+        # What the directory says about its run is the first run's, not the refused one's.
+        assert "train.lr=0.5" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
+        assert "lr: 0.5" not in (run_dir / ".hydra" / "config.yaml").read_text()
 
-        # A sweep job into it fails that run without writing a "failed" summary into the
-        # directory the first run is writing; the sweep ends non-zero, listing the run.
-        sweep = _train(tmp_path, "train.iterations=2", multirun=True)
+        # A sweep job into it is not run and writes nothing there (no "failed" summary, no
+        # attempt, no overrides); the sweep ends non-zero, listing the run.
+        sweep = _train(tmp_path, "train.iterations=2", "train.lr=0.25", multirun=True)
         out = _finish(sweep, timeout=180)
         assert sweep.returncode != 0
-        assert f"{run_dir} is in use by another grail-train (pid {first.pid} " in out, out[-3000:]
-        assert "summary.json not written" in out
+        assert (
+            f"sweep job 0 not run: {run_dir} is in use by another grail-train (pid {first.pid} "
+            in out
+        ), out[-3000:]
         assert not (run_dir / "summary.json").exists()
+        assert not (run_dir / "attempts.jsonl").exists()
+        assert "train.lr=0.25" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
         assert first.poll() is None, "the first run should be unharmed"
     finally:
         server_pids = _servers_of(run_dir)

@@ -45,7 +45,15 @@ from grail.config import (
     available_cores,
     validate,
 )
-from grail.records import LAUNCH_KEYS, SUMMARY, override_key, write_summary
+from grail.records import (
+    LAUNCH_KEYS,
+    SUMMARY,
+    RunDirLocked,
+    atomic_write_text,
+    override_key,
+    run_lock,
+    write_summary,
+)
 from grail.sweep import (
     Action,
     assign_resources,
@@ -272,25 +280,54 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
         )
 
 
+def save_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: Any) -> None:
+    """What Hydra itself writes into `RUN_DIR/.hydra/` (config.yaml, hydra.yaml, overrides.yaml),
+    written by us under the run's lock (`hydra.output_subdir: null` in conf/offline_grpo.yaml turns
+    Hydra's own write off) and atomically: a second grail-train into a running run's directory
+    must fail without touching the files that say how that run was configured."""
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    files = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
+        "overrides.yaml": hydra_cfg.overrides.task,
+    }
+    for name, node in files.items():
+        atomic_write_text(hydra_dir / name, OmegaConf.to_yaml(node))
+
+
 def train_job(cfg: DictConfig) -> None:
-    """What `grail-train` does with a composed config: one run, or one job of a sweep (`-m`)."""
+    """What `grail-train` does with a composed config: one run, or one job of a sweep (`-m`).
+    Everything it does, from writing `.hydra/` on, happens holding the run directory's lock."""
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        try:
-            _sweep_job(cfg, run_dir, hydra_cfg)
-        except KeyboardInterrupt as exc:
-            sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
-            _report(
-                "interrupted",
-                exc,
-                "; to finish the sweep, rerun the same command with resume=true "
-                f"hydra.sweep.dir={sweep_dir}",
-            )
-            sys.exit(130)
-    else:
-        _single_run(cfg, run_dir, hydra_cfg)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    try:
+        with run_lock(run_dir):
+            save_hydra_files(run_dir, cfg, hydra_cfg)
+            if multirun:
+                _sweep_job(cfg, run_dir, hydra_cfg)
+            else:
+                _single_run(cfg, run_dir, hydra_cfg)
+    except RunDirLocked as exc:
+        if not multirun:
+            _report(str(exc), exc)
+            sys.exit(1)
+        # The directory belongs to the process running there: this job writes nothing into it (no
+        # "failed" summary), and the sweep goes on; SweepOutcome lists the run if it never ends.
+        _report(f"sweep job {int(hydra_cfg.job.num)} not run: {exc}", exc)
+    except KeyboardInterrupt as exc:
+        if not multirun:
+            raise  # Ctrl-C during a single run is reported (with the resume command) by _single_run
+        sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
+        _report(
+            "interrupted",
+            exc,
+            "; to finish the sweep, rerun the same command with resume=true "
+            f"hydra.sweep.dir={sweep_dir}",
+        )
+        sys.exit(130)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
