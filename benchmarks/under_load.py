@@ -9,9 +9,11 @@ shared machine). The hogs are plain Python loops, each wanting one core, started
 and killed after it. Counted per run: the median of the iterations' generation + training + weight
 sync time (`common.core_iteration_s`), the first `--warmup` and the last iteration left out.
 
-The fair share: with h hogs on c cores, h + 1 jobs want the cores; one that uses every core
-alone gets c / (h + 1) of them at best, so its fair slowdown is max(1, (h + 1) / c). Near that is
-graceful; far above it means threads that wait at barriers for a core another process holds.
+The fair share: the run computes on every core (c threads), each hog on one, so c + h threads
+want c cores; shared evenly the run keeps c / (c + h) of its cores and its fair slowdown is
+(c + h) / c (2x with one hog per core). Near that is graceful; far above it means threads that
+wait at barriers for a core another process holds (OpenMP threads spinning instead of sleeping:
+grail.config.prefer_passive_openmp).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def main() -> int:
                       f"{statistics.median(values):.3f}s")  # fmt: skip
     idle, loaded = spread(times["idle"]), spread(times["loaded"])
     slowdown = loaded["median"] / idle["median"]
-    fair = max(1.0, (args.hogs + 1) / cores)
+    fair = (cores + args.hogs) / cores
     print_table(
         f"default iteration alone and beside {args.hogs} CPU hog(s), {cores} cores "
         f"(median s of {idle['n']} iterations each)",

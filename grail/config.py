@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args
 
@@ -27,6 +27,9 @@ LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 ScaleRewards = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
+# Importance-sampling correction between the trainer's and the server's log-probabilities: TRL's
+# vllm_importance_sampling_mode values, and "none" (vllm_importance_sampling_correction=False).
+ISCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 def available_cores() -> int:
@@ -45,9 +48,22 @@ def split_cores(cores: int, *, pipelined: bool) -> tuple[int, int]:
     in pipelined mode, where both compute at once (both on all cores was measured up to 15x
     slower: each side's OpenMP threads wait at barriers for a core the other side holds). The
     server gets half either way, because while it generates its HTTP thread and the trainer's
-    client are busy too (on 2 cores, 2 server threads generated 3x slower than 1)."""
+    client are busy too. Measured on 2 cores with `benchmarks/under_load.py --hogs 0` (sync mode,
+    OMP_WAIT_POLICY=PASSIVE, median iteration): 2 server threads instead of 1 took 0.86 s
+    instead of 0.52 s with the tiny model and 5.28 s instead of 5.08 s with a 6-layer
+    hidden-384 one (`model.train_id=` a `build_random_qwen2` directory)."""
     half = max(1, cores // 2)
     return (half if pipelined else cores), half
+
+
+def prefer_passive_openmp(env: MutableMapping[str, str]) -> None:
+    """OMP_WAIT_POLICY=PASSIVE in `env` unless it says otherwise; it must be set before torch
+    (its OpenMP runtime) loads, so for the trainer at the entrypoint and for the server in its
+    environment. OpenMP threads otherwise spin at every barrier, waiting for a thread that lost
+    its core: beside one busy process per core the default job's iteration went from 0.64 s to
+    2.99 s (4.6x); passive, 0.49 s to 1.12 s (2.3x), idle no slower
+    (`benchmarks/under_load.py --rounds 2`, 2 cores; docs/benchmarks.md)."""
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class UserError(Exception):
@@ -123,14 +139,29 @@ class TrainConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None
     scale_rewards: str = "group"  # group | batch | none
-    tis_cap: float | None = 2.0  # truncated IS between trainer and server log-probs; null: off
+    # Importance sampling between the trainer's and the server's log-probabilities (grpo.py):
+    # none | token_truncate | token_mask | sequence_truncate | sequence_mask, with the ratio clipped
+    # (truncate) or zeroed (mask) outside [is_clip_min, is_clip_max]; null bounds are open.
+    is_correction: str = "token_truncate"
+    is_clip_min: float | None = None
+    is_clip_max: float | None = 2.0
+    kl_bias_correction: bool = True  # KL term times the policy ratio (TRL's use_bias_correction_kl)
+    # Adaptive KL (grail/algo/kl_control.py): with kl_target set, the coefficient starts at kl_coef
+    # and after each optimizer step moves by kl_adapt_rate towards a per-token KL of kl_target,
+    # within [kl_coef_min, kl_coef_max]. null: kl_coef stays fixed.
+    kl_target: float | None = None
+    kl_adapt_rate: float = 1.5
+    kl_coef_min: float = 0.001
+    kl_coef_max: float = 0.2
     kl_estimator: str = "k3"  # k1 | k2 | k3
     is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
     logratio_clamp: float | None = None  # clamp |log ratio| before exp
     threads: int | None = None  # trainer's torch threads; None: all cores, pipelined half
     # One step off-policy: the server generates iteration i+1's rollouts (with the weights before
-    # iteration i's update) while iteration i trains; truncated IS (tis_cap) corrects the lag.
+    # iteration i's update) while iteration i trains; importance sampling (is_correction) corrects
+    # the lag.
     pipeline: bool = False
+    tis_cap: float | None = None  # removed: is_correction/is_clip_max (validate names them)
 
 
 @dataclass
@@ -254,6 +285,36 @@ def validate(cfg: Config) -> None:
     )
     _one_of("train.scale_rewards", cfg.train.scale_rewards, ScaleRewards)
     _one_of("train.kl_estimator", cfg.train.kl_estimator, KLEstimator)
+    _one_of("train.is_correction", cfg.train.is_correction, ISCorrection)
+    if cfg.train.tis_cap is not None:
+        raise ConfigError(
+            f"train.tis_cap was replaced by TRL's importance-sampling modes: for the same "
+            f"correction (the ratio truncated above) set train.is_correction=token_truncate "
+            f"train.is_clip_max={cfg.train.tis_cap} (train.is_clip_min bounds it below; "
+            "sequence_truncate, token_mask and sequence_mask are the other modes)"
+        )
+    if cfg.train.kl_target is not None:
+        t = cfg.train
+        if t.kl_target <= 0:
+            raise ConfigError(f"train.kl_target must be > 0 or null, got {t.kl_target}")
+        if t.kl_coef <= 0:
+            raise ConfigError(
+                "train.kl_target (adaptive KL) needs train.kl_coef > 0: the coefficient it "
+                f"starts from (got {t.kl_coef})"
+            )
+        if t.kl_adapt_rate <= 1:
+            raise ConfigError(f"train.kl_adapt_rate must be > 1, got {t.kl_adapt_rate}")
+        if not 0 < t.kl_coef_min <= t.kl_coef_max:
+            raise ConfigError(
+                f"train.kl_coef_min ({t.kl_coef_min}) and train.kl_coef_max ({t.kl_coef_max}) "
+                "must satisfy 0 < kl_coef_min <= kl_coef_max"
+            )
+    lo, hi = cfg.train.is_clip_min, cfg.train.is_clip_max
+    for key, bound in (("is_clip_min", lo), ("is_clip_max", hi)):
+        if bound is not None and bound <= 0:
+            raise ConfigError(f"train.{key} must be > 0 or null, got {bound}")
+    if lo is not None and hi is not None and lo >= hi:
+        raise ConfigError(f"train.is_clip_min ({lo}) must be < train.is_clip_max ({hi})")
 
     _positive("generation.max_new_tokens", cfg.generation.max_new_tokens)
     if cfg.generation.temperature <= 0:

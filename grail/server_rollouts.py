@@ -14,8 +14,9 @@ Version v_k is the policy after k updates; the trainer holds v_i while it trains
 Batch i+1 is generated with v_i and trained at v_{i+1}, so its staleness is exactly 1 (batch 0,
 generated before any training, has staleness 0). Staleness never exceeds 1 because
 `sync_weights` waits for the running generation before the new weights are written: the server's
-weights never change under a batch. The objective's truncated importance-sampling weight
-(`train.tis_cap`, against the behaviour log-probabilities the server returned) corrects the lag.
+weights never change under a batch. The objective's importance-sampling correction
+(`train.is_correction`, against the behaviour log-probabilities the server returned) corrects the
+lag.
 Rollouts are deterministic for a fixed seed whatever the timing: each prompt carries its own
 sampling seed and the built-in server's batches are batch-invariant on CPU.
 

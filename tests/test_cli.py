@@ -263,3 +263,20 @@ def test_resume_command_keeps_the_overrides_and_quotes_them() -> None:
         "uv run grail-train train.lr=2e-3 'data.rewards=[{fn: a:b, name: c}]' resume=true "
         "'hydra.run.dir=/r/x y'"
     )
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_trainer_asks_for_sleeping_openmp_threads_before_torch_loads(
+    given: str | None, expected: str
+) -> None:
+    # libgomp reads OMP_WAIT_POLICY once, when torch loads it: the entrypoint must set it first.
+    # A user's own setting wins.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    probe = "import os, sys, grail.train.cli\n"
+    probe += "print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["False", expected], out.stderr[-2000:]

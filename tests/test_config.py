@@ -102,11 +102,21 @@ def test_wrong_type_names_the_key() -> None:
         ("generation.start_timeout_s=0", "generation.start_timeout_s"),
         ("generation.backend=tgi", "generation.backend"),
         ("train.epsilon_high=0.1", "train.epsilon_high"),
+        ("train.is_correction=token", "train.is_correction"),
+        ("train.is_clip_min=3 train.is_clip_max=2", "train.is_clip_min"),
+        ("train.kl_target=0.04", "train.kl_coef"),  # adaptive KL starts from kl_coef > 0
+        ("train.kl_target=0.04 train.kl_coef=0.1 train.kl_adapt_rate=1", "train.kl_adapt_rate"),
     ],
 )
 def test_impossible_combinations_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(_compose(*override.split()))
+
+
+def test_the_removed_tis_cap_names_the_keys_that_replace_it() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(_compose("train.tis_cap=1.5"))
+    assert "train.is_correction=token_truncate train.is_clip_max=1.5" in str(err.value)
 
 
 @pytest.mark.parametrize(

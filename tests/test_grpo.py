@@ -57,7 +57,7 @@ REF = [  # logp - ref in [-0.4, 0.5]
         ]
     )
 ]
-BEH = [  # old - behaviour: some above log(1.5) = 0.405 so the TIS cap bites
+BEH = [  # old - behaviour: tokens and sequence sums on both sides of the clip bounds below
     [OLD[b][t] - d if MASK[b][t] else PAD for t, d in enumerate(row)]
     for b, row in enumerate(
         [
@@ -74,6 +74,13 @@ ENT += [[1.5, PAD, PAD, PAD, PAD], [PAD] * 5]
 ADV = [1.5, -0.8, 0.7, -1.2, 0.3]
 N_ITEMS = 40  # completion tokens in the (larger) generation batch this micro-batch belongs to
 MAX_LEN = 6
+# (accumulation_steps G, steps_per_generation S): alone, or one of 2 micro-batches of a step in a
+# generation batch of 3 (N_ITEMS tokens in all).
+ACCUMULATION = [(1, 1), (2, 3)]
+# Token ratios exp(old - behaviour) fall below 0.8 (-0.6, -0.3, -0.25) and above 1.5 (0.7, 0.5,
+# 0.9); sequence ratios exp(sum) are 1.0, 2.01, 2.34, 0.78, 1.0 around [0.8, 2.2].
+TOKEN_IS = {"is_clip_min": 0.8, "is_clip_max": 1.5}
+SEQUENCE_IS = {"is_clip_min": 0.8, "is_clip_max": 2.2}
 
 SCENARIOS: dict[str, dict] = {
     "plain": {},
@@ -87,7 +94,12 @@ SCENARIOS: dict[str, dict] = {
     },
     "ratio_cap": {"is_ratio_max": 1.45},
     "logratio_clamp": {"logratio_clamp": 1.0, "is_ratio_max": 2.5},
-    "tis": {"tis_cap": 1.5},
+    "kl_uncorrected": {"kl_coef": 0.05, "kl_bias_correction": False},
+    "token_truncate": {"is_correction": "token_truncate", **TOKEN_IS},
+    "token_truncate_above": {"is_correction": "token_truncate", "is_clip_max": 1.5},
+    "token_mask": {"is_correction": "token_mask", **TOKEN_IS},
+    "sequence_truncate": {"is_correction": "sequence_truncate", **SEQUENCE_IS},
+    "sequence_mask": {"is_correction": "sequence_mask", **SEQUENCE_IS},
     "everything": {
         "epsilon": 0.15,
         "epsilon_high": 0.3,
@@ -95,9 +107,29 @@ SCENARIOS: dict[str, dict] = {
         "entropy_coef": 0.02,
         "is_ratio_max": 1.45,
         "logratio_clamp": 1.0,
-        "tis_cap": 1.5,
+        "is_correction": "token_truncate",
+        **TOKEN_IS,
+    },
+    "everything_sequence_mask": {
+        "epsilon": 0.15,
+        "epsilon_high": 0.3,
+        "kl_coef": 0.1,
+        "entropy_coef": 0.02,
+        "is_ratio_max": 1.45,
+        "logratio_clamp": 1.0,
+        "is_correction": "sequence_mask",
+        **SEQUENCE_IS,
     },
 }
+
+
+def _importance_weight(log_r: float, mode: str, lo: float | None, hi: float | None) -> tuple:
+    """(weight, clipped or masked) of one importance ratio exp(log_r) under `mode`."""
+    r = math.exp(log_r)
+    outside = (lo is not None and r < lo) or (hi is not None and r > hi)
+    if mode.endswith("truncate"):
+        return min(max(r, lo or 0.0), hi or math.inf), float(outside)
+    return (0.0 if outside else r), float(outside)
 
 
 def _reference(
@@ -105,8 +137,10 @@ def _reference(
     settings: dict,
     loss_type: str,
     level: str,
+    accumulation: tuple[int, int] = (1, 1),
 ) -> dict[str, float]:
     """Loss parts and metrics from the formulas, one sequence and token at a time, in floats."""
+    g_steps, s_steps = accumulation
     eps_lo = settings.get("epsilon", 0.2)
     eps_hi = settings.get("epsilon_high") or eps_lo
     beta = settings.get("kl_coef", 0.0)
@@ -114,7 +148,9 @@ def _reference(
     alpha = settings.get("entropy_coef", 0.0)
     cap = settings.get("is_ratio_max")
     clamp_c = settings.get("logratio_clamp")
-    tis_cap = settings.get("tis_cap")
+    is_mode = settings.get("is_correction", "none")
+    is_lo, is_hi = settings.get("is_clip_min"), settings.get("is_clip_max", 3.0)
+    kl_corrected = settings.get("kl_bias_correction", True)
 
     kinks = [math.log(1 - eps_lo), math.log(1 + eps_hi)]
     kinks += [math.log(cap)] if cap else []
@@ -125,8 +161,7 @@ def _reference(
     kl_rows: list[list[float]] = []
     ent_rows: list[list[float]] = []
     units: list[dict[str, float]] = []  # one per token (token level) or per sequence
-    tis_w: list[float] = []
-    tis_capped: list[float] = []
+    is_units: list[tuple[float, float]] = []  # (weight, outside) per token or per sequence
     gaps: list[float] = []
     kls: list[float] = []
     ents: list[float] = []
@@ -135,6 +170,12 @@ def _reference(
         seq_s = sum(logp[b][t] - OLD[b][t] for t in toks) / max(len(toks), 1)
         pg_row, kl_row, ent_row = [], [], []
         a = ADV[b]
+        seq_w = 1.0
+        if is_mode.startswith("sequence"):
+            seq_w, seq_out = _importance_weight(
+                sum(OLD[b][t] - BEH[b][t] for t in toks), is_mode, is_lo, is_hi
+            )
+            is_units.append((seq_w, seq_out))
 
         def ratio_terms(s: float, a: float = a) -> tuple[float, dict[str, float]]:
             for k in kinks:
@@ -166,22 +207,21 @@ def _reference(
                 pg, unit = ratio_terms(logp[b][t] - OLD[b][t])
                 units.append(unit)
             else:
-                pg = seq_pg
-            w = 1.0
+                pg, unit = seq_pg, seq_unit
             log_w = OLD[b][t] - BEH[b][t]
-            if tis_cap is not None:
-                w = min(math.exp(log_w), tis_cap)
-                tis_capped.append(float(math.exp(log_w) > tis_cap))
+            if is_mode.startswith("token"):
+                w, out = _importance_weight(log_w, is_mode, is_lo, is_hi)
+                is_units.append((w, out))
             else:
-                tis_capped.append(0.0)
-            tis_w.append(w)
+                w = seq_w
             gaps.append(abs(log_w))
             d = REF[b][t] - logp[b][t]
             kl = {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[estimator]
             kls.append(kl)
             ents.append(ENT[b][t])
             pg_row.append(w * pg)
-            kl_row.append(beta * kl)
+            # TRL's bias-corrected KL: times the policy ratio (after the log-ratio clamp).
+            kl_row.append(beta * kl * (unit["ratio"] if kl_corrected else 1.0))
             ent_row.append(-alpha * ENT[b][t])
         pg_rows.append(pg_row)
         kl_rows.append(kl_row)
@@ -190,6 +230,7 @@ def _reference(
     n_tok = sum(LENGTHS)
 
     def aggregate(rows: list[list[float]]) -> float:
+        """The loss type's normaliser (TRL's), for a step of micro-batches like this one."""
         if loss_type == "grpo":
             return sum(sum(r) / max(len(r), 1) for r in rows) / n_seq
         total = sum(sum(r) for r in rows)
@@ -197,12 +238,14 @@ def _reference(
             return total / max(n_tok, 1)
         if loss_type == "dr_grpo":
             return total / (n_seq * MAX_LEN)
-        return total / N_ITEMS
+        return total / (N_ITEMS * g_steps / s_steps) * g_steps
 
+    # Metrics report each term times G; the returned loss is divided by G (see _run).
     out = {
         "loss_pg": aggregate(pg_rows),
         "loss_kl": aggregate(kl_rows),
-        "loss_entropy": aggregate(ent_rows),
+        # The entropy bonus is a token mean whatever the loss type (TRL).
+        "loss_entropy": sum(sum(r) for r in ent_rows) / max(n_tok, 1),
     }
     out["loss_total"] = out["loss_pg"] + out["loss_kl"] + out["loss_entropy"]
     out["ratio_mean"] = statistics.fmean(u["ratio"] for u in units)
@@ -212,9 +255,10 @@ def _reference(
     out["clip_frac"] = statistics.fmean(u["clip"] for u in units)
     out["ratio_cap_frac"] = statistics.fmean(u["cap"] for u in units)
     out["logratio_clamp_frac"] = statistics.fmean(u["clamp"] for u in units)
-    out["tis_cap_frac"] = statistics.fmean(tis_capped)
-    out["tis_weight_mean"] = statistics.fmean(tis_w)
-    out["is_ess"] = sum(tis_w) ** 2 / (len(tis_w) * sum(w * w for w in tis_w))
+    weights = [w for w, _ in is_units] or [1.0]
+    out["is_clip_frac"] = statistics.fmean(o for _, o in is_units) if is_units else 0.0
+    out["is_weight_mean"] = statistics.fmean(weights)
+    out["is_ess"] = sum(weights) ** 2 / (len(weights) * sum(w * w for w in weights))
     out["num_tokens"] = float(n_tok)
     out["kl"] = statistics.fmean(kls)
     out["entropy"] = statistics.fmean(ents)
@@ -232,6 +276,7 @@ def _run(
     loss_type: str,
     level: str,
     logp: torch.Tensor | None = None,
+    accumulation: tuple[int, int] = (1, 1),
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     config = GRPOLossConfig(
         loss_type=loss_type,
@@ -250,22 +295,27 @@ def _run(
         behaviour_logprobs=_t(BEH),
         entropy=_t(ENT),
         num_items_in_batch=N_ITEMS if loss_type == "dapo" else None,
+        accumulation_steps=accumulation[0],
+        steps_per_generation=accumulation[1],
     )
     return loss, metrics, logp
 
 
+@pytest.mark.parametrize("accumulation", ACCUMULATION)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_loss_metrics_and_gradient_match_float64_reference(
-    loss_type: str, level: str, scenario: str
+    loss_type: str, level: str, scenario: str, accumulation: tuple[int, int]
 ) -> None:
     settings = SCENARIOS[scenario]
-    loss, metrics, logp = _run(settings, loss_type, level)
-    expected = _reference(LOGP, settings, loss_type, level)
+    steps = accumulation[0]
+    loss, metrics, logp = _run(settings, loss_type, level, accumulation=accumulation)
+    expected = _reference(LOGP, settings, loss_type, level, accumulation)
 
     assert loss.dtype == torch.float64
-    assert loss.item() == pytest.approx(expected["loss_total"], rel=1e-12, abs=1e-14)
+    # The returned loss is what is back-propagated: one micro-batch's share of the step's loss.
+    assert loss.item() * steps == pytest.approx(expected["loss_total"], rel=1e-12, abs=1e-14)
     for key, value in expected.items():
         assert metrics[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
     assert all(isinstance(v, float) for v in metrics.values())
@@ -283,9 +333,9 @@ def test_loss_metrics_and_gradient_match_float64_reference(
             up[b][t] += h
             down[b][t] -= h
             fd = (
-                _reference(up, settings, loss_type, level)["loss_total"]
-                - _reference(down, settings, loss_type, level)["loss_total"]
-            ) / (2 * h)
+                _reference(up, settings, loss_type, level, accumulation)["loss_total"]
+                - _reference(down, settings, loss_type, level, accumulation)["loss_total"]
+            ) / (2 * h * steps)
             assert logp.grad[b, t].item() == pytest.approx(fd, rel=1e-6, abs=1e-9), (b, t)
 
 
@@ -294,7 +344,7 @@ def test_scenarios_exercise_every_clip_and_cap() -> None:
     _, m, _ = _run(SCENARIOS["everything"], "bnpo", "token")
     for key in ("clip_frac_low", "clip_frac_high", "ratio_cap_frac", "logratio_clamp_frac"):
         assert 0 < m[key] < 1, key
-    assert 0 < m["tis_cap_frac"] < 1 and m["is_ess"] < 1
+    assert 0 < m["is_clip_frac"] < 1 and m["is_ess"] < 1
     _, m, _ = _run(SCENARIOS["everything"], "grpo", "sequence")
     for key in ("clip_frac_low", "clip_frac_high", "ratio_cap_frac"):
         assert 0 < m[key] < 1, key
@@ -316,12 +366,18 @@ def test_on_policy_gradient_is_reinforce() -> None:
             want = -ADV[b] / (5 * LENGTHS[b]) if MASK[b][t] else 0.0
             assert logp.grad[b, t].item() == pytest.approx(want, rel=1e-12)
     assert metrics["ratio_mean"] == 1.0 and metrics["clip_frac"] == 0.0
-    assert metrics["is_ess"] == 1.0 and metrics["tis_cap_frac"] == 0.0
+    assert metrics["is_ess"] == 1.0 and metrics["is_clip_frac"] == 0.0
     assert "kl" not in metrics and "entropy" not in metrics and "logprob_mismatch" not in metrics
 
 
 def test_gradient_flows_only_through_logprobs_and_entropy() -> None:
-    config = GRPOLossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=1.5, epsilon_high=0.28)
+    config = GRPOLossConfig(
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        is_correction="token_truncate",
+        is_clip_max=1.5,
+        epsilon_high=0.28,
+    )
     logp = _t(LOGP, requires_grad=True)
     old, ref, beh, ent = (_t(x, requires_grad=True) for x in (OLD, REF, BEH, ENT))
     adv = torch.tensor(ADV, dtype=torch.float64, requires_grad=True)
@@ -332,15 +388,22 @@ def test_gradient_flows_only_through_logprobs_and_entropy() -> None:
     loss.backward()
     assert old.grad is None and ref.grad is None and beh.grad is None and adv.grad is None
     assert logp.grad is not None and torch.isfinite(logp.grad).all()
-    # The entropy bonus acts through entropy's gradient: -α / (B · n_b) per completion token.
+    # The entropy bonus acts through entropy's gradient: -α / (tokens in the micro-batch) per
+    # completion token, whatever the loss type (TRL's token mean).
     for b in range(5):
         for t in range(5):
-            want = -0.01 / (5 * LENGTHS[b]) if MASK[b][t] else 0.0
+            want = -0.01 / sum(LENGTHS) if MASK[b][t] else 0.0
             assert ent.grad[b, t].item() == pytest.approx(want, rel=1e-12)
 
 
 def test_padding_contents_never_reach_loss_or_gradient() -> None:
-    config = GRPOLossConfig(kl_coef=0.1, entropy_coef=0.01, tis_cap=1.5, loss_type="bnpo")
+    config = GRPOLossConfig(
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        is_correction="token_truncate",
+        is_clip_max=1.5,
+        loss_type="bnpo",
+    )
     pad = ~torch.tensor(MASK, dtype=torch.bool)
 
     def run(fill: float) -> tuple[float, torch.Tensor]:
@@ -391,11 +454,22 @@ def test_dapo_micro_batch_losses_sum_to_the_generation_batch_loss() -> None:
     mask = torch.tensor(mask)
     n = int(mask.sum())
     full, _ = grpo_loss(logp, old, adv, mask, config, num_items_in_batch=n)
-    parts = [
-        grpo_loss(logp[s], old[s], adv[s], mask[s], config, num_items_in_batch=n)[0]
-        for s in (slice(0, 2), slice(2, 5))
-    ]
-    assert (parts[0] + parts[1]).item() == pytest.approx(full.item(), rel=1e-12)
+    halves = (slice(0, 2), slice(2, 5))  # 8 and 5 completion tokens
+
+    def part(s: slice, steps: int) -> float:
+        loss, _ = grpo_loss(
+            logp[s], old[s], adv[s], mask[s], config, num_items_in_batch=n,
+            accumulation_steps=steps, steps_per_generation=2,
+        )  # fmt: skip
+        return loss.item()
+
+    # One optimizer step over both micro-batches: the parts add up to the whole batch's loss.
+    assert part(halves[0], 2) + part(halves[1], 2) == pytest.approx(full.item(), rel=1e-12)
+    # A step per micro-batch: each is normalised by the batch's tokens spread evenly over the
+    # steps (TRL: num_items_in_batch * G / steps_per_generation = 13 / 2), not by its own count.
+    for s in halves:
+        own = grpo_loss(logp[s], old[s], adv[s], mask[s], config, num_items_in_batch=n)[0]
+        assert part(s, 1) == pytest.approx(own.item() * n / (n / 2), rel=1e-12)
 
 
 def test_bf16_logprobs_are_computed_in_float32() -> None:
@@ -670,7 +744,9 @@ def test_token_function_errors(call, match: str) -> None:
         ({"entropy_coef": float("nan")}, "entropy_coef"),
         ({"is_ratio_max": 1.2, "epsilon_high": 0.28}, r"is_ratio_max .* 1 \+ epsilon_high"),
         ({"logratio_clamp": 0.0}, "logratio_clamp"),
-        ({"tis_cap": -2.0}, "tis_cap"),
+        ({"is_clip_max": -2.0}, "is_clip_max"),
+        ({"is_clip_min": 2.0, "is_clip_max": 1.5}, "is_clip_min"),
+        ({"is_correction": "token"}, "unknown is_correction"),
         ({"max_completion_length": 0}, "max_completion_length"),
     ],
 )
@@ -697,7 +773,13 @@ def _loss_inputs() -> dict:
         ({"config": GRPOLossConfig(loss_type="dapo"), "num_items_in_batch": 5}, "whole generation"),
         ({"config": GRPOLossConfig(kl_coef=0.1)}, "requires ref_logprobs"),
         ({"config": GRPOLossConfig(entropy_coef=0.1)}, "requires entropy"),
-        ({"config": GRPOLossConfig(tis_cap=2.0)}, "requires behaviour_logprobs"),
+        ({"config": GRPOLossConfig(is_correction="sequence_mask")}, "requires behaviour_logprobs"),
+        ({"accumulation_steps": 0}, "accumulation_steps must be a positive int"),
+        (
+            {"config": GRPOLossConfig(loss_type="dapo"), "num_items_in_batch": 6,
+             "accumulation_steps": 2},
+            "exceeds steps_per_generation",
+        ),
         (
             {"config": GRPOLossConfig(loss_type="dr_grpo", max_completion_length=2)},
             "more than max_completion_length",

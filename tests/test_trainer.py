@@ -20,6 +20,7 @@ from grail.inference.process import SyncResult
 from grail.records import validate_metrics
 from grail.rollouts import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
 from grail.train import trainer as trainer_module
+from grail.train.checkpoint import CheckpointRef
 from grail.train.loop import iteration_record
 from grail.train.trainer import Trainer, setup_torch
 
@@ -178,3 +179,27 @@ def test_the_trainer_warns_once_after_many_iterations_without_signal(
 def test_the_warning_names_the_likely_cause(rewards: list[list[float]], cause: str) -> None:
     message = trainer_module.no_signal_message(_batch(rewards), 10)
     assert cause in message and "never solves" not in message
+
+
+def test_adaptive_kl_adapts_after_each_step_is_recorded_and_resumes(tmp_path: Path) -> None:
+    """grail's controller: the reference is the initial policy, so the first steps measure a KL
+    far below the target and the coefficient falls by the rate per optimizer step (3 steps of 4
+    samples here); the record carries it, and a checkpoint restores it."""
+    cfg = _config()
+    cfg.train.kl_coef = 0.05
+    cfg.train.kl_target = 10.0
+    cfg.train.kl_adapt_rate = 2.0
+    cfg.train.kl_coef_min = 0.01
+    trainer = Trainer(cfg, setup_torch(cfg), resume_from=None)
+    metrics = trainer.update(_batch(SIGNAL))
+    assert metrics["optimizer_steps"] == 3.0
+    assert metrics["kl_coef"] == pytest.approx(max(0.05 / 2**3, 0.01))
+    assert trainer.kl_control is not None and trainer.kl_control.value == metrics["kl_coef"]
+
+    staged = trainer.stage_checkpoint(tmp_path, 0, None)
+    resumed = Trainer(cfg, setup_torch(cfg), resume_from=CheckpointRef(0, staged))
+    assert resumed.kl_control is not None and resumed.kl_control.value == metrics["kl_coef"]
+
+    fixed = _config()
+    fixed.train.kl_coef = 0.05
+    assert Trainer(fixed, setup_torch(fixed), None).update(_batch(SIGNAL))["kl_coef"] == 0.05

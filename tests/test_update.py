@@ -285,3 +285,38 @@ def test_an_empty_batch_is_refused_by_name(tiny_model_dir: Path) -> None:
     settings = UpdateSettings(GRPOLossConfig(), 1.0, batch_size=4, grad_accum_steps=1, grad_clip=1)
     with pytest.raises(ValueError, match="rollout batch with no samples"):
         _run_update(model, optimizer, scheduler, RolloutBatch([]), settings)
+
+
+def test_each_micro_batch_is_normalised_for_its_step_and_the_whole_batch(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's accumulation: every micro-batch's loss learns how many micro-batches its optimizer
+    step has (a remainder step has fewer), how many the batch has, and the batch's completion
+    tokens (dapo's normaliser); its loss is back-propagated as it is."""
+    torch.manual_seed(0)
+    model = load_model(tiny_model_dir)
+    seen: list[tuple[int, int, float]] = []
+    real = update.grpo_loss
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(
+            (kwargs["accumulation_steps"], kwargs["steps_per_generation"],
+             kwargs["num_items_in_batch"])
+        )  # fmt: skip
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(update, "grpo_loss", recorded)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    settings = UpdateSettings(
+        loss=GRPOLossConfig(loss_type="dapo", max_completion_length=4),
+        temperature=1.0,
+        batch_size=4,
+        grad_accum_steps=2,
+        grad_clip=1.0,
+    )
+    batch = _batch(5, 4, seed=2)  # 20 samples: micro-batches of 4 in steps of 2, 2 and 1
+    metrics = _run_update(model, optimizer, scheduler, batch, settings)
+    tokens = sum(len(s.completion_ids) for s in batch.samples)
+    assert seen == [(2, 5, tokens)] * 4 + [(1, 5, tokens)]
+    assert metrics["optimizer_steps"] == 3.0

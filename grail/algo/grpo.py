@@ -13,9 +13,9 @@ Notation (one micro-batch of B completions padded to T tokens):
     m[b,t]      1 on completion tokens, 0 on padding
     A[b]        advantage of completion b
 
-The per-token objective (minimised):
+The per-token objective (minimised), aggregated by ``loss_type`` as L_pg below:
 
-    ℓ[b,t] = w[b,t] · pg[b,t]  +  β · KL[b,t]  −  α · H[b,t]
+    ℓ[b,t] = w[b,t] · pg[b,t]  +  β · KL[b,t] · (ρ[b,t] if kl_bias_correction else 1)
 
     pg[b,t] = −min(ρ'·A[b], clip(ρ, 1 − ε, 1 + ε_high)·A[b])
     ρ       = exp(s),  s = logp − old per token ("token"), or the length-normalised sequence
@@ -23,22 +23,31 @@ The per-token objective (minimised):
               GSPO; TRL's ``log_importance_weights``); s is first clamped to [−c, c] when
               ``logratio_clamp`` = c is set
     ρ'      = min(ρ, δ) with δ = ``is_ratio_max`` (TRL's ``delta``, two-sided clipping), else ρ
-    w[b,t]  = min(exp(old − beh), tis_cap)   truncated importance sampling between the trainer's
-              "old" policy and the server's sampling policy (TRL's
-              ``vllm_importance_sampling_correction``); w = 1 when ``tis_cap`` is None
-    KL      = k1: logp − ref;  k2: ½(logp − ref)²;  k3: exp(ref − logp) − (ref − logp) − 1
-    H       = entropy of the current policy at that position
+    w[b,t]  importance sampling between the trainer's "old" policy and the server's sampling
+            policy (TRL's ``vllm_importance_sampling_mode``, ``is_correction`` here), from
+            d = m·(old − beh):  token_*: r = exp(d[b,t]);  sequence_*: r = exp(Σ_t d[b,t]) for
+            every token of b;  *_truncate: w = clamp(r, C_min, C_max);  *_mask: w = r inside
+            [C_min, C_max], 0 outside;  "none": w = 1.  C = ``is_clip_min``/``is_clip_max``
+    KL      = k1: logp − ref;  k2: ½(logp − ref)²;  k3: exp(ref − logp) − (ref − logp) − 1,
+              times ρ (before δ; it carries gradient, so even on-policy, where ρ = 1, the KL
+              gradient changes) when ``kl_bias_correction`` (TRL's ``use_bias_correction_kl``)
 
-and the loss aggregates ℓ over tokens by ``loss_type`` (TRL's normalisers):
+TRL's normalisers, for a micro-batch of B completions that is one of G in its optimizer step
+(G = ``accumulation_steps``, TRL's ``current_gradient_accumulation_steps``), the generation batch
+holding N completion tokens in S micro-batches (``num_items_in_batch``, ``steps_per_generation``):
 
-    grpo     L = 1/B · Σ_b [ Σ_t m·ℓ / max(Σ_t m, 1) ]     per-sequence mean, then mean
-    bnpo     L = Σ_{b,t} m·ℓ / max(Σ_{b,t} m, 1)            token mean over the micro-batch
-    dr_grpo  L = Σ_{b,t} m·ℓ / (B · max_completion_length)  no length normalisation
-    dapo     L = Σ_{b,t} m·ℓ / num_items_in_batch           token mean over the generation batch
+    grpo     L_pg = 1/B · Σ_b [ Σ_t m·ℓ / max(Σ_t m, 1) ] / G    per-sequence mean, then mean
+    bnpo     L_pg = Σ_{b,t} m·ℓ / max(Σ_{b,t} m, 1) / G           token mean over the micro-batch
+    dr_grpo  L_pg = Σ_{b,t} m·ℓ / (B · max_completion_length) / G  no length normalisation
+    dapo     L_pg = Σ_{b,t} m·ℓ / (N · G / S)                     N·G/S: the tokens of one
+             optimizer step's window when the generation batch's are spread evenly over it
 
-Gradient accumulation: TRL divides grpo/bnpo/dr_grpo by the number of accumulation steps but not
-dapo, whose ``num_items_in_batch`` already counts the tokens of the whole generation batch. The
-caller does the same: average grpo/bnpo/dr_grpo losses over micro-batches, sum dapo losses.
+and the entropy bonus, whatever the loss type (H: the current policy's per-token entropy):
+
+    L = L_pg − α · Σ_{b,t} m·H / max(Σ_{b,t} m, 1) / G
+
+The returned loss is this L: the caller back-propagates it as it is and steps the optimizer
+after the G micro-batches of the step.
 """
 
 from __future__ import annotations
@@ -51,7 +60,13 @@ from typing import TYPE_CHECKING, get_args
 import torch
 from torch import Tensor
 
-from grail.config import ImportanceSamplingLevel, KLEstimator, LossType, ScaleRewards
+from grail.config import (
+    ImportanceSamplingLevel,
+    ISCorrection,
+    KLEstimator,
+    LossType,
+    ScaleRewards,
+)
 
 if TYPE_CHECKING:
     from grail.config import Config
@@ -59,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "GRPOLossConfig",
+    "ISCorrection",
     "ImportanceSamplingLevel",
     "KLEstimator",
     "LossType",
@@ -387,13 +403,18 @@ class GRPOLossConfig:
     loss_type, importance_sampling_level, epsilon, epsilon_high: as TRL's GRPOConfig.
     kl_coef: β (TRL's ``beta``); ``ref_logprobs`` are required when > 0.
     kl_estimator: k1 | k2 | k3 (Schulman's estimators of KL(π_θ ‖ π_ref); TRL uses k3).
+    kl_bias_correction: multiply the KL term by the policy ratio ρ (TRL's
+        ``use_bias_correction_kl``, default True there and here).
     entropy_coef: α, weight of the entropy bonus; ``entropy`` is required when > 0.
     is_ratio_max: δ, cap on the unclipped ratio (TRL's ``delta``). It must exceed
         1 + epsilon_high, where it only ever bites on negative advantages (a token made far
         more likely although its completion was bad).
     logratio_clamp: c, clamp of the log importance weight to [−c, c] before exp; tokens beyond
         it get no policy gradient (a hard trust region that also keeps exp finite).
-    tis_cap: cap of the truncated importance weight exp(old − behaviour); None turns it off.
+    is_correction, is_clip_min, is_clip_max: importance sampling between the trainer's old
+        log-probs and the server's (TRL's ``vllm_importance_sampling_mode``,
+        ``vllm_importance_sampling_clip_min``/``_max``; "none" turns it off, a None bound is
+        open); ``behaviour_logprobs`` are required unless "none".
     max_completion_length: the dr_grpo normaliser (required for dr_grpo).
     """
 
@@ -403,10 +424,13 @@ class GRPOLossConfig:
     epsilon_high: float | None = None
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
+    kl_bias_correction: bool = True
     entropy_coef: float = 0.0
     is_ratio_max: float | None = None
     logratio_clamp: float | None = None
-    tis_cap: float | None = None
+    is_correction: ISCorrection = "none"
+    is_clip_min: float | None = None
+    is_clip_max: float | None = 3.0
     max_completion_length: int | None = None
 
     def __post_init__(self) -> None:
@@ -417,6 +441,7 @@ class GRPOLossConfig:
             get_args(ImportanceSamplingLevel),
         )
         _check_choice("kl_estimator", self.kl_estimator, get_args(KLEstimator))
+        _check_choice("is_correction", self.is_correction, get_args(ISCorrection))
 
         def positive(name: str, value: float | None) -> None:
             if value is None:
@@ -438,7 +463,11 @@ class GRPOLossConfig:
         non_negative("entropy_coef", self.entropy_coef)
         positive("is_ratio_max", self.is_ratio_max)
         positive("logratio_clamp", self.logratio_clamp)
-        positive("tis_cap", self.tis_cap)
+        positive("is_clip_min", self.is_clip_min)
+        positive("is_clip_max", self.is_clip_max)
+        lo, hi = self.is_clip_min, self.is_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(f"is_clip_min ({lo}) must be < is_clip_max ({hi})")
         if self.is_ratio_max is not None and self.is_ratio_max <= 1.0 + self.eps_high:
             raise ValueError(
                 f"is_ratio_max ({self.is_ratio_max}) must be > 1 + epsilon_high "
@@ -465,10 +494,13 @@ class GRPOLossConfig:
             epsilon_high=t.epsilon_high,
             kl_coef=t.kl_coef,
             kl_estimator=t.kl_estimator,  # type: ignore[arg-type]
+            kl_bias_correction=t.kl_bias_correction,
             is_ratio_max=t.is_ratio_max,
             logratio_clamp=t.logratio_clamp,
             entropy_coef=t.entropy_coef,
-            tis_cap=t.tis_cap,
+            is_correction=t.is_correction,  # type: ignore[arg-type]
+            is_clip_min=t.is_clip_min,
+            is_clip_max=t.is_clip_max,
             max_completion_length=cfg.generation.max_new_tokens,
         )
 
@@ -503,6 +535,8 @@ def grpo_loss(
     behaviour_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     num_items_in_batch: int | float | Tensor | None = None,
+    accumulation_steps: int = 1,
+    steps_per_generation: int = 1,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO loss of one micro-batch and its metrics (formulas in the module docstring).
 
@@ -515,25 +549,30 @@ def grpo_loss(
         ref_logprobs: [B, T] frozen reference log-probs; required when ``kl_coef > 0``, and
             used for the ``kl`` metric whenever given.
         behaviour_logprobs: [B, T] what the inference server reported when sampling; required
-            when ``tis_cap`` is set; feeds the ``logprob_mismatch`` metrics whenever given.
+            unless ``is_correction`` is "none"; feeds the ``logprob_mismatch`` metrics whenever
+            given.
         entropy: [B, T] per-token entropy; required when ``entropy_coef > 0``. Unlike the other
             inputs it is not detached: the bonus acts through its gradient.
         num_items_in_batch: completion tokens in the whole generation batch (dapo only, where
             it is required).
+        accumulation_steps: G, the micro-batches of this optimizer step (this one included).
+        steps_per_generation: S, the micro-batches of the generation batch (dapo only).
 
     Only ``logprobs`` (and ``entropy``) receive gradient: old, ref, behaviour and advantages
     are detached. Padding positions never matter, whatever they hold (NaN included).
 
     Metrics (plain floats): ``loss_total``, ``loss_pg``, ``loss_kl``, ``loss_entropy`` (each
-    term aggregated like the loss, so they sum to ``loss_total``), ``ratio_mean``, ``ratio_max``
-    (ρ after ``logratio_clamp``, before ``is_ratio_max``), ``clip_frac_low`` (ρ < 1 − ε and
-    A < 0), ``clip_frac_high`` (ρ > 1 + ε_high and A > 0), ``clip_frac`` (either),
-    ``ratio_cap_frac``, ``logratio_clamp_frac``, ``tis_cap_frac``, ``tis_weight_mean``,
-    ``is_ess`` ((Σw)² / (n Σw²) over completion tokens; 1.0 with TIS off), ``num_tokens``;
-    ``kl`` when ``ref_logprobs`` is given, ``entropy`` when ``entropy`` is given,
-    ``logprob_mismatch`` and ``logprob_mismatch_max`` (|old − behaviour|) when
-    ``behaviour_logprobs`` is given. Ratio and clip fractions are over completion tokens at
-    token level and over sequences at sequence level, as TRL reports them.
+    term of the returned loss times G, the loss of a step made of micro-batches like this one;
+    they sum to ``loss_total``), ``ratio_mean``, ``ratio_max`` (ρ after ``logratio_clamp``,
+    before ``is_ratio_max``), ``clip_frac_low`` (ρ < 1 − ε and A < 0), ``clip_frac_high``
+    (ρ > 1 + ε_high and A > 0), ``clip_frac`` (either), ``ratio_cap_frac``,
+    ``logratio_clamp_frac``, ``is_clip_frac`` (importance ratios truncated or masked),
+    ``is_weight_mean``, ``is_ess`` ((Σw)² / (n Σw²); 1.0 with the correction off),
+    ``num_tokens``; ``kl`` (the estimator, without the bias correction) when ``ref_logprobs``
+    is given, ``entropy`` when ``entropy`` is given, ``logprob_mismatch`` and
+    ``logprob_mismatch_max`` (|old − behaviour|) when ``behaviour_logprobs`` is given. Ratio,
+    clip and importance-sampling fractions are over completion tokens at token level and over
+    sequences at sequence level, as TRL reports them.
     """
     if not isinstance(config, GRPOLossConfig):
         raise TypeError(f"config must be a GRPOLossConfig, got {type(config).__name__}")
@@ -577,8 +616,14 @@ def grpo_loss(
         raise ValueError(f"kl_coef = {config.kl_coef} > 0 requires ref_logprobs")
     if config.entropy_coef > 0 and entropy is None:
         raise ValueError(f"entropy_coef = {config.entropy_coef} > 0 requires entropy")
-    if config.tis_cap is not None and behaviour_logprobs is None:
-        raise ValueError(f"tis_cap = {config.tis_cap} requires behaviour_logprobs")
+    if config.is_correction != "none" and behaviour_logprobs is None:
+        raise ValueError(f"is_correction = {config.is_correction!r} requires behaviour_logprobs")
+    for name, count in (
+        ("accumulation_steps", accumulation_steps),
+        ("steps_per_generation", steps_per_generation),
+    ):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be a positive int, got {count!r}")
 
     # float32 at least (float64 stays float64): bf16 ratios of nearby log-probs are noise.
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -607,6 +652,12 @@ def grpo_loss(
                 f"num_items_in_batch ({n_items:g}) is smaller than the completion tokens in this "
                 f"micro-batch ({int(num_tokens)}); it must count the whole generation batch"
             )
+        if accumulation_steps > steps_per_generation:
+            raise ValueError(
+                f"accumulation_steps ({accumulation_steps}) exceeds steps_per_generation "
+                f"({steps_per_generation}): an optimizer step cannot span more micro-batches "
+                "than the generation batch has"
+            )
     if config.loss_type == "dr_grpo":
         longest = int(tokens_per_seq.max())
         if longest > config.max_completion_length:  # type: ignore[operator]
@@ -624,16 +675,18 @@ def grpo_loss(
     logp = clean(logprobs, grad=True)
     old = clean(old_logprobs)
     adv = advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
+    steps = accumulation_steps
 
     def aggregate(x: Tensor) -> Tensor:
+        """Σ m·x by the loss type's normaliser, accumulation included (module docstring)."""
         x = x.expand_as(m) * m
         if config.loss_type == "grpo":
-            return (x.sum(-1) / tokens_per_seq.clamp(min=1.0)).mean()
+            return (x.sum(-1) / tokens_per_seq.clamp(min=1.0)).mean() / steps
         if config.loss_type == "bnpo":
-            return x.sum() / num_tokens.clamp(min=1.0)
+            return x.sum() / num_tokens.clamp(min=1.0) / steps
         if config.loss_type == "dr_grpo":
-            return x.sum() / (batch * config.max_completion_length)  # type: ignore[operator]
-        return x.sum() / n_items  # dapo
+            return x.sum() / (batch * config.max_completion_length) / steps  # type: ignore[operator]
+        return x.sum() / (n_items * steps / steps_per_generation)  # dapo
 
     # Log importance weights: per token, or GSPO's length-normalised sequence log ratio.
     log_ratio = logp - old
@@ -648,7 +701,8 @@ def grpo_loss(
         clamped = torch.zeros_like(log_w, dtype=torch.bool)
 
     eps_low, eps_high = config.epsilon, config.eps_high
-    coef_1 = torch.exp(log_w)
+    policy_ratio = torch.exp(log_w)  # ρ, with its gradient (the KL bias correction uses it)
+    coef_1 = policy_ratio
     coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
     ratio = coef_1.detach()
     if config.is_ratio_max is not None:
@@ -658,15 +712,28 @@ def grpo_loss(
         capped = torch.zeros_like(ratio, dtype=torch.bool)
     pg = -torch.min(coef_1 * adv, coef_2 * adv)  # [B, T] or [B, 1]
 
-    if config.tis_cap is not None:
+    if config.is_correction != "none":
+        # TRL computes the log difference masked, with NaN (a token the server could not
+        # score) as 0; the sequence modes sum it (a product of token ratios, not a mean).
         beh = clean(behaviour_logprobs)  # type: ignore[arg-type]
-        tis_log = old - beh
-        tis_w = torch.clamp(torch.exp(tis_log), max=config.tis_cap)
-        tis_capped = tis_log > math.log(config.tis_cap)
-        pg = pg * tis_w
+        diff = torch.nan_to_num(old - beh, nan=0.0)
+        if config.is_correction.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)  # [B, 1]
+        raw = torch.exp(diff)
+        lo, hi = config.is_clip_min, config.is_clip_max
+        outside = torch.zeros_like(raw, dtype=torch.bool)
+        if lo is not None:
+            outside |= raw < lo
+        if hi is not None:
+            outside |= raw > hi
+        if config.is_correction.endswith("truncate"):
+            is_w = raw if lo is None and hi is None else torch.clamp(raw, min=lo, max=hi)
+        else:
+            is_w = raw.masked_fill(outside, 0.0)
+        pg = pg * is_w
     else:
-        tis_w = torch.ones_like(m)
-        tis_capped = torch.zeros_like(keep)
+        is_w = torch.ones_like(m[:, :1])
+        outside = torch.zeros_like(is_w, dtype=torch.bool)
 
     loss_pg = aggregate(pg)
     zero = logp.new_zeros(())
@@ -684,14 +751,17 @@ def grpo_loss(
             kl_tok = torch.exp(ref - cur) - (ref - cur) - 1.0
     loss_kl = zero
     if kl_tok is not None and config.kl_coef > 0:
-        loss_kl = config.kl_coef * aggregate(kl_tok)
+        kl_term = kl_tok * policy_ratio if config.kl_bias_correction else kl_tok
+        loss_kl = config.kl_coef * aggregate(kl_term)
 
     ent: Tensor | None = None
     if entropy is not None:
         ent = torch.where(keep, entropy.to(dtype), torch.zeros((), dtype=dtype, device=m.device))
     loss_entropy = zero
     if ent is not None and config.entropy_coef > 0:
-        loss_entropy = -config.entropy_coef * aggregate(ent)
+        # A token mean whatever the loss type (TRL): the bonus does not depend on how the
+        # policy term is normalised.
+        loss_entropy = -config.entropy_coef * (ent.sum() / num_tokens.clamp(min=1.0)) / steps
 
     loss = loss_pg + loss_kl + loss_entropy
 
@@ -726,23 +796,25 @@ def grpo_loss(
             "clip_frac",
             "ratio_cap_frac",
             "logratio_clamp_frac",
-            "tis_cap_frac",
-            "tis_weight_mean",
+            "is_clip_frac",
+            "is_weight_mean",
             "is_ess",
             "num_tokens",
         ]
-        # Normalised effective sample size of the TIS weights: 1 when all equal, 1/n when one
-        # token carries all the weight. Defined as 1 with no tokens or all-zero weights.
-        w_sum = (tis_w * m).sum()
-        w_sq = (tis_w * tis_w * m).sum()
+        # Normalised effective sample size of the importance weights (per token, or per sequence
+        # in the sequence modes): 1 when all equal, 1/n when one carries all the weight. Defined
+        # as 1 with nothing to weigh or all-zero weights.
+        units = m if is_w.shape[-1] != 1 else torch.ones_like(is_w)
+        w_sum = (is_w * units).sum()
+        w_sq = (is_w * is_w * units).sum()
         ess = torch.where(
-            w_sq > 0, w_sum * w_sum / (num_tokens * w_sq).clamp(min=1e-30), torch.ones_like(w_sq)
+            w_sq > 0, w_sum * w_sum / (units.sum() * w_sq).clamp(min=1e-30), torch.ones_like(w_sq)
         ).clamp(max=1.0)
         values = [
-            loss.detach(),
-            loss_pg.detach(),
-            loss_kl.detach(),
-            loss_entropy.detach(),
+            loss.detach() * steps,
+            loss_pg.detach() * steps,
+            loss_kl.detach() * steps,
+            loss_entropy.detach() * steps,
             unit_mean(ratio),
             masked_max(ratio),
             unit_mean(low),
@@ -750,8 +822,8 @@ def grpo_loss(
             unit_mean(low | high),
             unit_mean(capped),
             unit_mean(clamped),
-            token_mean(tis_capped),
-            token_mean(tis_w),
+            unit_mean(outside),
+            unit_mean(is_w),
             ess,
             num_tokens,
         ]

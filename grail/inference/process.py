@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Self, TypeVar, get_args
 
 import httpx
 
-from grail.config import WeightSyncMode
+from grail.config import WeightSyncMode, prefer_passive_openmp
 from grail.inference import os_process
 
 logger = logging.getLogger(__name__)
@@ -272,6 +272,7 @@ class ServerManager(ABC):
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
             env["MKL_NUM_THREADS"] = str(self.threads)
+            prefer_passive_openmp(env)
         env["PYTHONUNBUFFERED"] = "1"  # so the log tail is current when we report a failure
         env["TOKENIZERS_PARALLELISM"] = "false"
         env.update(self.extra_env())

@@ -43,6 +43,7 @@ from grail.config import (
     ConfigError,
     UserError,
     available_cores,
+    prefer_passive_openmp,
     validate,
 )
 from grail.records import (
@@ -65,6 +66,9 @@ from grail.sweep import (
 )
 
 ConfigStore.instance().store(name="offline_grpo_schema", node=Config)
+# Before torch loads (this module imports it only inside the run): threads that sleep when they
+# wait, so the run degrades gracefully on a machine other jobs share.
+prefer_passive_openmp(os.environ)
 
 _PACKAGED_CONF = Path(__file__).resolve().parents[1] / "conf"  # inside a built wheel
 _SOURCE_CONF = Path(__file__).resolve().parents[2] / "conf"  # in a checkout (editable install)

@@ -15,6 +15,7 @@ import transformers
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
+from grail.algo.kl_control import AdaptiveKL
 from grail.config import Config, cpu_threads, gpu_placement
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.tiny import resolve_model
@@ -130,12 +131,20 @@ class Trainer:
         # Iterations in a row (in this process) whose groups all had zero reward variance.
         self.no_signal_streak = 0
         self._warned_no_signal = False
+        t = cfg.train
+        self.kl_control = (
+            None
+            if t.kl_target is None
+            else AdaptiveKL(t.kl_coef, t.kl_target, t.kl_adapt_rate, t.kl_coef_min, t.kl_coef_max)
+        )
         if resume_from is not None:
             state = load_trainer_state(resume_from.path)
             optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
             self.start_iteration = state["iteration"] + 1
+            if self.kl_control is not None and "kl_coef" in state:
+                self.kl_control.value = float(state["kl_coef"])
             if cfg.train.pipeline:
                 self.pending_rollouts = state.get("pending_rollouts")
             log.info("resuming after iteration %d from %s", state["iteration"], resume_from.path)
@@ -164,6 +173,7 @@ class Trainer:
             backward=accelerator.backward,
             clip_grad_norm=lambda c: accelerator.clip_grad_norm_(self.model.parameters(), c),
             on_microbatch_done=None if on_progress is None else lambda: on_progress(1),
+            kl_control=self.kl_control,
         )
         self._watch_signal(batch)
         return metrics
@@ -200,5 +210,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
                 "pending_rollouts": pending,
+                # The adaptive KL coefficient (None when fixed: the config has it).
+                "kl_coef": None if self.kl_control is None else self.kl_control.value,
             },
         )

@@ -21,7 +21,7 @@ iteration makes a single optimizer step they are the current log-probabilities d
 exactly on-policy); when it makes several, they are computed once before the first step, except
 for the first step's own micro-batches, which still see the old policy when they train, so their
 detached log-probabilities are the old ones and the extra forward pass is skipped.
-The server's behaviour log-probabilities feed the truncated importance-sampling weight and the
+The server's behaviour log-probabilities feed the importance-sampling correction and the
 mismatch metric (grpo.py).
 
 A batch in which every advantage is exactly 0 (every group's rewards were equal) carries no
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +45,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 from grail.algo.grpo import GRPOLossConfig, grpo_loss, token_entropy, token_logprobs
+from grail.algo.kl_control import AdaptiveKL
 from grail.rollouts import RolloutBatch, Sample
 
 if TYPE_CHECKING:
@@ -232,8 +233,8 @@ _UNMEASURED_METRICS = (
     "ratio_max",
     "ratio_cap_frac",
     "logratio_clamp_frac",
-    "tis_cap_frac",
-    "tis_weight_mean",
+    "is_clip_frac",
+    "is_weight_mean",
     "is_ess",
     "entropy",
     "logprob_mismatch",
@@ -270,6 +271,7 @@ def policy_update(
     backward: Callable[[Tensor], None],
     clip_grad_norm: Callable[[float], Tensor],
     on_microbatch_done: Callable[[], None] | None = None,
+    kl_control: AdaptiveKL | None = None,
 ) -> dict[str, float | bool | None]:
     """Train one pass over `batch`; returns the iteration's training metrics.
 
@@ -277,7 +279,8 @@ def policy_update(
     optimizer steps every `grad_accum_steps` micro-batches and once more on a remainder.
     Non-finite gradient norms skip the step and are counted. A batch that carries no gradient
     (`carries_no_gradient`) skips the forward and backward passes, not the steps (module
-    docstring).
+    docstring). With `kl_control` each step uses its coefficient, and it adapts to the step's
+    measured KL after the step; `kl_coef` in the metrics is the coefficient after the batch.
     """
     if not batch.samples:
         raise ValueError("policy_update got a rollout batch with no samples")
@@ -316,8 +319,12 @@ def policy_update(
     grad_norms: list[float] = []
     skipped = 0
     index = 0
+    tokens_in_batch = sum(mb.num_tokens for mb in packed)
+    loss_config = settings.loss
     for step in steps:
-        tokens_in_step = sum(mb.num_tokens for mb in step)
+        if kl_control is not None:
+            loss_config = replace(settings.loss, kl_coef=kl_control.value)
+        step_kl: list[tuple[float, float]] = []  # (kl, tokens) per micro-batch
         for mb in step:
             logits = completion_logits(model, mb)
             logprobs = token_logprobs(logits, mb.completion_ids, temperature)
@@ -332,17 +339,19 @@ def policy_update(
                 logprobs.detach() if old is None else old,
                 mb.advantages,
                 mb.completion_mask,
-                settings.loss,
+                loss_config,
                 ref_logprobs=ref_logprobs[index],
                 behaviour_logprobs=mb.behaviour_logprobs,
                 entropy=entropy,
-                num_items_in_batch=tokens_in_step,
+                num_items_in_batch=tokens_in_batch,
+                accumulation_steps=len(step),
+                steps_per_generation=len(packed),
             )
-            # TRL's accumulation rule: dapo is already normalised by the step's token count.
-            scale = 1.0 if settings.loss.loss_type == "dapo" else 1.0 / len(step)
-            backward(loss * scale)
+            backward(loss)  # normalised for the accumulation as TRL does (grpo.py)
             metrics.append(m)
             weights.append(float(mb.num_tokens))
+            if "kl" in m:
+                step_kl.append((m["kl"], float(mb.num_tokens)))
             index += 1
             if on_microbatch_done is not None:
                 on_microbatch_done()
@@ -351,12 +360,16 @@ def policy_update(
             grad_norms.append(grad_norm)
         else:
             skipped += 1
+        if kl_control is not None and step_kl and math.isfinite(grad_norm):
+            tokens = sum(n for _, n in step_kl) or 1.0
+            kl_control.update(sum(kl * n for kl, n in step_kl) / tokens)
 
     result: dict[str, float | bool | None] = {**_merge(metrics, weights)}
     result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     result["optimizer_steps"] = float(len(steps) - skipped)
     result["skipped_steps"] = float(skipped)
     result["update_skipped"] = False
+    result["kl_coef"] = settings.loss.kl_coef if kl_control is None else kl_control.value
     return result
 
 
@@ -390,4 +403,5 @@ def _zero_gradient_update(
     result["optimizer_steps"] = float(num_steps)
     result["skipped_steps"] = 0.0
     result["update_skipped"] = True
+    result["kl_coef"] = settings.loss.kl_coef  # KL off: a skipped update never adapts it
     return result
