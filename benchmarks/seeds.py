@@ -83,8 +83,13 @@ def main() -> int:
         f"held-out success over seeds ({' '.join(args.overrides) or 'the default job'})",
         ["seed", "final iteration", "final success", "best success", "wall s"],
         [
-            [r["seed"], r["final_iteration"], f"{r['final_success']:.3f}",
-             f"{r['best_success']:.3f}", f"{r['wall_time_s']:.0f}"]
+            [
+                r["seed"],
+                r["final_iteration"],
+                f"{r['final_success']:.3f}",
+                f"{r['best_success']:.3f}",
+                f"{r['wall_time_s']:.0f}",
+            ]
             for r in rows
         ],  # fmt: skip
     )

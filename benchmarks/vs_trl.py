@@ -38,7 +38,8 @@ How the workloads were made equal (TRL's name in brackets where it differs):
   top-k off [top_k=0], no repetition penalty, no min_p.
 - Objective: the same loss_type (default dapo), epsilon 0.2 (epsilon_high = epsilon), token-level
   importance sampling, rewards scaled by the group std [scale_rewards="group"], beta = 0 (no
-  reference model in either), no entropy bonus, truncated completions not masked.
+  reference model in either), no entropy bonus, truncated completions not masked, no
+  importance-sampling correction (TRL applies it only when vLLM generates).
 - Optimisation: exactly one AdamW step per iteration in both. Ours: train.batch_size = M (the
   micro-batch) and train.grad_accum_steps = P·G / M. TRL: per_device_train_batch_size = M,
   gradient_accumulation_steps = P·G / M, steps_per_generation = that too (TRL's default) and
@@ -224,6 +225,7 @@ def ours_overrides(w: Workload, arm: str, model_dir: str) -> list[str]:
         "train.kl_coef=0.0",
         "train.entropy_coef=0.0",
         "train.scale_rewards=group",
+        "train.is_correction=none",  # TRL corrects only with vLLM generating (use_vllm)
         f"train.batch_size={w.micro_batch}",
         f"train.grad_accum_steps={w.grad_accum_steps}",
         "train.warmup_steps=0",

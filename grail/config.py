@@ -134,7 +134,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    loss_type: str = "grpo"  # grpo | bnpo | dr_grpo | dapo
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default: dapo)
     importance_sampling_level: str = "token"  # token | sequence
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -142,9 +142,10 @@ class TrainConfig:
     # Importance sampling between the trainer's and the server's log-probabilities (grpo.py):
     # none | token_truncate | token_mask | sequence_truncate | sequence_mask, with the ratio clipped
     # (truncate) or zeroed (mask) outside [is_clip_min, is_clip_max]; null bounds are open.
-    is_correction: str = "token_truncate"
+    # TRL's defaults (docs/objective.md).
+    is_correction: str = "sequence_mask"
     is_clip_min: float | None = None
-    is_clip_max: float | None = 2.0
+    is_clip_max: float | None = 3.0
     kl_bias_correction: bool = True  # KL term times the policy ratio (TRL's use_bias_correction_kl)
     # Adaptive KL (grail/algo/kl_control.py): with kl_target set, the coefficient starts at kl_coef
     # and after each optimizer step moves by kl_adapt_rate towards a per-token KL of kl_target,

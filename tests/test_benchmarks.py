@@ -269,6 +269,7 @@ def test_vs_trl_both_sides_are_configured_alike(arm: str) -> None:
     assert cfg.train.loss_type == trl["loss_type"] == "bnpo"
     assert cfg.train.epsilon == trl["epsilon"] and cfg.train.epsilon_high is trl["epsilon_high"]
     assert cfg.train.kl_coef == trl["beta"] == 0.0
+    assert cfg.train.is_correction == "none" and not trl.get("use_vllm", False)
     assert cfg.train.scale_rewards == trl["scale_rewards"] == "group"
     assert cfg.train.lr == trl["learning_rate"] == 3e-3
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (trl["adam_beta1"], trl["adam_beta2"])
