@@ -177,6 +177,11 @@ class DataConfig:
     rollouts_per_problem: int = 8
     train_seed_start: int = 0
     num_train_seeds: int = 100_000
+    # DAPO's dynamic sampling: leave out groups whose rewards are all equal (no learning signal)
+    # and generate more problems until the batch holds problems_per_iteration informative
+    # groups, in at most max_resample_rounds extra rounds per iteration (grail/rollouts.py).
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 3
 
 
 @dataclass
@@ -352,6 +357,10 @@ def validate(cfg: Config) -> None:
             f"({cfg.train.epsilon})"
         )
 
+    if cfg.data.max_resample_rounds < 0:
+        raise ConfigError(
+            f"data.max_resample_rounds must be >= 0, got {cfg.data.max_resample_rounds}"
+        )
     if cfg.data.rollouts_per_problem < 2:
         raise ConfigError(
             f"data.rollouts_per_problem must be >= 2 (GRPO compares samples within a group), "

@@ -15,7 +15,8 @@ groups.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -81,6 +82,61 @@ class GeneratedBatch:
     generation_s: float
     started: float = 0.0  # time.perf_counter() interval, for overlap accounting
     finished: float = 0.0
+    resampling: Resampling | None = None  # dynamic sampling (data.dynamic_sampling) only
+
+
+@dataclass(frozen=True)
+class Resampling:
+    """What dynamic sampling did for one batch (recorded as `dynamic_sampling`)."""
+
+    extra_rounds: int  # generation rounds after the first
+    generated_groups: int  # problems generated in all rounds
+    dropped_groups: int  # generated but not in the batch: tied rewards, or beyond the batch size
+    kept_groups: int  # groups in the batch
+
+
+def informative(group: Group) -> bool:
+    """A group whose rewards are not all equal: the only kind that carries a policy gradient."""
+    rewards = group.rewards
+    return max(rewards) != min(rewards)
+
+
+async def fill_informative(
+    first: list[Group],
+    wanted: int,
+    generate_more: Callable[[int, int], Awaitable[list[Group]]],
+    max_extra_rounds: int,
+) -> tuple[list[Group], Resampling]:
+    """DAPO's dynamic sampling: keep the groups of `first` whose rewards differ and generate more
+    problems, `generate_more(round, count)` for rounds 1, 2, ... at most `max_extra_rounds`,
+    until `wanted` informative groups are in hand; the first `wanted` of them, in the order they
+    came. Each round asks for the shortfall divided by the informative fraction seen so far
+    (at most `wanted` problems), so a task where half the groups are informative closes the gap
+    in about one round. When the rounds run out, the batch holds the informative groups found
+    (fewer than `wanted`); when there is none at all, the first round's groups (an update on
+    them changes nothing and is skipped as such)."""
+    kept = [g for g in first if informative(g)]
+    generated, rounds = len(first), 0
+    while len(kept) < wanted and rounds < max_extra_rounds:
+        rounds += 1
+        rate = max(len(kept) / generated, 1.0 / wanted)
+        count = min(wanted, math.ceil((wanted - len(kept)) / rate))
+        more = await generate_more(rounds, count)
+        generated += len(more)
+        kept += [g for g in more if informative(g)]
+    groups = kept[:wanted] if kept else first
+    return groups, Resampling(rounds, generated, generated - len(groups), len(groups))
+
+
+def assign_advantages(groups: list[Group], scale_rewards: ScaleRewards) -> dict[str, float]:
+    """Set every sample's group-relative advantage (grail/algo/grpo.py); the batch's advantage
+    statistics."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+    advantages, stats = compute_advantages(rewards, scale_rewards)
+    for group, row in zip(groups, advantages.tolist(), strict=True):
+        for sample, advantage in zip(group.samples, row, strict=True):
+            sample.advantage = float(advantage)
+    return stats
 
 
 @dataclass(frozen=True)
@@ -180,6 +236,22 @@ class RolloutGenerator:
         """Generate, score and compute advantages for `replicas` samples of each problem seed;
         `on_progress(k)` is told as k more problems are done. Groups keep the order of
         `problem_seeds`."""
+        groups = await self.generate_groups(
+            problem_seeds, replicas, round_index=round_index, on_progress=on_progress
+        )
+        # A single sample has no group baseline (evaluation at pass@1): no advantages.
+        stats = assign_advantages(groups, self.scale_rewards) if replicas > 1 else {}
+        return RolloutBatch(groups=groups, advantage_stats=stats)
+
+    async def generate_groups(
+        self,
+        problem_seeds: Sequence[int],
+        replicas: int,
+        *,
+        round_index: int = 0,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Group]:
+        """`generate` without the advantages: the scored groups."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         problems = [self.env.problem(int(seed)) for seed in problem_seeds]
@@ -211,12 +283,4 @@ class RolloutGenerator:
                 for c, s in zip(completions, scores, strict=True)
             ]
             groups.append(Group(problem=problem, prompt_ids=ids, samples=samples))
-
-        stats: dict[str, float] = {}
-        if replicas > 1:  # a single sample has no group baseline (evaluation at pass@1)
-            rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-            advantages, stats = compute_advantages(rewards, self.scale_rewards)
-            for group, row in zip(groups, advantages.tolist(), strict=True):
-                for sample, advantage in zip(group.samples, row, strict=True):
-                    sample.advantage = float(advantage)
-        return RolloutBatch(groups=groups, advantage_stats=stats)
+        return groups

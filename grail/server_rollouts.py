@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -41,7 +42,15 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.process import ServerManager, call_with_recovery
 from grail.records import iteration_name
-from grail.rollouts import GeneratedBatch, RolloutBatch, RolloutGenerator, WeightSync
+from grail.rollouts import (
+    GeneratedBatch,
+    Group,
+    RolloutBatch,
+    RolloutGenerator,
+    WeightSync,
+    assign_advantages,
+    fill_informative,
+)
 
 if TYPE_CHECKING:
     from grail.config import Config
@@ -125,6 +134,27 @@ def iteration_seeds(cfg: Config, iteration: int) -> list[int]:
     per_iter, pool = cfg.data.problems_per_iteration, cfg.data.num_train_seeds
     start = iteration * per_iter
     return [cfg.data.train_seed_start + (start + i) % pool for i in range(per_iter)]
+
+
+def resample_seeds(
+    cfg: Config, iteration: int, round_number: int, count: int, used: set[int]
+) -> list[int]:
+    """`count` more training problem seeds for dynamic sampling's extra round `round_number` of
+    `iteration`: drawn from the training pool by a hash of (seed, iteration, round, k), so a run
+    and its resumption draw the same ones, skipping seeds in `used` (this iteration's so far,
+    to which they are added) unless the pool is too small to avoid them."""
+    start, pool = cfg.data.train_seed_start, cfg.data.num_train_seeds
+    drawn: list[int] = []
+    for k in range(count * 16 + 64):
+        if len(drawn) == count:
+            break
+        key = f"resample:{cfg.seed}:{iteration}:{round_number}:{k}".encode()
+        digest = hashlib.blake2b(key, digest_size=8).digest()
+        seed = start + int.from_bytes(digest, "little") % pool
+        if seed not in used or len(used) >= pool:
+            used.add(seed)
+            drawn.append(seed)
+    return drawn
 
 
 def eval_seeds(cfg: Config) -> list[int]:
@@ -268,15 +298,41 @@ class ServerRollouts:
     # -- generation -------------------------------------------------------------------------------
 
     async def _training_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:
-        assert self._generator is not None, "use ServerRollouts as a context manager"
+        generator = self._generator
+        assert generator is not None, "use ServerRollouts as a context manager"
+        data = self.cfg.data
         seeds = iteration_seeds(self.cfg, iteration)
-        advance = self._progress(f"iter {iteration:03d} generate", len(seeds))
         started = time.perf_counter()
-        batch = await self._generator.generate(
-            seeds, self.cfg.data.rollouts_per_problem, round_index=iteration, on_progress=advance
-        )
+
+        async def generate(problem_seeds: list[int], what: str) -> list[Group]:
+            advance = self._progress(f"iter {iteration:03d} {what}", len(problem_seeds))
+            return await generator.generate_groups(
+                problem_seeds, data.rollouts_per_problem, round_index=iteration,
+                on_progress=advance,
+            )  # fmt: skip
+
+        groups = await generate(seeds, "generate")
+        resampling = None
+        if data.dynamic_sampling:
+            used = set(seeds)
+
+            async def more(round_number: int, count: int) -> list[Group]:
+                extra = resample_seeds(self.cfg, iteration, round_number, count, used)
+                return await generate(extra, f"resample {round_number}")
+
+            groups, resampling = await fill_informative(
+                groups, data.problems_per_iteration, more, data.max_resample_rounds
+            )
+        stats = assign_advantages(groups, self.cfg.train.scale_rewards)  # type: ignore[arg-type]
         finished = time.perf_counter()
-        return GeneratedBatch(batch, policy_version, finished - started, started, finished)
+        return GeneratedBatch(
+            RolloutBatch(groups, stats),
+            policy_version,
+            finished - started,
+            started,
+            finished,
+            resampling=resampling,
+        )
 
     def _with_recovery(
         self,

@@ -73,3 +73,9 @@ def none_at_0(prompts: list[str], completions: list[str], **kwargs: Any) -> list
 
 def raises(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
     raise ZeroDivisionError("plugin bug")
+
+
+def even_length(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """1 for a completion of an even number of characters: two samples tie about half the time
+    (tests/test_server_rollouts.py, dynamic sampling)."""
+    return [float(len(c) % 2 == 0) for c in completions]

@@ -8,12 +8,24 @@ from pathlib import Path
 
 import pytest
 
+from grail.config import Config, DataConfig
 from grail.envs import make_env
+from grail.envs.base import Problem
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.models.loading import load_tokenizer
 from grail.models.tiny import ensure_tiny_model
-from grail.rollouts import RolloutGenerator, render_prompt_ids, request_seed
+from grail.rollouts import (
+    Group,
+    Resampling,
+    RolloutGenerator,
+    Sample,
+    fill_informative,
+    informative,
+    render_prompt_ids,
+    request_seed,
+)
+from grail.server_rollouts import resample_seeds
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +104,58 @@ def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
     )
     with pytest.raises(GenerationError, match="127.0.0.1"):
         asyncio.run(generator.generate([0], 2))
+
+
+def _group(seed: int, rewards: list[float]) -> Group:
+    samples = [Sample([1], [0.0], "stop", "", r, {}, False) for r in rewards]
+    return Group(Problem(seed, [], ""), [1], samples)
+
+
+def test_dynamic_sampling_fills_the_batch_with_informative_groups() -> None:
+    asked: list[tuple[int, int]] = []
+    pool = iter(range(100, 200))
+
+    async def more(round_number: int, count: int) -> list[Group]:
+        asked.append((round_number, count))
+        # every other new problem has signal
+        return [_group(next(pool), [0.0, float(i % 2)]) for i in range(count)]
+
+    first = [_group(i, [1.0, 1.0] if i % 4 else [0.0, 1.0]) for i in range(8)]  # 2 of 8 useful
+    groups, r = asyncio.run(fill_informative(first, 8, more, max_extra_rounds=3))
+    # 6 missing at a 1/4 hit rate: ask for 24, capped at the batch size 8 (4 useful); then
+    # 2 missing at 6/16: ask for 6 (3 useful)
+    assert asked == [(1, 8), (2, 6)]
+    assert [g.problem.seed for g in groups[:2]] == [0, 4]  # the first round's, in order
+    assert len(groups) == 8 and all(informative(g) for g in groups)
+    assert r == Resampling(extra_rounds=2, generated_groups=22, dropped_groups=14, kept_groups=8)
+
+
+def test_dynamic_sampling_stops_after_its_rounds() -> None:
+    async def nothing_useful(round_number: int, count: int) -> list[Group]:
+        return [_group(1000 + round_number, [0.5, 0.5]) for _ in range(count)]
+
+    tied = [_group(i, [0.0, 0.0]) for i in range(4)]
+    groups, r = asyncio.run(fill_informative(tied, 4, nothing_useful, max_extra_rounds=2))
+    assert groups == tied  # nothing informative anywhere: the first round's (no update)
+    assert (r.extra_rounds, r.generated_groups, r.kept_groups) == (2, 12, 4)
+
+    some = [_group(0, [0.0, 1.0])] + tied[1:]
+    groups, r = asyncio.run(fill_informative(some, 4, nothing_useful, max_extra_rounds=1))
+    assert [g.problem.seed for g in groups] == [0] and r.kept_groups == 1  # fewer, all useful
+    groups, r = asyncio.run(fill_informative(some, 4, nothing_useful, max_extra_rounds=0))
+    assert len(groups) == 1 and r.extra_rounds == 0
+
+
+def test_resampled_seeds_are_new_stable_and_from_the_training_pool() -> None:
+    cfg = Config(
+        data=DataConfig(environment="copy_digits", train_seed_start=50, num_train_seeds=40)
+    )
+    used = set(range(50, 60))
+    seeds = resample_seeds(cfg, 3, 1, 12, used)
+    assert len(seeds) == len(set(seeds)) == 12
+    assert all(50 <= s < 90 and s not in range(50, 60) for s in seeds)
+    assert used == set(range(50, 60)) | set(seeds)
+    assert resample_seeds(cfg, 3, 1, 12, set(range(50, 60))) == seeds  # stable
+    assert resample_seeds(cfg, 3, 2, 12, set(range(50, 60))) != seeds  # another round
+    tiny = Config(data=DataConfig(environment="copy_digits", num_train_seeds=3))
+    assert len(resample_seeds(tiny, 0, 1, 5, {0, 1, 2})) == 5  # a pool too small repeats

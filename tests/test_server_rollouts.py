@@ -14,6 +14,7 @@ import pytest
 
 from grail.config import Config, DataConfig, EvalConfig, GenerationConfig, TrainConfig
 from grail.envs import make_env
+from grail.envs.rewards import RewardFunctions
 from grail.inference.backends import server_manager_from_config
 from grail.models.loading import load_tokenizer
 from grail.rollouts import GeneratedBatch
@@ -31,12 +32,16 @@ def _config(pipeline: bool = False, iterations: int = 3) -> Config:
     )
 
 
-def _source(cfg: Config, tiny_model_dir: Path, run_dir: Path) -> ServerRollouts:
+def _source(
+    cfg: Config, tiny_model_dir: Path, run_dir: Path, rewards: RewardFunctions | None = None
+) -> ServerRollouts:
     weights = run_dir / "weights"
     shutil.copytree(tiny_model_dir, weights)
     env = make_env("copy_digits")
     server = server_manager_from_config(cfg, weights, run_dir, cuda_available=False)
-    return ServerRollouts(cfg, server, env, env, load_tokenizer(str(weights)))
+    return ServerRollouts(
+        cfg, server, env, env, load_tokenizer(str(weights)), extra_rewards=rewards
+    )
 
 
 def _same_weights(directory: Path) -> None:
@@ -132,3 +137,34 @@ def test_leaving_while_a_batch_generates_stops_it_and_the_server(
     assert pid is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
+
+
+def test_dynamic_sampling_trains_on_groups_with_signal_only(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """DAPO's dynamic sampling: the batch keeps the first round's informative groups in order,
+    then those of extra problems (new seeds, never the iteration's own), and says what it
+    dropped. The untrained tiny model never copies the digit, so a reward for completions of
+    even length (two samples tie about half the time) makes some groups informative."""
+    cfg = _config()
+    cfg.data.rollouts_per_problem = 2
+    cfg.data.dynamic_sampling = True
+    cfg.data.max_resample_rounds = 3
+    rewards = RewardFunctions.from_specs(["reward_plugins:even_length"])
+    with _source(cfg, tiny_model_dir, tmp_path, rewards) as source:
+        batch = source.next_batch(0, policy_version=0)
+    r = batch.resampling
+    assert r is not None and r.dropped_groups > 0
+    groups = batch.batch.groups
+    assert all(max(g.rewards) != min(g.rewards) for g in groups)
+    assert r.kept_groups == len(groups) <= cfg.data.problems_per_iteration
+    assert r.generated_groups == r.kept_groups + r.dropped_groups
+    assert batch.batch.advantage_stats["zero_variance_group_frac"] == 0.0
+    own = iteration_seeds(cfg, 0)
+    seeds = [g.problem.seed for g in groups]
+    first_round = [s for s in seeds if s in own]
+    assert first_round == [s for s in own if s in first_round]  # in the iteration's order
+    assert seeds[: len(first_round)] == first_round  # before any extra problem
+    assert len(set(seeds)) == len(seeds)
+    if r.extra_rounds == 0:
+        assert len(groups) == cfg.data.problems_per_iteration

@@ -17,6 +17,7 @@ import math
 import shutil
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -365,6 +366,9 @@ def iteration_record(
         "lr": lr,
         "tokens_per_s": rollout["tokens"]["completion"] / rollouts.generation_s,
         "weight_sync": {"mode": sync.result.mode_used, "fell_back": sync.result.fell_back},
+        **(
+            {} if rollouts.resampling is None else {"dynamic_sampling": asdict(rollouts.resampling)}
+        ),
         "policy": {
             "version": rollouts.policy_version,
             "staleness": iteration - rollouts.policy_version,
