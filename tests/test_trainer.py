@@ -18,7 +18,7 @@ from grail.config import Config, DataConfig, GenerationConfig, TrainConfig
 from grail.envs import make_env
 from grail.inference.process import SyncResult
 from grail.records import validate_metrics
-from grail.rollouts import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
+from grail.rollouts import GeneratedBatch, Group, Resampling, RolloutBatch, Sample, WeightSync
 from grail.train import trainer as trainer_module
 from grail.train.checkpoint import CheckpointRef
 from grail.train.loop import iteration_record
@@ -63,6 +63,7 @@ def _batch(rewards: list[list[float]], seed: int = 0) -> RolloutBatch:
     return RolloutBatch(groups, stats)
 
 
+TIMINGS = ("generation_s", "train_s", "weight_sync_s", "eval_s", "checkpoint_s", "iteration_s")
 NO_SIGNAL = [[0.0] * 4] * 3  # nobody solves anything: every group has zero variance
 SIGNAL = [[0.0, 1.0, 0.0, 0.0], [0.0] * 4, [1.0] * 4]
 
@@ -121,14 +122,7 @@ def test_a_batch_without_signal_is_skipped_and_recorded_as_such() -> None:
         metrics,
         WeightSync(SyncResult(0.01, "in_place", fell_back=False), 0.02, 0.0),
         trainer.lr,
-        {
-            "generation_s": 0.5,
-            "train_s": 0.1,
-            "weight_sync_s": 0.02,
-            "eval_s": 0.0,
-            "checkpoint_s": 0.0,
-            "iteration_s": 0.7,
-        },
+        dict(zip(TIMINGS, (0.5, 0.1, 0.02, 0.0, 0.0, 0.7), strict=True)),
         pipelined=False,
     )
     validate_metrics(record, "train_iteration")
@@ -138,6 +132,16 @@ def test_a_batch_without_signal_is_skipped_and_recorded_as_such() -> None:
     metrics = trainer.update(_batch(SIGNAL), progress.append)
     assert forwards and metrics["update_skipped"] is False
     assert trainer.scheduler.last_epoch == 6
+    # A batch that dynamic sampling filled says what it took (data.dynamic_sampling).
+    resampled = GeneratedBatch(_batch(SIGNAL), 1, 0.5, resampling=Resampling(2, 9, 6, 3))
+    record = iteration_record(
+        1, resampled, metrics, WeightSync(SyncResult(0.01, "in_place", fell_back=False), 0.02, 0.0),
+        trainer.lr, dict.fromkeys(TIMINGS, 0.1), pipelined=False,
+    )  # fmt: skip
+    validate_metrics(record, "train_iteration")
+    assert record["dynamic_sampling"] == {
+        "extra_rounds": 2, "generated_groups": 9, "dropped_groups": 6, "kept_groups": 3
+    }  # fmt: skip
 
 
 def test_the_trainer_warns_once_after_many_iterations_without_signal(
