@@ -644,7 +644,7 @@ def test_results_do_not_depend_on_the_logits_layout(chunk_size: int) -> None:
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 9, 100])
 def test_row_blocks_cover_every_row_once_within_the_chunk_size(chunk_size: int) -> None:
-    from grail.algo.grpo import _row_blocks
+    from grail.algo.logprobs import _row_blocks
 
     x = torch.randn(5, 5, 3)[:, :-1]  # [5, 4, 3], not flattenable
     blocks = list(_row_blocks(x, chunk_size))

@@ -44,8 +44,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
-from grail.algo.grpo import GRPOLossConfig, grpo_loss, token_entropy, token_logprobs
+from grail.algo.grpo import GRPOLossConfig, grpo_loss
 from grail.algo.kl_control import AdaptiveKL
+from grail.algo.logprobs import token_entropy, token_logprobs
 from grail.rollouts import RolloutBatch, Sample
 
 if TYPE_CHECKING:
