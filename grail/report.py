@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -31,7 +32,23 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from grail.records import SUMMARY, metric_records, read_json
+from grail.records import SUMMARY, atomic_write_text, metric_records, read_json
+from grail.report_stats import (
+    ALPHA,
+    CI_METHOD,
+    CONFIDENCE,
+    DEFAULT_SEED,
+    METRICS,
+    TIE_METHOD,
+    WILCOXON_MIN_SEEDS,
+    SeedRun,
+    SettingStats,
+    group_by_setting,
+    mean_curve,
+    seed_of,
+    seed_run,
+    summarize,
+)
 from grail.runs import (
     distinguishing_overrides,
     find_runs,
@@ -411,6 +428,244 @@ def plot(runs: Sequence[RunReport], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# ---- statistics over seeds --------------------------------------------------------------------
+
+METRIC_HELP = {
+    "final": "held-out success rate at the last eval",
+    "best": "highest held-out success rate after training started",
+    "auc": "area under the eval curve: mean success rate over the evals after training started",
+}
+
+
+def seed_runs(runs: Sequence[RunReport]) -> list[SeedRun]:
+    """The runs as `grail.report_stats` sees them (their eval records read again)."""
+    return [
+        seed_run(r.name, r.overrides, r.status, metric_records(r.path, "eval"), r.error)
+        for r in runs
+    ]
+
+
+def seed_stats(
+    runs: Sequence[RunReport], metric: str
+) -> tuple[dict[str, list[SeedRun]], list[SettingStats]]:
+    """Runs grouped by setting (overrides minus seed), and each setting's statistics, best first."""
+    in_order = sorted(runs, key=lambda r: natural_key(r.name))  # seeds in job order
+    groups = group_by_setting(seed_runs(in_order), lambda r: r.overrides)
+    return groups, summarize(groups, metric)
+
+
+def _ci(s: SettingStats) -> str:
+    if s.interval.lo is None or s.interval.hi is None:
+        return "n/a"
+    return f"[{s.interval.lo:.3f}, {s.interval.hi:.3f}]"
+
+
+def _vs_best(s: SettingStats) -> str:
+    if s.is_best:
+        return "[bold]best[/]"
+    if s.tie is None:
+        return "–"
+    if s.tie.p is None:
+        return f"[yellow]tied ({s.tie.reason})[/]"
+    if s.tie.tied:
+        return f"[cyan]tied[/] p={s.tie.p:.3g}"
+    return f"worse p={s.tie.p:.3g}"
+
+
+def stats_captions(stats: Sequence[SettingStats], metric: str) -> list[str]:
+    """What the statistics table means: the metric, the interval's method, the test's."""
+    lines = [
+        f"metric {metric}: {METRIC_HELP[metric]}; only completed runs count.",
+        f"{CONFIDENCE:.0%} CI: {CI_METHOD} (n/a with one seed).",
+        f"tied with best: {TIE_METHOD}, two-sided, p >= {ALPHA:g}; "
+        "fewer than 2 shared seeds: n/a, counted as tied.",
+    ]
+    shared = [s.tie.n_shared for s in stats if s.tie is not None and s.tie.p is not None]
+    if any(n < WILCOXON_MIN_SEEDS for n in shared):
+        lines.append(
+            f"with fewer than {WILCOXON_MIN_SEEDS} shared seeds the smallest two-sided Wilcoxon "
+            "p is 2/2^n (0.0625 with 5), so such settings cannot be told apart from the best."
+        )
+    return lines
+
+
+def build_stats_table(stats: Sequence[SettingStats], metric: str, title: str) -> Table:
+    table = Table(
+        title=title,
+        title_justify="left",
+        caption="\n".join(escape(line) for line in stats_captions(stats, metric)),
+        caption_justify="left",
+    )
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("setting")
+    table.add_column("n", justify="right", no_wrap=True)
+    table.add_column(f"mean {metric}", justify="right", no_wrap=True)
+    table.add_column(f"{CONFIDENCE:.0%} CI", justify="right", no_wrap=True)
+    table.add_column("median", justify="right", no_wrap=True)
+    table.add_column("min", justify="right", no_wrap=True)
+    table.add_column("max", justify="right", no_wrap=True)
+    table.add_column("vs best")
+    table.add_column("not counted", no_wrap=True)
+    for s in stats:
+        left_out = [
+            f"{k} {v}" for k, v in (("failed", s.failed), ("incomplete", s.incomplete)) if v
+        ]
+        table.add_row(
+            str(s.rank) if s.rank else "–",
+            escape(s.label),
+            str(s.n),
+            _num(s.interval.mean),
+            _ci(s),
+            _num(s.median),
+            _num(s.min),
+            _num(s.max),
+            _vs_best(s),
+            ", ".join(left_out) or "–",
+        )
+    return table
+
+
+STATS_CSV_COLUMNS = (
+    "rank",
+    "setting",
+    "metric",
+    "n",
+    "mean",
+    "ci_lo",
+    "ci_hi",
+    "median",
+    "min",
+    "max",
+    "p_vs_best",
+    "tied_with_best",
+    "tie_reason",
+    "done",
+    "failed",
+    "incomplete",
+    "seeds",
+)
+RUNS_CSV_COLUMNS = ("setting", "seed", "status", "final", "best", "auc", "run", "error")
+
+
+def _csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if v is None else v for k, v in row.items()})
+    return buffer.getvalue()
+
+
+def stats_csv_text(stats: Sequence[SettingStats]) -> str:
+    """One row per setting (best first); confidence bounds empty with one seed, p empty for the
+    best setting and where no test could be made."""
+    rows = []
+    for s in stats:
+        rows.append(
+            {
+                "rank": s.rank or None,
+                "setting": s.label,
+                "metric": s.metric,
+                "n": s.n,
+                "mean": s.interval.mean,
+                "ci_lo": s.interval.lo,
+                "ci_hi": s.interval.hi,
+                "median": s.median,
+                "min": s.min,
+                "max": s.max,
+                "p_vs_best": s.tie.p if s.tie else None,
+                "tied_with_best": "best" if s.is_best else (s.tie.tied if s.tie else None),
+                "tie_reason": s.tie.reason if s.tie else None,
+                "done": s.done,
+                "failed": s.failed,
+                "incomplete": s.incomplete,
+                "seeds": " ".join(sorted(s.values_by_seed, key=natural_key)),
+            }
+        )
+    return _csv_text(STATS_CSV_COLUMNS, rows)
+
+
+def runs_csv_text(groups: dict[str, list[SeedRun]]) -> str:
+    """One row per run: its setting, seed, status and the three metrics."""
+    rows = [
+        {
+            "setting": label,
+            "seed": r.seed,
+            "status": r.status,
+            "final": r.final,
+            "best": r.best,
+            "auc": r.auc,
+            "run": r.name,
+            "error": r.error.splitlines()[0] if r.error else None,
+        }
+        for label, runs in groups.items()
+        for r in runs
+    ]
+    return _csv_text(RUNS_CSV_COLUMNS, rows)
+
+
+def plot_seeds(stats: Sequence[SettingStats], path: Path, title: str) -> None:
+    """Eval success rate over policy versions, one line per setting: the mean over its completed
+    seeds with a 95% Student t band (no band where only one seed has a point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(10, 6), constrained_layout=True)
+    colors = plt.get_cmap("tab10" if len(stats) <= 10 else "tab20").colors
+    for i, s in enumerate(stats):
+        points = mean_curve([r.curve for r in s.runs if r.status == "done"])
+        if not points:
+            continue
+        color = colors[i % len(colors)]
+        xs = [p.version for p in points]
+        ys = [p.interval.mean for p in points]
+        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=f"{s.label} (n={s.done})")
+        band = [p for p in points if p.interval.lo is not None and p.interval.hi is not None]
+        if band:
+            ax.fill_between(
+                [p.version for p in band],
+                [max(0.0, p.interval.lo) for p in band],  # type: ignore[arg-type]
+                [min(1.0, p.interval.hi) for p in band],  # type: ignore[arg-type]
+                color=color,
+                alpha=0.2,
+                linewidth=0,
+            )
+    ax.set_xlabel("policy version (updates applied)")
+    ax.set_ylabel(f"eval success rate: mean over seeds, {CONFIDENCE:.0%} CI ({CI_METHOD})")
+    ax.set_ylim(-0.03, 1.03)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8, frameon=False, title="setting (completed seeds)")
+    else:
+        ax.text(0.5, 0.5, "no completed run yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_seed_stats(
+    console: Console, groups: dict[str, list[SeedRun]], stats: Sequence[SettingStats], metric: str
+) -> None:
+    """The statistics table, then the runs it left out (failed, incomplete) by setting."""
+    title = f"statistics over seeds ({len(stats)} settings) — metric {metric}"
+    console.print(build_stats_table(stats, metric, title))
+    left_out = [(label, r) for label, runs in groups.items() for r in runs if r.status != "done"]
+    if left_out:
+        console.print(f"not in the statistics ({len(left_out)} runs):")
+        for label, r in left_out:
+            style = _STATUS_STYLE[r.status]
+            why = f": {escape(r.error.splitlines()[0])}" if r.error else ""
+            console.print(
+                f"  [{style}]{r.status}[/] {escape(r.name)} "
+                f"({escape(label)}, seed {escape(r.seed)}){why}"
+            )
+
+
 # ---- command line -----------------------------------------------------------------------------
 
 
@@ -436,6 +691,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="where summary.csv and report.png go (default: PATH)"
     )
+    parser.add_argument(
+        "--metric",
+        choices=METRICS,
+        default=None,
+        help="statistics over seeds of this metric, per setting (overrides minus seed): "
+        + "; ".join(f"{k}: {v}" for k, v in METRIC_HELP.items())
+        + " (default: auc; shown whenever a run has a seed override or a statistics option "
+        "is given)",
+    )
+    parser.add_argument(
+        "--csv", type=Path, default=None, help="write the statistics over seeds, one row a setting"
+    )
+    parser.add_argument(
+        "--runs-csv",
+        type=Path,
+        default=None,
+        help="write one row a run: setting, seed, status, final, best, auc",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write learning curves per setting (mean over seeds, 95%% CI band) to this PNG",
+    )
     args = parser.parse_args(argv)
 
     root: Path = args.path
@@ -456,6 +735,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_csv(runs, out / CSV_NAME)
     plot(runs, out / PNG_NAME, title)
     console.print(f"wrote {out / CSV_NAME} and {out / PNG_NAME}")
+
+    wanted = any(x is not None for x in (args.metric, args.csv, args.runs_csv, args.plot))
+    if wanted or any(seed_of(r.overrides) != DEFAULT_SEED for r in runs):
+        metric: str = args.metric or "auc"
+        groups, stats = seed_stats(runs, metric)
+        console.print()
+        print_seed_stats(console, groups, stats, metric)
+        written = []
+        if args.csv is not None:
+            atomic_write_text(args.csv, stats_csv_text(stats))
+            written.append(args.csv)
+        if args.runs_csv is not None:
+            atomic_write_text(args.runs_csv, runs_csv_text(groups))
+            written.append(args.runs_csv)
+        if args.plot is not None:
+            plot_seeds(stats, args.plot, f"{root} — {metric} over seeds")
+            written.append(args.plot)
+        if written:
+            console.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
