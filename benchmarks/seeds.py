@@ -27,15 +27,16 @@ from typing import Any
 
 from common import print_table, run_worker, write_results
 
-from grail.records import SUMMARY, override_key, read_json
+from grail.records import SUMMARY, read_json
+from grail.report_stats import DEFAULT_SEED, seed_of
 from grail.runs import find_runs, read_overrides
 
 
-def seed_of(run_dir: Path) -> int:
-    for override in read_overrides(run_dir):
-        if override_key(override) == "seed":
-            return int(override.split("=", 1)[1])
-    raise RuntimeError(f"{run_dir}: no seed= among its overrides")
+def run_seed(run_dir: Path) -> int:
+    seed = seed_of(read_overrides(run_dir))
+    if seed == DEFAULT_SEED:
+        raise RuntimeError(f"{run_dir}: no seed= among its overrides")
+    return int(seed)
 
 
 def run_row(run_dir: Path) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
         raise RuntimeError(f"{run_dir} did not complete: {summary and summary.get('error')}")
     final, best = summary.get("final_eval") or {}, summary.get("best_eval") or {}
     return {
-        "seed": seed_of(run_dir),
+        "seed": run_seed(run_dir),
         "final_iteration": final.get("iteration"),
         "final_success": final.get("success_rate"),
         "best_success": best.get("success_rate"),

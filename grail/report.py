@@ -83,6 +83,7 @@ class RunReport:
     wall_time_s: float | None  # the last attempt's wall time, from its summary
     # metric name -> [(policy version, value)], for the plot
     series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # its eval records, baseline first
     label: str = ""
 
     def value(self, key: str) -> float | None:
@@ -172,6 +173,7 @@ def load_run(run_dir: Path, name: str) -> RunReport:
         time_s=sum(known) if known else None,
         wall_time_s=_get(summary, "wall_time_s"),
         series=series,
+        evals=evals,
     )
 
 
@@ -438,11 +440,8 @@ METRIC_HELP = {
 
 
 def seed_runs(runs: Sequence[RunReport]) -> list[SeedRun]:
-    """The runs as `grail.report_stats` sees them (their eval records read again)."""
-    return [
-        seed_run(r.name, r.overrides, r.status, metric_records(r.path, "eval"), r.error)
-        for r in runs
-    ]
+    """The runs as `grail.report_stats` sees them."""
+    return [seed_run(r.name, r.overrides, r.status, r.evals, r.error) for r in runs]
 
 
 def seed_stats(

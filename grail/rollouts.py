@@ -183,13 +183,15 @@ class RolloutSource(Protocol):
         ...
 
 
+def stable_hash(key: str) -> int:
+    """A 64-bit hash of `key`, the same on every machine and Python run (unlike `hash`)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
 def request_seed(base_seed: int, round_index: int, problem_seed: int) -> int:
     """A stable 31-bit sampling seed for one request (same on every machine and Python run)."""
-    digest = hashlib.blake2b(
-        f"{base_seed}:{round_index}:{problem_seed}".encode(), digest_size=8
-    ).digest()
     # Leave head-room below 2**31 so that seed + replicate index stays a valid 32-bit seed.
-    return int.from_bytes(digest, "little") % (2**31 - 2**16)
+    return stable_hash(f"{base_seed}:{round_index}:{problem_seed}") % (2**31 - 2**16)
 
 
 def render_prompt_ids(tokenizer: Any, problem: Problem) -> list[int]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -50,6 +49,7 @@ from grail.rollouts import (
     WeightSync,
     assign_advantages,
     fill_informative,
+    stable_hash,
 )
 
 if TYPE_CHECKING:
@@ -148,9 +148,7 @@ def resample_seeds(
     for k in range(count * 16 + 64):
         if len(drawn) == count:
             break
-        key = f"resample:{cfg.seed}:{iteration}:{round_number}:{k}".encode()
-        digest = hashlib.blake2b(key, digest_size=8).digest()
-        seed = start + int.from_bytes(digest, "little") % pool
+        seed = start + stable_hash(f"resample:{cfg.seed}:{iteration}:{round_number}:{k}") % pool
         if seed not in used or len(used) >= pool:
             used.add(seed)
             drawn.append(seed)

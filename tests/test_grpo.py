@@ -82,6 +82,15 @@ ACCUMULATION = [(1, 1), (2, 3)]
 TOKEN_IS = {"is_clip_min": 0.8, "is_clip_max": 1.5}
 SEQUENCE_IS = {"is_clip_min": 0.8, "is_clip_max": 2.2}
 
+# Every clip, cap, clamp and bonus at once (the importance-sampling mode is added per scenario).
+EVERY_TERM = {
+    "epsilon": 0.15,
+    "epsilon_high": 0.3,
+    "kl_coef": 0.1,
+    "entropy_coef": 0.02,
+    "is_ratio_max": 1.45,
+    "logratio_clamp": 1.0,
+}
 SCENARIOS: dict[str, dict] = {
     "plain": {},
     "asym_kl_k1": {"epsilon_high": 0.28, "kl_coef": 0.05, "kl_estimator": "k1"},
@@ -100,26 +109,8 @@ SCENARIOS: dict[str, dict] = {
     "token_mask": {"is_correction": "token_mask", **TOKEN_IS},
     "sequence_truncate": {"is_correction": "sequence_truncate", **SEQUENCE_IS},
     "sequence_mask": {"is_correction": "sequence_mask", **SEQUENCE_IS},
-    "everything": {
-        "epsilon": 0.15,
-        "epsilon_high": 0.3,
-        "kl_coef": 0.1,
-        "entropy_coef": 0.02,
-        "is_ratio_max": 1.45,
-        "logratio_clamp": 1.0,
-        "is_correction": "token_truncate",
-        **TOKEN_IS,
-    },
-    "everything_sequence_mask": {
-        "epsilon": 0.15,
-        "epsilon_high": 0.3,
-        "kl_coef": 0.1,
-        "entropy_coef": 0.02,
-        "is_ratio_max": 1.45,
-        "logratio_clamp": 1.0,
-        "is_correction": "sequence_mask",
-        **SEQUENCE_IS,
-    },
+    "everything": {**EVERY_TERM, "is_correction": "token_truncate", **TOKEN_IS},
+    "everything_sequence_mask": {**EVERY_TERM, "is_correction": "sequence_mask", **SEQUENCE_IS},
 }
 
 

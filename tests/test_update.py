@@ -150,6 +150,17 @@ def _run_update(
     )
 
 
+def _dapo_settings(grad_accum_steps: int) -> UpdateSettings:
+    """dapo over micro-batches of 4 samples, `grad_accum_steps` of them per optimizer step."""
+    return UpdateSettings(
+        loss=GRPOLossConfig(loss_type="dapo", max_completion_length=4),
+        temperature=1.0,
+        batch_size=4,
+        grad_accum_steps=grad_accum_steps,
+        grad_clip=1.0,
+    )
+
+
 @pytest.mark.parametrize(("grad_accum", "steps"), [(4, 1), (2, 2), (1, 4)])
 def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     tiny_model_dir: Path, grad_accum: int, steps: int, monkeypatch: pytest.MonkeyPatch
@@ -168,13 +179,7 @@ def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     monkeypatch.setattr(update, "completion_logits", counted)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    settings = UpdateSettings(
-        loss=GRPOLossConfig(loss_type="dapo", max_completion_length=4),
-        temperature=1.0,
-        batch_size=4,
-        grad_accum_steps=grad_accum,
-        grad_clip=1.0,
-    )
+    settings = _dapo_settings(grad_accum_steps=grad_accum)
     batch = _batch(4, 4, seed=1)
     metrics = _run_update(model, optimizer, scheduler, batch, settings)
     old_passes = 4 - grad_accum if steps > 1 else 0
@@ -308,13 +313,7 @@ def test_each_micro_batch_is_normalised_for_its_step_and_the_whole_batch(
     monkeypatch.setattr(update, "grpo_loss", recorded)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    settings = UpdateSettings(
-        loss=GRPOLossConfig(loss_type="dapo", max_completion_length=4),
-        temperature=1.0,
-        batch_size=4,
-        grad_accum_steps=2,
-        grad_clip=1.0,
-    )
+    settings = _dapo_settings(grad_accum_steps=2)
     batch = _batch(5, 4, seed=2)  # 20 samples: micro-batches of 4 in steps of 2, 2 and 1
     metrics = _run_update(model, optimizer, scheduler, batch, settings)
     tokens = sum(len(s.completion_ids) for s in batch.samples)
