@@ -211,6 +211,10 @@ class LoggingConfig:
 class Config:
     seed: int = 0
     resume: bool = False
+    # Where the runs of one study share state: the pruner's Optuna storage, rollouts reused between
+    # runs. null: a sweep's hydra.sweep.dir (every run of `grail-train -m` joins it), none for a
+    # single run. Set it to make single runs, or several sweeps, one study.
+    study_dir: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)

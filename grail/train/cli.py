@@ -266,6 +266,8 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
         for key, value in sweep_resources(cfg, hydra_cfg).items():
             OmegaConf.update(cfg, key, value, merge=False)
             log.info("sweep job %d: %s=%s", job_num, key, value)
+        if cfg.study_dir is None:  # the sweep is the study its runs share state in
+            cfg.study_dir = str(Path(str(hydra_cfg.sweep.dir)).absolute())
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         preflight(config, hydra_cfg.runtime.choices.get("env"))
         _train(config, run_dir)
