@@ -30,6 +30,8 @@ KLEstimator = Literal["k1", "k2", "k3"]
 # Importance-sampling correction between the trainer's and the server's log-probabilities: TRL's
 # vllm_importance_sampling_mode values, and "none" (vllm_importance_sampling_correction=False).
 ISCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+PrunerName = Literal["asha", "median"]  # grail/prune.py; null (None) switches pruning off
+PruneMetric = Literal["auc", "success"]
 
 
 def available_cores() -> int:
@@ -182,6 +184,11 @@ class DataConfig:
     # groups, in at most max_resample_rounds extra rounds per iteration (grail/rollouts.py).
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
+    # With study_dir set: iteration 0's rollouts are stored in <study_dir>/rollouts/ by the first
+    # run that generates them, and loaded by every run of the study that would generate the same
+    # ones (same initial weights, seed, data.* and generation settings; train.* may differ), with
+    # the same metrics as generating them (grail/shared_rollouts.py, docs/sweeps.md).
+    reuse_initial_rollouts: bool = True
 
 
 @dataclass
@@ -208,6 +215,22 @@ class LoggingConfig:
 
 
 @dataclass
+class PruneConfig:
+    """Early stopping of runs clearly worse than the others of their study, by Optuna's pruners
+    (grail/prune.py, docs/sweeps.md). Off by default; `+prune=asha` or `+prune=median` sets it."""
+
+    pruner: str | None = None  # null: off | asha (successive halving) | median
+    # No run is pruned before it has trained this many iterations (ASHA: its min_resource, the
+    # first rung; the median rule: its warm-up steps).
+    min_iterations: int = 10
+    reduction_factor: int = 3  # asha: about 1 run in reduction_factor goes on past each rung
+    warmup_runs: int = 2  # median: runs per study (seed) that complete before any is pruned
+    # What runs are compared by at an eval: auc (mean eval success over the evals so far,
+    # steadier) | success (this eval's success rate).
+    metric: str = "auc"
+
+
+@dataclass
 class Config:
     seed: int = 0
     resume: bool = False
@@ -223,6 +246,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
 
 
 def _one_of(key: str, value: str, choices: Any) -> None:
@@ -407,6 +431,32 @@ def validate(cfg: Config) -> None:
 
     _positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
     _positive("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k)
+    validate_prune(cfg)
+
+
+def validate_prune(cfg: Config) -> None:
+    """Pruning needs evaluations to compare runs by, and a study directory where runs meet."""
+    prune = cfg.prune
+    if prune.pruner is None:
+        return
+    _one_of("prune.pruner", prune.pruner, PrunerName)
+    _one_of("prune.metric", prune.metric, PruneMetric)
+    _positive("prune.min_iterations", prune.min_iterations)
+    if prune.reduction_factor < 2:
+        raise ConfigError(f"prune.reduction_factor must be >= 2, got {prune.reduction_factor}")
+    if prune.warmup_runs < 0:
+        raise ConfigError(f"prune.warmup_runs must be >= 0, got {prune.warmup_runs}")
+    if not cfg.eval.enabled:
+        raise ConfigError(
+            f"prune.pruner={prune.pruner} compares runs by their evaluations: it needs "
+            "eval.enabled=true"
+        )
+    if cfg.study_dir is None:
+        raise ConfigError(
+            f"prune.pruner={prune.pruner} needs a study_dir, where the runs it compares keep "
+            "their Optuna storage: a sweep (-m) sets it to its hydra.sweep.dir; for a single run "
+            "set study_dir=PATH (the same for every run of the study)"
+        )
 
 
 def gpu_placement(cfg: Config) -> tuple[int, int]:

@@ -10,6 +10,7 @@ A run directory (Hydra's `outputs/DATE/TIME` or `multirun/DATE/TIME/N`):
     weights/                      what the inference server loads (initial weights, then each sync)
     logs/                         the inference server's log
     parts.json                    each part of the run (the start, each resume): when, how long
+    prune_trial.json              with pruning on: the run's Optuna trial, and whether it was pruned
     summary.json                  written at the end (also for a failed run, with the error)
     .grail.lock                   the lock a running grail-train holds (its pid inside)
 
@@ -48,6 +49,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"
 SUMMARY = "summary.json"
 PARTS = "parts.json"
+PRUNE_TRIAL = "prune_trial.json"  # written by grail/prune.py
 LOCK_FILE = ".grail.lock"
 _CHECKPOINT_NAME = re.compile(r"^iter_(\d+)$")
 _MAX_MESSAGE = 4000  # characters of an error message kept in summary.json
@@ -287,7 +289,7 @@ def run_summary(
     tokens, and time: `wall_time_s` is the sum of the run's parts (parts.json, listed as `parts`),
     or the caller's `wall_time_s` for a run that recorded none (one that failed before its loop
     started, or one written before parts were recorded). One place for completed and failed runs
-    alike."""
+    alike (and pruned ones)."""
     trains = metric_records(run_dir, "train")
     parts = read_parts(run_dir)
     evals = metric_records(run_dir, "eval")
@@ -321,16 +323,20 @@ def write_summary(
     wall_time_s: float,
     *,
     error: BaseException | None = None,
+    pruned: dict[str, Any] | None = None,
     environment: str | None = None,
     config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write summary.json: "completed", or "failed" with why when `error` is given; returns it.
+    """Write summary.json: "completed", "failed" with why when `error` is given, or "pruned" with
+    when and why (`pruned`: iteration, value, metric, pruner; see `read_pruned`); returns it.
 
     Only while holding the run's lock: when another process runs in `run_dir` (a second
     grail-train that failed because of it, say), the summary belongs to that run and is not
     written; a warning says so."""
-    status = "completed" if error is None else "failed"
+    status = "failed" if error is not None else "pruned" if pruned is not None else "completed"
     summary = run_summary(run_dir, status, wall_time_s, environment=environment, config=config)
+    if pruned is not None and error is None:
+        summary["pruned"] = pruned
     if error is not None:
         tb = "".join(traceback.format_exception(error)).splitlines()[-_TRACEBACK_LINES:]
         message = str(error)
@@ -347,3 +353,12 @@ def write_summary(
     except RunDirLocked as exc:
         log.warning("summary.json not written: %s", exc)
     return summary
+
+
+def read_pruned(run_dir: Path) -> dict[str, Any] | None:
+    """Whether the run was pruned: {"iteration", "value", "metric", "pruner"} from its
+    `prune_trial.json` (written the moment the pruner decided, before the checkpoint of that
+    iteration is committed), or None."""
+    record = read_json(Path(run_dir) / PRUNE_TRIAL)
+    pruned = record.get("pruned") if record is not None else None
+    return pruned if isinstance(pruned, dict) and isinstance(pruned.get("iteration"), int) else None

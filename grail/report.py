@@ -9,7 +9,9 @@ reward's trend, time), and writes `summary.csv` (the same table, full precision)
 It reads only what runs write (`.hydra/overrides.yaml`, `metrics/*.json`, `summary.json`), each
 file atomically, so it works on a sweep that is still running and on runs that failed or were
 killed: a run is "done" (summary says completed), "failed" (summary says failed, with the error),
-or "incomplete" (no summary yet: still running, or killed; `resume=true` continues it).
+"pruned" (stopped early by the pruner, grail/prune.py: its metrics up to there are shown, and it is
+left out of the statistics over seeds, listed apart), or "incomplete" (no summary yet: still
+running, or killed; `resume=true` continues it).
 
 The x axis of every panel is the policy version, i.e. the number of updates applied: train metrics
 of iteration i were measured on rollouts of version i, the eval after iteration i is version i + 1,
@@ -33,6 +35,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from grail.records import SUMMARY, atomic_write_text, metric_records, read_json
+from grail.report_plots import PLOT_PANELS, grid_of, heatmap_path, plot, plot_heatmap, plot_seeds
 from grail.report_stats import (
     ALPHA,
     CI_METHOD,
@@ -44,7 +47,6 @@ from grail.report_stats import (
     SeedRun,
     SettingStats,
     group_by_setting,
-    mean_curve,
     seed_of,
     seed_run,
     summarize,
@@ -70,7 +72,7 @@ class RunReport:
     name: str
     path: Path
     overrides: list[str]
-    status: str  # done | failed | incomplete
+    status: str  # done | failed | pruned | incomplete
     error: str | None
     iterations: int  # train iterations with metrics
     target_iterations: int | None  # train.iterations of its config
@@ -113,17 +115,6 @@ SORT_KEYS: dict[str, tuple[Callable[[RunReport], float | None], bool]] = {
     "iterations": (lambda r: float(r.iterations), True),
     "time": (lambda r: r.time_s, False),
 }
-PLOT_PANELS = (
-    ("eval_success", "eval success rate"),
-    ("eval_reward", "eval mean reward"),
-    ("train_reward", "train reward (mean)"),
-    ("kl", "KL to reference"),
-    ("entropy", "entropy"),
-)
-# What an empty panel says: why there may be nothing to draw.
-_EMPTY = {"kl": "no KL recorded\n(it needs train.kl_coef > 0)"}
-
-
 # ---- reading ------------------------------------------------------------------------------------
 
 
@@ -251,7 +242,7 @@ def trend(rewards: Sequence[float]) -> str:
     return f"{rewards[0]:.3f}→{rewards[-1]:.3f} {sparkline(rewards)}"
 
 
-_STATUS_STYLE = {"done": "green", "failed": "red", "incomplete": "yellow"}
+_STATUS_STYLE = {"done": "green", "failed": "red", "pruned": "magenta", "incomplete": "yellow"}
 
 
 def build_table(runs: Sequence[RunReport], title: str) -> Table:
@@ -346,90 +337,6 @@ def write_csv(runs: Sequence[RunReport], path: Path) -> None:
             writer.writerow({k: "" if v is None else v for k, v in csv_row(r).items()})
 
 
-# ---- the plot -----------------------------------------------------------------------------------
-
-_LINESTYLE = {"done": "-", "incomplete": "--", "failed": ":"}
-
-
-def plot(runs: Sequence[RunReport], path: Path, title: str) -> None:
-    """One panel per key metric over policy versions, one line per run (solid: done, dashed:
-    incomplete, dotted with an x at its last point: failed); the legend fills the last panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never needs a display
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
-    flat = axes.ravel()
-    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
-    # Colours follow run names, not the sort order, so a run keeps its colour between reports.
-    by_name = {r.name: i for i, r in enumerate(sorted(runs, key=lambda r: natural_key(r.name)))}
-    handles = []
-    for order, r in enumerate(runs):
-        color = colors[by_name[r.name] % len(colors)]
-        # Runs with identical curves (common early in a sweep) would hide each other: lines drawn
-        # first are wider, so each later one shows inside the earlier ones.
-        width = max(1.2, 5.0 - 1.3 * order)
-        label = f"{r.name}: {r.label}" if r.label else r.name
-        if r.status != "done":
-            label += f" [{r.status}]"
-        handle = None
-        for ax, (key, _) in zip(flat, PLOT_PANELS, strict=False):
-            points = r.series.get(key, [])
-            if not points:
-                continue
-            xs, ys = zip(*points, strict=True)
-            (line,) = ax.plot(
-                xs,
-                ys,
-                linestyle=_LINESTYLE[r.status],
-                marker="o" if len(points) <= 30 else None,
-                markersize=3,
-                color=color,
-                linewidth=width,
-            )
-            if r.status == "failed":
-                ax.plot(xs[-1], ys[-1], marker="x", markersize=9, color=color, mew=2)
-            handle = handle or line
-        if handle is None:  # no metrics yet: still listed in the legend
-            (handle,) = flat[0].plot([], [], linestyle=_LINESTYLE[r.status], color=color)
-        handle.set_label(label)
-        handles.append(handle)
-
-    for ax, (key, name) in zip(flat, PLOT_PANELS, strict=False):
-        ax.set_title(name)
-        ax.set_xlabel("policy version (updates applied)")
-        ax.grid(alpha=0.3)
-        if key == "eval_success":
-            ax.set_ylim(-0.03, 1.03)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # versions are whole numbers
-        if not any(len(line.get_xdata()) for line in ax.lines):
-            ax.text(
-                0.5,
-                0.5,
-                _EMPTY.get(key, "no data yet"),
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-            )
-    legend_ax = flat[-1]
-    legend_ax.axis("off")
-    if handles:
-        legend_ax.legend(
-            handles=handles,
-            loc="upper left",
-            fontsize=9 if len(handles) <= 12 else 7,
-            ncol=1 if len(handles) <= 16 else 2,
-            frameon=False,
-            title="run: overrides",
-        )
-    fig.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ---- statistics over seeds --------------------------------------------------------------------
 
 METRIC_HELP = {
@@ -479,6 +386,11 @@ def stats_captions(stats: Sequence[SettingStats], metric: str) -> list[str]:
         f"tied with best: {TIE_METHOD}, two-sided, p >= {ALPHA:g}; "
         "fewer than 2 shared seeds: n/a, counted as tied.",
     ]
+    if any(s.pruned for s in stats):
+        lines.append(
+            "pruned runs (stopped early by the pruner) are not counted: a setting pruned on "
+            "some seeds is averaged over the others only, which flatters it (see not counted)."
+        )
     shared = [s.tie.n_shared for s in stats if s.tie is not None and s.tie.p is not None]
     if any(n < WILCOXON_MIN_SEEDS for n in shared):
         lines.append(
@@ -507,7 +419,9 @@ def build_stats_table(stats: Sequence[SettingStats], metric: str, title: str) ->
     table.add_column("not counted", no_wrap=True)
     for s in stats:
         left_out = [
-            f"{k} {v}" for k, v in (("failed", s.failed), ("incomplete", s.incomplete)) if v
+            f"{k} {v}"
+            for k, v in (("pruned", s.pruned), ("failed", s.failed), ("incomplete", s.incomplete))
+            if v
         ]
         table.add_row(
             str(s.rank) if s.rank else "–",
@@ -539,6 +453,7 @@ STATS_CSV_COLUMNS = (
     "tied_with_best",
     "tie_reason",
     "done",
+    "pruned",
     "failed",
     "incomplete",
     "seeds",
@@ -576,6 +491,7 @@ def stats_csv_text(stats: Sequence[SettingStats]) -> str:
                 "tied_with_best": "best" if s.is_best else (s.tie.tied if s.tie else None),
                 "tie_reason": s.tie.reason if s.tie else None,
                 "done": s.done,
+                "pruned": s.pruned,
                 "failed": s.failed,
                 "incomplete": s.incomplete,
                 "seeds": " ".join(sorted(s.values_by_seed, key=natural_key)),
@@ -603,54 +519,10 @@ def runs_csv_text(groups: dict[str, list[SeedRun]]) -> str:
     return _csv_text(RUNS_CSV_COLUMNS, rows)
 
 
-def plot_seeds(stats: Sequence[SettingStats], path: Path, title: str) -> None:
-    """Eval success rate over policy versions, one line per setting: the mean over its completed
-    seeds with a 95% Student t band (no band where only one seed has a point)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(10, 6), constrained_layout=True)
-    colors = plt.get_cmap("tab10" if len(stats) <= 10 else "tab20").colors
-    for i, s in enumerate(stats):
-        points = mean_curve([r.curve for r in s.runs if r.status == "done"])
-        if not points:
-            continue
-        color = colors[i % len(colors)]
-        xs = [p.version for p in points]
-        ys = [p.interval.mean for p in points]
-        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=f"{s.label} (n={s.done})")
-        band = [p for p in points if p.interval.lo is not None and p.interval.hi is not None]
-        if band:
-            ax.fill_between(
-                [p.version for p in band],
-                [max(0.0, p.interval.lo) for p in band],  # type: ignore[arg-type]
-                [min(1.0, p.interval.hi) for p in band],  # type: ignore[arg-type]
-                color=color,
-                alpha=0.2,
-                linewidth=0,
-            )
-    ax.set_xlabel("policy version (updates applied)")
-    ax.set_ylabel(f"eval success rate: mean over seeds, {CONFIDENCE:.0%} CI ({CI_METHOD})")
-    ax.set_ylim(-0.03, 1.03)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8, frameon=False, title="setting (completed seeds)")
-    else:
-        ax.text(0.5, 0.5, "no completed run yet", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def print_seed_stats(
     console: Console, groups: dict[str, list[SeedRun]], stats: Sequence[SettingStats], metric: str
 ) -> None:
-    """The statistics table, then the runs it left out (failed, incomplete) by setting."""
+    """The statistics table, then the runs it left out (pruned, failed, incomplete) by setting."""
     title = f"statistics over seeds ({len(stats)} settings) — metric {metric}"
     console.print(build_stats_table(stats, metric, title))
     left_out = [(label, r) for label, runs in groups.items() for r in runs if r.status != "done"]
@@ -670,6 +542,8 @@ def print_seed_stats(
 
 def _counts(runs: Sequence[RunReport]) -> str:
     parts = [f"{sum(r.status == s for r in runs)} {s}" for s in ("done", "failed", "incomplete")]
+    if pruned := sum(r.status == "pruned" for r in runs):  # only in sweeps with pruning on
+        parts.append(f"{pruned} pruned")
     return f"{len(runs)} runs: " + ", ".join(parts)
 
 
@@ -712,7 +586,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--plot",
         type=Path,
         default=None,
-        help="write learning curves per setting (mean over seeds, 95%% CI band) to this PNG",
+        help="write learning curves per setting (mean over seeds, 95%% CI band) to this PNG; "
+        "when exactly two keys are swept (e.g. train.lr x train.kl_coef), also a heat map of "
+        "the metric's mean and CI per setting to PLOT_heatmap.png",
     )
     args = parser.parse_args(argv)
 
@@ -751,6 +627,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot is not None:
             plot_seeds(stats, args.plot, f"{root} — {metric} over seeds")
             written.append(args.plot)
+            if (grid := grid_of(stats)) is not None:  # a 2-D study, e.g. train.lr x train.kl_coef
+                plot_heatmap(grid, heatmap_path(args.plot), f"{root} — {metric} over seeds")
+                written.append(heatmap_path(args.plot))
         if written:
             console.print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -78,7 +78,7 @@ class SeedRun:
 
     name: str
     overrides: list[str]
-    status: str  # done | failed | incomplete
+    status: str  # done | failed | pruned | incomplete
     final: float | None = None
     best: float | None = None
     auc: float | None = None
@@ -217,7 +217,9 @@ def paired_tie(
 
 @dataclass
 class SettingStats:
-    """One setting across its seeds: the metric over its completed runs, and the others counted."""
+    """One setting across its seeds: the metric over its completed runs, and the others counted
+    (pruned runs too: stopped early by the pruner, their values would mix short runs with full
+    ones)."""
 
     label: str
     metric: str
@@ -230,6 +232,7 @@ class SettingStats:
     failed: int
     incomplete: int
     runs: list[SeedRun]
+    pruned: int = 0
     rank: int = 0  # 1 = best mean; 0 = no value
     tie: Tie | None = None  # None for the best setting itself and for settings without values
 
@@ -261,6 +264,7 @@ def setting_stats(label: str, runs: Sequence[SeedRun], metric: str) -> SettingSt
         failed=sum(r.status == "failed" for r in runs),
         incomplete=sum(r.status == "incomplete" for r in runs),
         runs=list(runs),
+        pruned=sum(r.status == "pruned" for r in runs),
     )
 
 

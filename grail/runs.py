@@ -144,7 +144,8 @@ def run_record(run_dir: Path) -> RunRecord:
 
 @dataclass(frozen=True)
 class RunStatus:
-    """How a run stands: "done", "failed" or "incomplete" (no summary yet: running or killed)."""
+    """How a run stands: "done", "failed", "pruned" (stopped early by the pruner, grail/prune.py:
+    finished, not failed) or "incomplete" (no summary yet: running or killed)."""
 
     path: Path
     status: str
@@ -157,6 +158,8 @@ def run_status(run_dir: Path) -> RunStatus:
         return RunStatus(run_dir, "incomplete")
     if summary.get("status") == "completed":
         return RunStatus(run_dir, "done")
+    if summary.get("status") == "pruned":
+        return RunStatus(run_dir, "pruned")
     error = summary.get("error") or {}
     message = f"{error.get('type', 'error')}: {error.get('message', '(no message)')}"
     return RunStatus(run_dir, "failed", message)

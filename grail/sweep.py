@@ -17,9 +17,10 @@ launcher gives every job its own allocation (P = 1 inside it, and the allocation
 process's CPU affinity, not `os.cpu_count()`).
 
 Reruns. A sweep's run directories are its record: rerunning the same command with `resume=true`
-and the same `hydra.sweep.dir` skips runs whose summary says completed, resumes runs that have
-progress but no summary (killed, or still being written when the sweep stopped) from their newest
-checkpoint, and reruns failed ones.
+and the same `hydra.sweep.dir` skips runs whose summary says completed or pruned (stopped early by
+the pruner, grail/prune.py: finished, not to be continued), resumes runs that have progress but no
+summary (killed, or still being written when the sweep stopped) from their newest checkpoint, and
+reruns failed ones.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def explicit_keys(task_overrides: Sequence[str], keys: Sequence[str]) -> set[str
 
 class Action(enum.Enum):
     START = "start"  # nothing there yet: a fresh run
-    SKIP = "skip"  # completed: nothing to do
+    SKIP = "skip"  # completed or pruned: nothing to do
     RESUME = "resume"  # progress but no summary: continue from the newest checkpoint
     RETRY = "retry"  # failed: run again (from its newest checkpoint, if any)
 
@@ -163,7 +164,7 @@ class Action(enum.Enum):
 class RunRecord:
     """What a run directory says about an earlier attempt (gathered by `grail.runs`)."""
 
-    status: str | None  # summary.json's status ("completed" | "failed"); None: no summary
+    status: str | None  # summary.json's status ("completed" | "failed" | "pruned"); None: none
     has_progress: bool  # any metrics or checkpoints written
     overrides: tuple[str, ...] | None  # the overrides the directory was made with; None: unknown
 
@@ -183,7 +184,8 @@ def decide(record: RunRecord, *, resume: bool, overrides: Sequence[str]) -> Deci
     """What a (re)run of a sweep job does with its run directory.
 
     Without `resume` a job always starts over (a new sweep gets a fresh directory anyway). With it:
-    completed → skip, failed → retry, progress without a summary → resume, nothing → start.
+    completed or pruned → skip, failed → retry, progress without a summary → resume, nothing →
+    start.
 
     Hydra numbers a sweep's jobs by the order of its parameter grid, so the same directory holds
     the same point only if the command is the same. A directory whose recorded overrides give a key
@@ -205,6 +207,8 @@ def decide(record: RunRecord, *, resume: bool, overrides: Sequence[str]) -> Deci
             )
     if record.status == "completed":
         return Decision(Action.SKIP, "completed earlier")
+    if record.status == "pruned":
+        return Decision(Action.SKIP, "pruned earlier")
     if record.status == "failed":
         return Decision(Action.RETRY, "failed earlier")
     if record.status is not None:

@@ -343,7 +343,8 @@ def main(cfg: DictConfig) -> None:
 
 class SweepOutcome(Callback):
     """At the end of a sweep: list the runs that failed (and why) or never finished, and exit
-    non-zero if there are any, so scripts and CI see a partly failed sweep as a failure.
+    non-zero if there are any, so scripts and CI see a partly failed sweep as a failure. Runs the
+    pruner stopped early (grail/prune.py) ended as asked: counted, never failures.
 
     Reads the run directories rather than Hydra's job returns, so it sees the same thing for every
     launcher, runs on SLURM nodes and runs skipped by a `resume=true` rerun included.
@@ -358,17 +359,27 @@ class SweepOutcome(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir))
         runs = find_runs(sweep_dir) if sweep_dir.is_dir() else []
         labels = distinguishing_overrides([read_overrides(path) for path in runs])
+        statuses = [run_status(path) for path in runs]
+        n_pruned = sum(s.status == "pruned" for s in statuses)
         bad = [
             (s, " ".join(label))
-            for s, label in zip((run_status(path) for path in runs), labels, strict=True)
-            if s.status != "done"
+            for s, label in zip(statuses, labels, strict=True)
+            if s.status not in ("done", "pruned")
         ]
         console = Console(stderr=True, soft_wrap=True)  # paths stay whole, copyable
+        pruned = f"{n_pruned} pruned early (prune.pruner)" if n_pruned else ""
         if not bad:
-            console.print(f"sweep {sweep_dir}: all {len(runs)} runs completed")
+            if n_pruned:
+                done = len(runs) - n_pruned
+                console.print(
+                    f"sweep {sweep_dir}: all {len(runs)} runs ended: {done} completed, {pruned}"
+                )
+            else:
+                console.print(f"sweep {sweep_dir}: all {len(runs)} runs completed")
             return
         console.print(
             f"[bold red]sweep {sweep_dir}: {len(bad)} of {len(runs)} runs did not complete[/]"
+            + (f" ({pruned}, not failures)" if n_pruned else "")
         )
         for s, label in bad:
             why = (s.error or "no summary.json: killed, timed out or still running").strip()

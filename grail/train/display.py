@@ -76,6 +76,13 @@ class Display:
             f"run directory: {run_dir}",
             *(f"  {name:<16}{what}" for name, what in run_files(run_dir)),
         ]
+        if pruned := summary.get("pruned"):
+            lines.insert(
+                1,
+                f"pruned after iteration {pruned['iteration']} ({pruned['metric']} "
+                f"{pruned['value']:.4f}, prune.pruner={pruned['pruner']}): stopped early by the "
+                "pruner, its checkpoint and metrics kept",
+            )
         # Printed whole (soft wrap, no markup) so that paths can be copied from the terminal.
         self.console.print(escape("\n".join(lines)), soft_wrap=True, highlight=False)
 

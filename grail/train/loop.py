@@ -29,6 +29,7 @@ from grail.envs.rewards import RewardFunctions
 from grail.inference.backends import server_manager_from_config
 from grail.models.loading import check_model_source
 from grail.models.tiny import resolve_model
+from grail.prune import open_trial
 from grail.records import (
     CHECKPOINTS_DIR,
     METRICS_DIR,
@@ -39,6 +40,7 @@ from grail.records import (
     eval_metrics_path,
     iteration_name,
     read_json,
+    read_pruned,
     run_lock,
     train_metrics_path,
     write_metrics,
@@ -46,6 +48,7 @@ from grail.records import (
 )
 from grail.rollouts import GeneratedBatch, RolloutBatch, RolloutSource, WeightSync
 from grail.server_rollouts import ServerRollouts
+from grail.shared_rollouts import SharedRollouts
 from grail.train.checkpoint import (
     CheckpointRef,
     commit_checkpoint,
@@ -72,7 +75,9 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     run_dir = run_dir.absolute()
     with run_lock(run_dir):  # RunDirLocked when another run is writing there
         resume_from = resume_point(cfg, run_dir)
-        if resume_from is not None and resume_from.iteration + 1 >= cfg.train.iterations:
+        if resume_from is not None and (
+            resume_from.iteration + 1 >= cfg.train.iterations or pruned_by(run_dir, resume_from)
+        ):
             return finished(cfg, run_dir, resume_from)
         check_models(cfg, resume_from)
         part = RunPart(run_dir)
@@ -104,6 +109,9 @@ def train(
     trainer.save_weights(weights_dir)
     trainer.tokenizer.save_pretrained(weights_dir)
     server = server_manager_from_config(cfg, weights_dir, run_dir)
+    # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
+    fresh = trainer.start_iteration == 0 and trainer.pending_rollouts is None
+    shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
 
     display = Display()
     with (
@@ -117,6 +125,7 @@ def train(
             extra_rewards=extra_rewards,
             progress=display.task,
             pending=trainer.pending_rollouts,
+            shared=shared,
         ) as source,
     ):
         recorder = Recorder(run_dir, cfg, loggers, display, part)
@@ -130,11 +139,13 @@ def run_iterations(
     cfg: Config, run_dir: Path, trainer: Trainer, source: RolloutSource, recorder: Recorder
 ) -> None:
     """The loop. The trainer holds policy version `iteration` (updates applied so far) while it
-    trains iteration `iteration`."""
+    trains iteration `iteration`. A run the pruner stops (grail/prune.py) ends after the
+    iteration whose evaluation decided it, with that iteration's checkpoint committed."""
     checkpoints_dir = run_dir / CHECKPOINTS_DIR
     if cfg.eval.enabled and not eval_metrics_path(run_dir, -1).exists():
         recorder.evaluate(source, -1)
 
+    trial = open_trial(cfg, run_dir, trainer.start_iteration)  # the pruner's (prune.pruner)
     staged: Path | None = None  # a checkpoint written but not yet committed
     try:
         for iteration in range(trainer.start_iteration, cfg.train.iterations):
@@ -153,12 +164,14 @@ def run_iterations(
             sync = source.sync_weights(trainer.save_weights, policy_version=iteration + 1)
 
             last = iteration == cfg.train.iterations - 1
-            eval_s = 0.0
+            eval_s, pruned = 0.0, False
             if cfg.eval.enabled and ((iteration + 1) % cfg.eval.interval == 0 or last):
                 eval_s = recorder.evaluate(source, iteration)
+                # The last evaluation ends the run anyway: the trial gets it when it finishes.
+                pruned = not last and trial.should_prune(iteration)
 
             t0 = time.perf_counter()
-            if (iteration + 1) % cfg.checkpoint.save_interval == 0 or last:
+            if (iteration + 1) % cfg.checkpoint.save_interval == 0 or last or pruned:
                 staged = trainer.stage_checkpoint(checkpoints_dir, iteration, source.pending())
             checkpoint_s = time.perf_counter() - t0
 
@@ -185,9 +198,15 @@ def run_iterations(
                 f"success {record['success_rate']:.3f} loss {record['loss_total']:.4f} "
                 f"({timings['iteration_s']:.1f}s)"
             )
+            if pruned:
+                break
+    except Exception:
+        trial.fail()  # an interrupt (Ctrl-C, SIGTERM) leaves it running, for resume=true
+        raise
     finally:
         if staged is not None:  # interrupted between staging and commit: not a checkpoint
             shutil.rmtree(staged, ignore_errors=True)
+    trial.finish()
 
 
 # ---- setup ----------------------------------------------------------------------------------
@@ -230,16 +249,34 @@ def resume_point(cfg: Config, run_dir: Path) -> CheckpointRef | None:
     return resume_from
 
 
+def pruned_by(run_dir: Path, last: CheckpointRef) -> dict[str, Any] | None:
+    """Whether the pruner stopped the run at or before checkpoint `last` (then it is finished)."""
+    pruned = read_pruned(run_dir)
+    return pruned if pruned is not None and pruned["iteration"] <= last.iteration else None
+
+
 def finished(cfg: Config, run_dir: Path, last: CheckpointRef) -> dict[str, Any]:
-    """`resume=true` on a run whose last iteration is checkpointed: nothing to train, so no model
-    loads and no server starts; say so and (re)write the summary."""
-    log.info(
-        "run %s is complete: checkpoint %s holds its last iteration (train.iterations=%d), "
-        "nothing to resume; raise train.iterations to train further",
-        run_dir,
-        last.path.name,
-        cfg.train.iterations,
-    )
+    """`resume=true` on a run whose last iteration is checkpointed, or that was pruned: nothing
+    to train, so no model loads and no server starts; say so and (re)write the summary."""
+    if (pruned := pruned_by(run_dir, last)) is not None:
+        log.info(
+            "run %s was pruned after iteration %d (%s %.4f, prune.pruner=%s): nothing to "
+            "resume; its checkpoint %s and metrics are kept",
+            run_dir,
+            pruned["iteration"],
+            pruned.get("metric"),
+            pruned.get("value", float("nan")),
+            pruned.get("pruner"),
+            last.path.name,
+        )
+    else:
+        log.info(
+            "run %s is complete: checkpoint %s holds its last iteration (train.iterations=%d), "
+            "nothing to resume; raise train.iterations to train further",
+            run_dir,
+            last.path.name,
+            cfg.train.iterations,
+        )
     # The wall time of a run that recorded no parts (written before parts were) is its old one.
     wall_time_s = (read_json(run_dir / SUMMARY) or {}).get("wall_time_s", 0.0)
     if not isinstance(wall_time_s, int | float):
@@ -261,10 +298,12 @@ def check_models(cfg: Config, resume_from: CheckpointRef | None) -> None:
 
 
 def summarize(cfg: Config, run_dir: Path, wall_time_s: float, display: Display) -> dict[str, Any]:
-    """Write summary.json (see grail/records.py for `wall_time_s`) and show it; returns it."""
+    """Write summary.json (see grail/records.py for `wall_time_s`) and show it; returns it.
+    "pruned" when the run's prune_trial.json says the pruner stopped it."""
     summary = write_summary(
         run_dir,
         wall_time_s,
+        pruned=read_pruned(run_dir),
         environment=cfg.data.environment,
         config=OmegaConf.to_container(OmegaConf.structured(cfg)),  # type: ignore[arg-type]
     )
@@ -364,11 +403,17 @@ def iteration_record(
         "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
         "kl": train_metrics.get("kl"),  # None without a reference model (kl_coef = 0)
         "lr": lr,
-        "tokens_per_s": rollout["tokens"]["completion"] / rollouts.generation_s,
+        # Null for a batch loaded from the study's store: this run generated no tokens.
+        "tokens_per_s": (
+            None
+            if rollouts.reused is not None
+            else rollout["tokens"]["completion"] / rollouts.generation_s
+        ),
         "weight_sync": {"mode": sync.result.mode_used, "fell_back": sync.result.fell_back},
         **(
             {} if rollouts.resampling is None else {"dynamic_sampling": asdict(rollouts.resampling)}
         ),
+        **({} if rollouts.reused is None else {"rollouts_reused": asdict(rollouts.reused)}),
         "policy": {
             "version": rollouts.policy_version,
             "staleness": iteration - rollouts.policy_version,

@@ -69,7 +69,9 @@ def make_server_manager(
         "env": env,
     }
     if backend == "builtin":
-        common["api_key"] = api_key or secrets.token_urlsafe(32)
+        # "sk-" first: a URL-safe token starts with "-" one time in 64, and the server's argument
+        # parser then reads `--api-key -xyz` as a missing value and exits.
+        common["api_key"] = api_key or "sk-" + secrets.token_urlsafe(32)
         return BuiltinServer(model_path, served_model_name, threads=threads, dtype=dtype, **common)
     cls = VLLMServer if backend == "vllm" else SGLangServer
     if gpu_memory_fraction is None:

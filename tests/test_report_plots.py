@@ -1,5 +1,5 @@
-"""The lr × kl_coef heat map of grail-report: which studies form a grid, how it is laid out and
-labelled, and that the PNG is written."""
+"""The heat map of grail-report (grail/report_plots.py): which studies form an lr × kl_coef grid,
+how it is laid out and labelled, and that the PNG is written."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grail.report_heatmap import cell_text, grid_of, heatmap_path, plot_heatmap
+from grail.report_plots import cell_text, grid_of, heatmap_path, plot_heatmap
 from grail.report_stats import SeedRun, group_by_setting, summarize
 
 

@@ -1,0 +1,268 @@
+"""Early pruning of hopeless runs: after each evaluation, Optuna's pruner says whether a run is
+clearly worse than the runs of its study that got as far; such a run stops there, keeping its
+checkpoint and metrics, with `status: "pruned"` in its summary.
+
+    uv run grail-train -m +prune=asha train.lr=1e-3,3e-3,1e-2 seed=0,1,2      (docs/sweeps.md)
+
+Optuna is the engine and its storage the only state runs share: no protocol of ours between
+processes. The storage is a journal file, `<study_dir>/optuna/prune.journal` (Optuna's
+JournalStorage over JournalFileBackend: appends under a lock file, so runs in separate processes,
+on one machine or on SLURM nodes sharing the file system, see each other's values at once).
+
+- One study per seed, `prune-seed-<seed>`: a run competes only with runs of the same seed. Seeds
+  differ far more than settings do on small tasks (README: held-out success 0.00 to 1.00 by seed
+  alone), so pooling them would prune a good setting for drawing a hard seed; compared within a
+  seed, settings are paired, as the report's statistics pair them.
+- One trial per run, its number kept in the run directory (`prune_trial.json`, written
+  atomically), so a resumed run (`resume=true`) goes on reporting to its own trial. Optuna keeps
+  the first value reported for a step and ignores later ones; a resume reruns (deterministically)
+  the iterations after its checkpoint, so a step already reported is not reported again.
+  A finished trial cannot be reopened: a run resumed after its trial was told FAIL (a retried
+  sweep run) or COMPLETE (train.iterations raised), or with pruning newly switched on, gets a new
+  trial that is first given the evaluations already on disk.
+- step = iteration + 1, the number of updates applied before the evaluation (the report's policy
+  version), so `prune.min_iterations` counts iterations trained.
+- The value: `auc`, the mean eval success over the evaluations after training started so far
+  (steadier), or `success`, this evaluation's success rate; the baseline never counts.
+- At the end the trial is told COMPLETE (with the final value), PRUNED, or FAIL (the run raised);
+  an interrupted run (Ctrl-C, SIGTERM) leaves it running, for `resume=true` to continue.
+
+The decision to prune is written to `prune_trial.json` before the iteration's checkpoint is
+committed: a run killed in between stops at the same iteration when resumed, without asking again
+(ASHA would not repeat its answer: it records a rung as done when it first answers there).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grail.config import Config, ConfigError, PruneConfig
+from grail.records import PRUNE_TRIAL, atomic_write_text, metric_records, read_json
+from grail.report_stats import metric_of
+
+if TYPE_CHECKING:  # optuna (half a second to import) loads only when pruning is on
+    import optuna
+
+log = logging.getLogger(__name__)
+
+STORAGE = Path("optuna") / "prune.journal"  # inside the study directory
+# prune.metric -> the report's name for the same number (grail/report_stats.py)
+_REPORT_METRIC = {"auc": "auc", "success": "final"}
+
+
+def study_name(seed: int) -> str:
+    return f"prune-seed-{seed}"
+
+
+def storage_path(study_dir: str | Path) -> Path:
+    return Path(study_dir) / STORAGE
+
+
+def make_pruner(cfg: PruneConfig) -> optuna.pruners.BasePruner:
+    """Optuna's pruner for `prune.pruner`."""
+    import optuna
+
+    if cfg.pruner == "asha":
+        # bootstrap_count stays 0: a rung judges a run by whatever runs reached it before (above
+        # 0, Optuna prunes every run that reaches a rung until that many have).
+        return optuna.pruners.SuccessiveHalvingPruner(
+            min_resource=cfg.min_iterations, reduction_factor=cfg.reduction_factor
+        )
+    if cfg.pruner == "median":
+        return optuna.pruners.MedianPruner(
+            n_startup_trials=cfg.warmup_runs, n_warmup_steps=cfg.min_iterations
+        )
+    raise ConfigError(f"prune.pruner={cfg.pruner!r} is not one of asha, median")
+
+
+def open_study(study_dir: str | Path, seed: int, cfg: PruneConfig) -> optuna.Study:
+    """The study of seed `seed` in `study_dir`'s storage, created by the first run that asks."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    # Optuna's log lines go to the run's log (Hydra's handlers), not to its own stderr handler.
+    optuna.logging.disable_default_handler()
+    optuna.logging.enable_propagation()
+    path = storage_path(study_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return optuna.create_study(
+        storage=JournalStorage(JournalFileBackend(str(path))),
+        study_name=study_name(seed),
+        direction="maximize",
+        pruner=make_pruner(cfg),
+        # Nothing is sampled here (Hydra's grid sets the parameters): the cheapest sampler.
+        sampler=optuna.samplers.RandomSampler(seed=seed),
+        load_if_exists=True,  # runs starting together race to create it; all get the one study
+    )
+
+
+def metric_value(evals: list[dict[str, Any]], metric: str, iteration: int) -> float | None:
+    """`prune.metric` after iteration `iteration`, from eval records (see the module doc); None
+    without a trained evaluation up to there."""
+    return metric_of([e for e in evals if e["iteration"] <= iteration], _REPORT_METRIC[metric])
+
+
+class NoPruning:
+    """What the loop holds with pruning off: never prunes, records nothing."""
+
+    def should_prune(self, iteration: int) -> bool:
+        return False
+
+    def fail(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class RunTrial:
+    """A run's trial in its seed's study: reports evaluations, asks the pruner, tells the end."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: PruneConfig,
+        study: optuna.Study,
+        number: int,
+        journal: Path,
+        pruned: dict[str, Any] | None = None,
+    ) -> None:
+        import optuna
+
+        self.run_dir, self.cfg, self.study, self.number = run_dir, cfg, study, number
+        self.journal = journal  # the storage's file, named in prune_trial.json
+        self.pruned = pruned  # set once the pruner said stop (grail.records.read_pruned)
+        # The public way to a trial by its number: the storage's ids (the storage is the study's,
+        # which Study keeps as `_storage`; ask() hands out Trial objects the same way).
+        self._storage = study._storage
+        study_id = self._storage.get_study_id_from_name(study.study_name)
+        self._trial_id = self._storage.get_trial_id_from_study_id_trial_number(study_id, number)
+        self._trial = optuna.trial.Trial(study, self._trial_id)
+
+    def state(self) -> optuna.trial.TrialState:
+        return self._storage.get_trial(self._trial_id).state
+
+    def save(self) -> None:
+        """prune_trial.json: which trial is this run's, and whether it was pruned."""
+        record = {
+            "storage": str(self.journal),
+            "study": self.study.study_name,
+            "trial": self.number,
+            "pruned": self.pruned,
+        }
+        atomic_write_text(self.run_dir / PRUNE_TRIAL, json.dumps(record, indent=2) + "\n")
+
+    def report(self, iteration: int, evals: list[dict[str, Any]] | None = None) -> float | None:
+        """Report the metric after `iteration` (step iteration + 1) unless that step has a value
+        already (a rerun after a resume: Optuna would keep the first and warn); returns the value
+        the trial holds for the step (None: no trained evaluation yet)."""
+        evals = metric_records(self.run_dir, "eval") if evals is None else evals
+        step = iteration + 1
+        known = self._storage.get_trial(self._trial_id).intermediate_values
+        if step in known:
+            return known[step]
+        value = metric_value(evals, self.cfg.metric, iteration)
+        if value is not None:
+            self._trial.report(value, step)
+        return value
+
+    def backfill(self, start_iteration: int) -> None:
+        """Report the evaluations on disk of the iterations before `start_iteration` (those a
+        resumed run does not rerun) that the trial lacks."""
+        evals = metric_records(self.run_dir, "eval")
+        for iteration in sorted({e["iteration"] for e in evals}):
+            if 0 <= iteration < start_iteration:
+                self.report(iteration, evals)
+
+    def should_prune(self, iteration: int) -> bool:
+        """After the evaluation of `iteration` (its metrics file written): report it, and whether
+        the run stops here. A yes is recorded at once (see the module doc)."""
+        if self.pruned is not None:  # decided before this run was interrupted and resumed
+            return iteration >= self.pruned["iteration"]
+        value = self.report(iteration)
+        if value is None or not self._trial.should_prune():
+            return False
+        self.pruned = {
+            "iteration": iteration,
+            "value": value,
+            "metric": self.cfg.metric,
+            "pruner": self.cfg.pruner,
+        }
+        self.save()
+        log.info(
+            "pruned after iteration %d: %s %.4f is clearly worse than the other runs of %s at "
+            "this point (prune.pruner=%s); its checkpoint and metrics are kept",
+            iteration,
+            self.cfg.metric,
+            value,
+            self.study.study_name,
+            self.cfg.pruner,
+        )
+        return True
+
+    def fail(self) -> None:
+        """The run raised: FAIL, unless the trial already ended. Never masks the run's error."""
+        from optuna.trial import TrialState
+
+        try:
+            self.study.tell(self.number, state=TrialState.FAIL, skip_if_finished=True)
+        except Exception:
+            log.warning("could not mark trial %d of %s failed", self.number, self.study.study_name)
+
+    def finish(self) -> None:
+        """The loop ended: PRUNED when the pruner stopped it, else COMPLETE with the final value.
+        The last evaluation is reported here (the loop does not ask about it: the run ends there
+        anyway), so later runs are compared with this one at that step too."""
+        from optuna.trial import TrialState
+
+        if self.state() != TrialState.RUNNING:  # told before this process was killed
+            return
+        if self.pruned is not None:
+            self.study.tell(self.number, state=TrialState.PRUNED)
+            return
+        evals = metric_records(self.run_dir, "eval")
+        value = self.report(max((e["iteration"] for e in evals), default=-1), evals)
+        if value is None:  # nothing to compare it by: not a completed trial for the pruners
+            self.study.tell(self.number, state=TrialState.FAIL)
+            return
+        self.study.tell(self.number, value)
+
+
+def open_trial(cfg: Config, run_dir: Path, start_iteration: int) -> RunTrial | NoPruning:
+    """The trial of the run in `run_dir` that starts at `start_iteration` (0: fresh, else resumed
+    after a checkpoint): its own trial when it has one still running, else a new one, given the
+    evaluations already on disk. NoPruning with pruning off."""
+    path = run_dir / PRUNE_TRIAL
+    if cfg.prune.pruner is None:
+        if start_iteration == 0:  # a fresh start: an old attempt's record says nothing about it
+            path.unlink(missing_ok=True)
+        return NoPruning()
+    if cfg.study_dir is None:  # validate() says so first; kept for callers that skip it
+        raise ConfigError(f"prune.pruner={cfg.prune.pruner} needs study_dir")
+    from optuna.trial import TrialState
+
+    study = open_study(cfg.study_dir, cfg.seed, cfg.prune)
+    journal = storage_path(cfg.study_dir).absolute()
+    old = read_json(path) or {}
+    if old.get("study") == study.study_name and old.get("storage") == str(journal):
+        try:
+            trial = RunTrial(run_dir, cfg.prune, study, old["trial"], journal, old.get("pruned"))
+        except KeyError:  # the storage lost it (the journal removed): a new trial below
+            log.warning(
+                "trial %s of %s not in %s: a new one", old["trial"], study.study_name, journal
+            )
+        else:
+            if trial.state() == TrialState.RUNNING:
+                if start_iteration > 0:
+                    trial.backfill(start_iteration)
+                    return trial
+                trial.fail()  # this run starts over: the old attempt's trial ends here
+    trial = RunTrial(run_dir, cfg.prune, study, study.ask().number, journal)
+    trial.save()
+    trial.backfill(start_iteration)
+    log.info("pruning: trial %d of %s in %s", trial.number, study.study_name, journal)
+    return trial

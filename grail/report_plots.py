@@ -1,0 +1,272 @@
+"""The PNGs of `grail-report`: the runs' key metrics over training (`plot`), the learning curve
+of each setting as the mean over seeds with a confidence band (`plot_seeds`), and the heat map of
+a 2-D study such as `train.lr` × `train.kl_coef` (`grid_of`, `plot_heatmap`).
+
+The heat map: one cell per setting of the two swept keys, coloured by the mean of the metric over
+seeds, with the mean, its 95% confidence interval, the number of seeds and "best"/"tied" written in
+the cell. `grid_of(stats)` decides whether the settings form such a grid (exactly two keys tell
+them apart) and lays out the cells; a grid with holes (a setting not run, or without a completed
+seed) shows the hole as an empty cell rather than refusing the whole picture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grail.records import override_key
+from grail.report_stats import CI_METHOD, CONFIDENCE, SettingStats, mean_curve, setting_of
+from grail.runs import natural_key
+
+if TYPE_CHECKING:
+    from grail.report import RunReport
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Settings laid out on two keys: `cells[(x, y)]` is the setting whose `x_key` has value x and
+    `y_key` value y (values as written in the overrides)."""
+
+    x_key: str
+    y_key: str
+    xs: list[str]
+    ys: list[str]
+    cells: dict[tuple[str, str], SettingStats]
+
+
+def _value_order(values: set[str]) -> list[str]:
+    """Numbers by value (1e-3 before 5e-3 before 1e-2), anything else in natural order."""
+
+    def key(v: str) -> tuple[int, float, list[object]]:
+        try:
+            return (0, float(v), [])
+        except ValueError:
+            return (1, 0.0, natural_key(v))
+
+    return sorted(values, key=key)
+
+
+def grid_of(stats: Sequence[SettingStats]) -> Grid | None:
+    """The settings as a 2-D grid when exactly two override keys take more than one value across
+    them (the others fixed); None otherwise (a 1-D sweep, three or more swept keys, a setting
+    without one of the two keys). The learning rate goes on the x axis when it is swept."""
+    settings: list[tuple[SettingStats, dict[str, str]]] = []
+    for s in stats:
+        if not s.runs:
+            return None
+        pairs = (o.split("=", 1) for o in setting_of(s.runs[0].overrides) if "=" in o)
+        settings.append((s, {override_key(k): v for k, v in pairs}))
+    if len(settings) < 2:
+        return None
+    keys = sorted({k for _, values in settings for k in values})
+    swept = [k for k in keys if len({values.get(k) for _, values in settings}) > 1]
+    if len(swept) != 2 or any(k not in values for _, values in settings for k in swept):
+        return None
+    x_key, y_key = sorted(swept, key=lambda k: (k != "train.lr", k))
+    cells = {(values[x_key], values[y_key]): s for s, values in settings}
+    if len(cells) != len(settings):  # two settings on one cell: a third key differs somewhere
+        return None
+    return Grid(
+        x_key=x_key,
+        y_key=y_key,
+        xs=_value_order({x for x, _ in cells}),
+        ys=_value_order({y for _, y in cells}),
+        cells=cells,
+    )
+
+
+def cell_text(s: SettingStats | None) -> str:
+    """What a cell says: mean, [lo, hi] and n, then "best" or "tied" (statistically
+    indistinguishable from the best, as in the table); 'n/a' where no seed completed."""
+    if s is None or s.interval.mean is None:
+        return "n/a"
+    lines = [f"{s.interval.mean:.3f}"]
+    if s.interval.lo is not None and s.interval.hi is not None:
+        lines.append(f"[{s.interval.lo:.2f}, {s.interval.hi:.2f}]")
+    lines.append(f"n={s.n}")
+    if s.is_best:
+        lines.append("best")
+    elif s.tie is not None and s.tie.tied:
+        lines.append("tied")
+    return "\n".join(lines)
+
+
+def plot_heatmap(grid: Grid, path: Path, title: str) -> None:
+    """Write the grid as a PNG heat map (viridis, the colour scale fixed to the metric's [0, 1])."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    means = np.full((len(grid.ys), len(grid.xs)), np.nan)
+    for (x, y), s in grid.cells.items():
+        if s.interval.mean is not None:
+            means[grid.ys.index(y), grid.xs.index(x)] = s.interval.mean
+    metric = next(iter(grid.cells.values())).metric
+    width = max(5.0, 1.6 * len(grid.xs) + 2.5)
+    height = max(3.5, 1.0 * len(grid.ys) + 2.0)
+    fig, ax = plt.subplots(figsize=(width, height), constrained_layout=True)
+    image = ax.imshow(
+        np.ma.masked_invalid(means), cmap="viridis", vmin=0.0, vmax=1.0, origin="lower"
+    )
+    for (x, y), s in grid.cells.items():
+        i, j = grid.ys.index(y), grid.xs.index(x)
+        dark = s.interval.mean is not None and s.interval.mean < 0.5
+        color = "white" if dark else "black"
+        ax.text(j, i, cell_text(s), ha="center", va="center", fontsize=8, color=color)
+    ax.set_xticks(range(len(grid.xs)), grid.xs)
+    ax.set_yticks(range(len(grid.ys)), grid.ys)
+    ax.set_xlabel(grid.x_key)
+    ax.set_ylabel(grid.y_key)
+    fig.colorbar(image, ax=ax, label=f"{metric}: mean over seeds")
+    ax.set_title(f"{title}\n{CONFIDENCE:.0%} CI: {CI_METHOD}", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def heatmap_path(plot_path: Path) -> Path:
+    """Beside the learning-curve plot: `curves.png` → `curves_heatmap.png`."""
+    return plot_path.with_name(f"{plot_path.stem}_heatmap{plot_path.suffix or '.png'}")
+
+
+# ---- runs and settings over training ----------------------------------------------------------
+
+PLOT_PANELS = (
+    ("eval_success", "eval success rate"),
+    ("eval_reward", "eval mean reward"),
+    ("train_reward", "train reward (mean)"),
+    ("kl", "KL to reference"),
+    ("entropy", "entropy"),
+)
+# What an empty panel says: why there may be nothing to draw.
+_EMPTY = {"kl": "no KL recorded\n(it needs train.kl_coef > 0)"}
+
+_LINESTYLE = {"done": "-", "incomplete": "--", "failed": ":", "pruned": "-."}
+
+
+def plot(runs: Sequence[RunReport], path: Path, title: str) -> None:
+    """One panel per key metric over policy versions, one line per run (solid: done, dashed:
+    incomplete, dotted with an x at its last point: failed, dash-dotted: pruned); the legend fills
+    the last panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
+    flat = axes.ravel()
+    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    # Colours follow run names, not the sort order, so a run keeps its colour between reports.
+    by_name = {r.name: i for i, r in enumerate(sorted(runs, key=lambda r: natural_key(r.name)))}
+    handles = []
+    for order, r in enumerate(runs):
+        color = colors[by_name[r.name] % len(colors)]
+        # Runs with identical curves (common early in a sweep) would hide each other: lines drawn
+        # first are wider, so each later one shows inside the earlier ones.
+        width = max(1.2, 5.0 - 1.3 * order)
+        label = f"{r.name}: {r.label}" if r.label else r.name
+        if r.status != "done":
+            label += f" [{r.status}]"
+        handle = None
+        for ax, (key, _) in zip(flat, PLOT_PANELS, strict=False):
+            points = r.series.get(key, [])
+            if not points:
+                continue
+            xs, ys = zip(*points, strict=True)
+            (line,) = ax.plot(
+                xs,
+                ys,
+                linestyle=_LINESTYLE[r.status],
+                marker="o" if len(points) <= 30 else None,
+                markersize=3,
+                color=color,
+                linewidth=width,
+            )
+            if r.status == "failed":
+                ax.plot(xs[-1], ys[-1], marker="x", markersize=9, color=color, mew=2)
+            handle = handle or line
+        if handle is None:  # no metrics yet: still listed in the legend
+            (handle,) = flat[0].plot([], [], linestyle=_LINESTYLE[r.status], color=color)
+        handle.set_label(label)
+        handles.append(handle)
+
+    for ax, (key, name) in zip(flat, PLOT_PANELS, strict=False):
+        ax.set_title(name)
+        ax.set_xlabel("policy version (updates applied)")
+        ax.grid(alpha=0.3)
+        if key == "eval_success":
+            ax.set_ylim(-0.03, 1.03)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # versions are whole numbers
+        if not any(len(line.get_xdata()) for line in ax.lines):
+            ax.text(
+                0.5,
+                0.5,
+                _EMPTY.get(key, "no data yet"),
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+    legend_ax = flat[-1]
+    legend_ax.axis("off")
+    if handles:
+        legend_ax.legend(
+            handles=handles,
+            loc="upper left",
+            fontsize=9 if len(handles) <= 12 else 7,
+            ncol=1 if len(handles) <= 16 else 2,
+            frameon=False,
+            title="run: overrides",
+        )
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_seeds(stats: Sequence[SettingStats], path: Path, title: str) -> None:
+    """Eval success rate over policy versions, one line per setting: the mean over its completed
+    seeds with a 95% Student t band (no band where only one seed has a point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(10, 6), constrained_layout=True)
+    colors = plt.get_cmap("tab10" if len(stats) <= 10 else "tab20").colors
+    for i, s in enumerate(stats):
+        points = mean_curve([r.curve for r in s.runs if r.status == "done"])
+        if not points:
+            continue
+        color = colors[i % len(colors)]
+        xs = [p.version for p in points]
+        ys = [p.interval.mean for p in points]
+        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=f"{s.label} (n={s.done})")
+        band = [p for p in points if p.interval.lo is not None and p.interval.hi is not None]
+        if band:
+            ax.fill_between(
+                [p.version for p in band],
+                [max(0.0, p.interval.lo) for p in band],  # type: ignore[arg-type]
+                [min(1.0, p.interval.hi) for p in band],  # type: ignore[arg-type]
+                color=color,
+                alpha=0.2,
+                linewidth=0,
+            )
+    ax.set_xlabel("policy version (updates applied)")
+    ax.set_ylabel(f"eval success rate: mean over seeds, {CONFIDENCE:.0%} CI ({CI_METHOD})")
+    ax.set_ylim(-0.03, 1.03)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8, frameon=False, title="setting (completed seeds)")
+    else:
+        ax.text(0.5, 0.5, "no completed run yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

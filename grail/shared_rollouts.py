@@ -1,0 +1,344 @@
+"""Iteration 0's rollouts, generated once per study and shared by its runs.
+
+Every run of a study (`study_dir`: a sweep's directory, or one the user names) that starts from the
+same weights, with the same task, seed and generation settings, generates exactly the same
+iteration-0 batch: the server holds the initial weights and every request carries a seed derived
+from (`seed`, round, problem seed) (grail/rollouts.py `request_seed`). Runs that differ only in
+`train.*` (learning rate, KL coefficient, loss, pipelining) therefore share it: the first run that
+needs it generates and stores it under `<study_dir>/rollouts/<key>.json`, later ones load it.
+
+The key is a sha256 over everything that determines that batch and nothing else (`identity`):
+- the files the server starts from (`weights/`: weights, model config, tokenizer, chat template),
+  hashed byte for byte, so any change in the initial weights (model, LoRA, dtype, init) counts;
+- `seed`, every `data.*` key but `reuse_initial_rollouts` (environment, env_kwargs, rewards,
+  problem and group counts, the seed pool, dynamic sampling);
+- the generation settings that reach the server's sampling (every `generation.*` key but those
+  that only say how long to wait, how often to retry and how later weights are synced), and the
+  server as started: backend, device kind, dtype, CPU threads (CPU kernels split reductions
+  differently by thread count), extra arguments;
+- torch and transformers versions, the CPU architecture, and `FORMAT`.
+Advantages depend on `train.scale_rewards`, so they are not stored: a loading run computes them.
+
+The file is plain JSON (never a pickle, which would tie it to module paths): per group the problem
+seed, the prompt token ids and every sample as the server returned and the environment scored it.
+Python writes floats with the shortest repr that reads back to the same bits, so a loading run
+trains on exactly the generating run's numbers. Problems are rebuilt with `env.problem(seed)` and
+their rendered prompt ids must match the stored ones. A file that cannot be read or does not match
+is ignored with a warning and generated again. Writes are atomic (temporary file, then rename); a
+lock file beside it makes parallel runs of a study wait for the one generating instead of
+generating the same batch at once (the OS drops the lock of a process that dies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grail.records import atomic_write_text
+from grail.rollouts import (
+    GeneratedBatch,
+    Group,
+    Resampling,
+    Reused,
+    RolloutBatch,
+    Sample,
+    assign_advantages,
+    render_prompt_ids,
+)
+
+if TYPE_CHECKING:
+    from grail.config import Config
+    from grail.envs.base import Environment
+    from grail.inference.process import ServerManager
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when what a file holds, or what the key covers, changes
+ROLLOUTS_DIR = "rollouts"  # under the study directory
+_HASH_CHUNK = 1 << 20
+
+# Keys outside the batch: how long to wait for the server, how often to restart it, and how new
+# weights reach it (iteration 0 is generated before any sync). `server_threads` stands in the key
+# as the thread count the server was actually started with.
+_IGNORED_GENERATION_KEYS = frozenset(
+    {"request_timeout_s", "start_timeout_s", "max_restarts", "weight_sync", "server_threads"}
+)
+_IGNORED_DATA_KEYS = frozenset({"reuse_initial_rollouts"})
+
+
+class Unusable(Exception):
+    """A stored batch that cannot be used; the message says why."""
+
+
+def weights_digest(directory: Path) -> str:
+    """sha256 over every file under `directory` (relative name, size, bytes), in name order."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(directory).as_posix()}\0{path.stat().st_size}\0".encode())
+        with path.open("rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def identity(cfg: Config, weights: str, server: ServerManager) -> dict[str, Any]:
+    """What iteration 0's batch depends on (see the module docstring); `weights`: the
+    `weights_digest` of the directory the server starts from."""
+    import torch
+    import transformers
+
+    generation = {
+        k: v for k, v in asdict(cfg.generation).items() if k not in _IGNORED_GENERATION_KEYS
+    }
+    return {
+        "format": FORMAT,
+        "seed": cfg.seed,
+        "weights": weights,
+        "data": {k: v for k, v in asdict(cfg.data).items() if k not in _IGNORED_DATA_KEYS},
+        "generation": generation,
+        "server": {
+            "backend": server.kind,
+            "device": server.device.split(":")[0],  # which GPU a sweep job got does not count
+            "dtype": server.dtype,
+            "threads": server.threads,
+            "extra_args": list(server.extra_args),
+        },
+        "software": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "machine": platform.machine(),
+        },
+    }
+
+
+def rollout_key(ident: dict[str, Any]) -> str:
+    canonical = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class SharedRollouts:
+    """Iteration 0's batch in a study's store: loaded when a run of the study stored it under
+    this run's key, else generated (by `get`'s callback) and stored."""
+
+    def __init__(self, cfg: Config, study_dir: Path, ident: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.identity = ident
+        self.key = rollout_key(ident)
+        self.path = study_dir / ROLLOUTS_DIR / f"{self.key}.json"
+
+    @classmethod
+    def for_run(
+        cls, cfg: Config, weights_dir: Path, server: ServerManager
+    ) -> SharedRollouts | None:
+        """The store of this run's study, or None when `study_dir` is unset or
+        `data.reuse_initial_rollouts` is off. Call before the server starts: `weights_dir` must
+        hold what it starts from."""
+        if cfg.study_dir is None or not cfg.data.reuse_initial_rollouts:
+            return None
+        t0 = time.perf_counter()
+        shared = cls(cfg, Path(cfg.study_dir), identity(cfg, weights_digest(weights_dir), server))
+        log.debug("iteration-0 rollout key %s (%.2f s)", shared.key, time.perf_counter() - t0)
+        return shared
+
+    def get(
+        self,
+        generate: Callable[[], GeneratedBatch],
+        env: Environment,
+        tokenizer: Any,
+        expected_seeds: list[int],
+    ) -> GeneratedBatch:
+        """The stored batch if there is a usable one, else `generate()`, stored for the next run.
+        `expected_seeds`: iteration 0's problem seeds (without dynamic sampling, the batch's)."""
+        t0 = time.perf_counter()
+        with self._lock():
+            batch = self.load(env, tokenizer, expected_seeds, t0)
+            if batch is not None:
+                return batch
+            batch = generate()
+            self.save(batch)
+            return batch
+
+    def load(
+        self, env: Environment, tokenizer: Any, expected_seeds: list[int], t0: float
+    ) -> GeneratedBatch | None:
+        """The stored batch with fresh advantages (None when there is none, or a warning says why
+        it is unusable); its `generation_s` is the time since `t0`."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("ignoring stored rollouts %s (%s); generating them again", self.path, exc)
+            return None
+        try:
+            stored = json.loads(text)
+            groups, resampling, generation_s = self._decode(stored, env, tokenizer, expected_seeds)
+        # Whatever a damaged file makes fail (the JSON, a field, env.problem of a bad seed): a
+        # store is a cache, and the run can always generate the batch instead.
+        except Exception as exc:
+            log.warning("ignoring stored rollouts %s (%s); generating them again", self.path, exc)
+            return None
+        stats = assign_advantages(groups, self.cfg.train.scale_rewards)  # type: ignore[arg-type]
+        finished = time.perf_counter()
+        log.info("iteration 0: rollouts reused from %s", self.path)
+        return GeneratedBatch(
+            RolloutBatch(groups, stats),
+            policy_version=0,
+            generation_s=finished - t0,
+            started=t0,
+            finished=finished,
+            resampling=resampling,
+            reused=Reused(self.key, generation_s),
+        )
+
+    def save(self, generated: GeneratedBatch) -> None:
+        """Store `generated` for the study's other runs; a failure only warns (the run goes on)."""
+        data = {
+            "format": FORMAT,
+            "key": self.key,
+            "identity": self.identity,  # what the key covers, for a reader wondering why a miss
+            "generation_s": generated.generation_s,
+            "resampling": None if generated.resampling is None else asdict(generated.resampling),
+            "groups": [
+                {
+                    "seed": group.problem.seed,
+                    "prompt_ids": group.prompt_ids,
+                    "samples": [
+                        {
+                            "completion_ids": s.completion_ids,
+                            "behaviour_logprobs": s.behaviour_logprobs,
+                            "finish_reason": s.finish_reason,
+                            "text": s.text,
+                            "reward": s.reward,
+                            "components": s.components,
+                            "success": s.success,
+                        }
+                        for s in group.samples
+                    ],
+                }
+                for group in generated.batch.groups
+            ],
+        }
+        try:
+            # allow_nan: a -inf log-probability must read back as -inf, not fail the write.
+            atomic_write_text(self.path, json.dumps(data, separators=(",", ":"), default=str))
+        except (OSError, TypeError, ValueError) as exc:
+            log.warning("could not store iteration 0's rollouts in %s: %s", self.path, exc)
+
+    def _decode(
+        self, stored: Any, env: Environment, tokenizer: Any, expected_seeds: list[int]
+    ) -> tuple[list[Group], Resampling | None, float]:
+        data = self.cfg.data
+        if not isinstance(stored, dict):
+            raise Unusable("not a JSON object")
+        if stored.get("format") != FORMAT or stored.get("key") != self.key:
+            raise Unusable(f"format {stored.get('format')!r} or key differs from this run's")
+        resampling = None
+        if data.dynamic_sampling:
+            try:
+                resampling = Resampling(**stored["resampling"])
+            except (KeyError, TypeError) as exc:
+                raise Unusable(f"bad 'resampling': {exc}") from exc
+        groups_data = stored.get("groups")
+        if not isinstance(groups_data, list) or not groups_data:
+            raise Unusable("no 'groups'")
+        if resampling is not None and resampling.kept_groups != len(groups_data):
+            raise Unusable(
+                f"{len(groups_data)} groups, but 'resampling' kept {resampling.kept_groups}"
+            )
+        seeds = [g.get("seed") if isinstance(g, dict) else None for g in groups_data]
+        if not data.dynamic_sampling and seeds != expected_seeds:
+            raise Unusable(f"problem seeds {seeds[:4]}... are not iteration 0's")
+        groups = [self._group(g, env, tokenizer, i) for i, g in enumerate(groups_data)]
+        generation_s = stored.get("generation_s")
+        if not _number(generation_s) or generation_s < 0:
+            raise Unusable(f"bad 'generation_s' {generation_s!r}")
+        return groups, resampling, float(generation_s)
+
+    def _group(self, stored: dict[str, Any], env: Environment, tokenizer: Any, i: int) -> Group:
+        seed, prompt_ids, samples = (stored.get(k) for k in ("seed", "prompt_ids", "samples"))
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise Unusable(f"groups[{i}].seed is {seed!r}")
+        problem = env.problem(seed)
+        if prompt_ids != render_prompt_ids(tokenizer, problem):
+            raise Unusable(f"groups[{i}].prompt_ids differ from problem {seed}'s prompt")
+        if not isinstance(samples, list) or len(samples) != self.cfg.data.rollouts_per_problem:
+            raise Unusable(
+                f"groups[{i}].samples is not {self.cfg.data.rollouts_per_problem} samples"
+            )
+        return Group(
+            problem,
+            prompt_ids,
+            [_sample(s, f"groups[{i}].samples[{j}]") for j, s in enumerate(samples)],
+        )
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """Hold `<key>.lock` (flock) for the block: a run of the study that finds another one
+        generating this batch waits for it and loads it. Where the file system refuses locks, or
+        the store cannot be created, runs go on without (at worst each generates it)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            log.warning("rollout store %s unavailable (%s)", self.path.parent, exc)
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("iteration 0: waiting for another run of the study to store its rollouts")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                log.debug("no lock on %s (%s): going on without", self.path, exc)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _sample(stored: Any, where: str) -> Sample:
+    """A stored sample, its fields checked: a file cut or edited by hand must not train."""
+    if not isinstance(stored, dict):
+        raise Unusable(f"{where} is not an object")
+    ids, logprobs = stored.get("completion_ids"), stored.get("behaviour_logprobs")
+    components = stored.get("components")
+    ok = (
+        isinstance(ids, list)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        and isinstance(logprobs, list)
+        and len(logprobs) == len(ids)
+        and all(_number(x) and not math.isnan(x) for x in logprobs)
+        and isinstance(stored.get("finish_reason"), str)
+        and isinstance(stored.get("text"), str)
+        and _number(stored.get("reward"))
+        and isinstance(components, dict)
+        and all(isinstance(k, str) and _number(v) for k, v in components.items())
+        and isinstance(stored.get("success"), bool)
+    )
+    if not ok:
+        raise Unusable(f"{where} lacks a field or has one of the wrong type")
+    return Sample(
+        completion_ids=ids,
+        behaviour_logprobs=logprobs,
+        finish_reason=stored["finish_reason"],
+        text=stored["text"],
+        reward=stored["reward"],
+        components=components,
+        success=stored["success"],
+    )

@@ -1,0 +1,473 @@
+"""Early pruning of hopeless runs (grail/prune.py): Optuna's pruners with their real journal
+storage decide; a pruned run's status everywhere (summary schema, sweep reruns, run status, the
+report, the end of a sweep); and once end to end through the real `grail-train -m`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from jsonschema import ValidationError
+from omegaconf import OmegaConf
+from optuna.trial import TrialState
+from run_dirs import eval_record, make_run
+
+from grail.config import Config, ConfigError, DataConfig, EvalConfig, PruneConfig, validate
+from grail.prune import NoPruning, RunTrial, open_study, open_trial, storage_path, study_name
+from grail.records import (
+    PRUNE_TRIAL,
+    read_metrics,
+    read_pruned,
+    validate_metrics,
+    write_metrics,
+    write_summary,
+)
+from grail.report import main as report_main
+from grail.runs import run_status
+from grail.sweep import Action, RunRecord, decide
+from grail.train.cli import CONF_DIR, SweepOutcome
+
+
+def _config(study_dir: Path, seed: int = 0, **prune: object) -> Config:
+    return Config(
+        seed=seed,
+        study_dir=str(study_dir),
+        data=DataConfig(environment="copy_digits"),
+        eval=EvalConfig(interval=2),
+        prune=PruneConfig(**{"pruner": "asha", "min_iterations": 2, **prune}),  # type: ignore[arg-type]
+    )
+
+
+def _evaluate(run_dir: Path, iteration: int, success: float) -> None:
+    """What the loop's evaluation leaves on disk before it asks the pruner."""
+    path = run_dir / "metrics" / f"eval_iter_{iteration:03d}.json"
+    write_metrics(path, eval_record(iteration, success, success), "eval")
+
+
+def _run(cfg: Config, run_dir: Path, successes: dict[int, float], start: int = 0) -> int | None:
+    """A run through the loop's calls: evaluations at the given iterations, asking the pruner
+    after each, then finish. Returns the iteration it was pruned at, or None."""
+    trial = open_trial(cfg, run_dir, start)
+    for iteration, success in sorted(successes.items()):
+        _evaluate(run_dir, iteration, success)
+        if trial.should_prune(iteration):
+            trial.finish()
+            return iteration
+    trial.finish()
+    return None
+
+
+def _trials(study_dir: Path, seed: int) -> list[optuna.trial.FrozenTrial]:
+    study = open_study(study_dir, seed, PruneConfig(pruner="asha"))
+    return study.get_trials(deepcopy=False)
+
+
+# ---- the pruners, on real Optuna storage --------------------------------------------------------
+
+
+def test_asha_prunes_a_clearly_worse_run_at_its_rung_and_keeps_better_ones(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, reduction_factor=2)  # rungs at 2 and 4 updates
+    curves = {
+        "good": {1: 0.6, 3: 0.7, 5: 0.8},
+        "bad": {1: 0.1, 3: 0.9, 5: 0.9},  # worse at the first rung: never gets to improve
+        "better": {1: 0.7, 3: 0.8, 5: 0.9},
+    }
+    pruned = {name: _run(cfg, tmp_path / name, curve) for name, curve in curves.items()}
+    assert pruned == {"good": None, "bad": 1, "better": None}
+
+    states = {t.number: t.state for t in _trials(tmp_path, 0)}
+    assert states == {0: TrialState.COMPLETE, 1: TrialState.PRUNED, 2: TrialState.COMPLETE}
+    record = json.loads((tmp_path / "bad" / PRUNE_TRIAL).read_text())
+    assert record["study"] == "prune-seed-0" and record["trial"] == 1
+    assert record["storage"] == str(storage_path(tmp_path).absolute())
+    assert read_pruned(tmp_path / "bad") == {
+        "iteration": 1,
+        "value": 0.1,
+        "metric": "auc",
+        "pruner": "asha",
+    }
+    assert read_pruned(tmp_path / "good") is None
+    # The complete trials hold their final value: auc, the mean over the evaluations.
+    final = {t.number: t.value for t in _trials(tmp_path, 0)}
+    assert final[0] == pytest.approx((0.6 + 0.7 + 0.8) / 3)
+
+
+def test_no_pruning_before_min_iterations(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, reduction_factor=2, min_iterations=4)
+    assert _run(cfg, tmp_path / "a", {1: 0.9, 3: 0.9}) is None
+    # Far worse at 2 updates, but that is before min_iterations; at 4 it is judged.
+    assert _run(cfg, tmp_path / "b", {1: 0.0, 3: 0.0}) == 3
+
+
+def test_median_spares_its_warmup_runs_then_prunes_below_the_median(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, pruner="median", warmup_runs=1, metric="success")
+    assert _run(cfg, tmp_path / "first", {1: 0.1, 3: 0.2}) is None  # a warm-up run: never
+    assert _run(cfg, tmp_path / "worse", {1: 0.05, 3: 0.9}) == 1
+    # Not below the median (ties go on); the rule compares a run's best value so far.
+    assert _run(cfg, tmp_path / "same", {1: 0.1, 3: 0.2}) is None
+    assert _run(cfg, tmp_path / "better", {1: 0.5, 3: 0.6}) is None
+
+
+def test_the_last_evaluation_is_reported_when_the_run_completes(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, pruner="median", warmup_runs=1, metric="success")
+    run_dir = tmp_path / "run"
+    trial = open_trial(cfg, run_dir, 0)
+    _evaluate(run_dir, 1, 0.2)
+    assert not trial.should_prune(1)
+    _evaluate(run_dir, 3, 0.4)  # the last iteration's: the loop does not ask, the run ends
+    trial.finish()
+    (frozen,) = _trials(tmp_path, 0)
+    assert frozen.state == TrialState.COMPLETE and frozen.value == pytest.approx(0.4)
+    assert frozen.intermediate_values == {2: pytest.approx(0.2), 4: pytest.approx(0.4)}
+    # ...so a later run is judged against it at that step too (best 0.3 so far < 0.4).
+    assert _run(cfg, tmp_path / "later", {1: 0.3, 3: 0.1, 5: 0.9}) == 3
+
+
+def test_each_seed_competes_only_in_its_own_study(tmp_path: Path) -> None:
+    seed0, seed1 = _config(tmp_path, seed=0), _config(tmp_path, seed=1)
+    assert _run(seed0, tmp_path / "s0-good", {1: 0.9, 3: 0.9}) is None
+    # A hard seed: every setting does badly on it, and it is compared with its own kind only.
+    assert _run(seed1, tmp_path / "s1-a", {1: 0.1, 3: 0.1}) is None
+    assert _run(seed1, tmp_path / "s1-b", {1: 0.12, 3: 0.1}) is None
+    assert _run(seed0, tmp_path / "s0-bad", {1: 0.1, 3: 0.1}) == 1
+    assert [len(_trials(tmp_path, s)) for s in (0, 1)] == [2, 2]
+    names = optuna.get_all_study_names(
+        optuna.storages.JournalStorage(
+            optuna.storages.journal.JournalFileBackend(str(storage_path(tmp_path)))
+        )
+    )
+    assert sorted(names) == [study_name(0), study_name(1)]
+
+
+def test_a_resumed_run_keeps_its_trial_and_a_step_is_reported_once(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, reduction_factor=2)
+    run_dir = tmp_path / "run"
+    trial = open_trial(cfg, run_dir, 0)
+    assert isinstance(trial, RunTrial)
+    _evaluate(run_dir, 1, 0.5)
+    assert not trial.should_prune(1)
+    _evaluate(run_dir, 2, 0.6)  # then killed: no finish(), the trial stays running
+
+    # Resumed after checkpoint iter_001 (start 2): its own trial, iteration 2 rerun. Optuna would
+    # warn and ignore a second value for a step; the rerun's differs by float noise at most.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = open_trial(cfg, run_dir, 2)
+        assert isinstance(again, RunTrial) and again.number == trial.number
+        _evaluate(run_dir, 1, 0.55)  # a rewritten earlier file does not change the trial
+        assert again.report(1) == 0.5
+        _evaluate(run_dir, 3, 0.7)
+        assert not again.should_prune(3)
+    (frozen,) = _trials(tmp_path, 0)
+    assert frozen.state == TrialState.RUNNING
+    assert frozen.intermediate_values == {2: 0.5, 4: pytest.approx((0.55 + 0.6 + 0.7) / 3)}
+
+    # A run that failed ends its trial (FAIL); retried, it gets a new one holding its evaluations.
+    again.fail()
+    retried = open_trial(cfg, run_dir, 4)
+    assert isinstance(retried, RunTrial) and retried.number == trial.number + 1
+    states = {t.number: (t.state, t.intermediate_values) for t in _trials(tmp_path, 0)}
+    assert states[trial.number][0] == TrialState.FAIL
+    assert set(states[retried.number][1]) == {2, 3, 4}  # evals at iterations 1, 2, 3 on disk
+
+    # Started over (no checkpoint): the old running trial ends, a new one starts empty.
+    for path in (run_dir / "metrics").glob("*.json"):
+        path.unlink()
+    fresh = open_trial(cfg, run_dir, 0)
+    assert isinstance(fresh, RunTrial) and fresh.number == retried.number + 1
+    states = {t.number: (t.state, t.intermediate_values) for t in _trials(tmp_path, 0)}
+    assert states[retried.number][0] == TrialState.FAIL
+    assert states[fresh.number] == (TrialState.RUNNING, {})
+
+
+def test_a_decision_survives_a_kill_before_the_checkpoint(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, reduction_factor=2)
+    _run(cfg, tmp_path / "good", {1: 0.9})
+    run_dir = tmp_path / "bad"
+    trial = open_trial(cfg, run_dir, 0)
+    _evaluate(run_dir, 1, 0.1)
+    assert trial.should_prune(1)  # then killed before its checkpoint committed: no finish()
+    # Resumed from iter_000 (start 1): iteration 1 reruns and stops there, without asking ASHA
+    # again (it records a rung as done when it first answers, and would now say go on).
+    resumed = open_trial(cfg, run_dir, 1)
+    assert isinstance(resumed, RunTrial) and resumed.number == trial.number
+    _evaluate(run_dir, 1, 0.1)
+    assert resumed.should_prune(1)
+    resumed.finish()
+    assert _trials(tmp_path, 0)[trial.number].state == TrialState.PRUNED
+
+
+def test_pruning_off_clears_an_old_record_on_a_fresh_start(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / PRUNE_TRIAL).write_text('{"pruned": {"iteration": 1}}')
+    cfg = _config(tmp_path, pruner=None)
+    assert isinstance(open_trial(cfg, run_dir, 3), NoPruning)  # a resume keeps it
+    assert (run_dir / PRUNE_TRIAL).exists()
+    assert isinstance(open_trial(cfg, run_dir, 0), NoPruning)
+    assert not (run_dir / PRUNE_TRIAL).exists()
+    assert not (tmp_path / "optuna").exists()  # no storage touched
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"prune": PruneConfig(pruner="hyperband")}, "prune.pruner='hyperband' is not one of"),
+        ({"prune": PruneConfig(pruner="asha", metric="best")}, "prune.metric='best'"),
+        ({"prune": PruneConfig(pruner="asha", reduction_factor=1)}, "prune.reduction_factor"),
+        ({"prune": PruneConfig(pruner="median", warmup_runs=-1)}, "prune.warmup_runs"),
+        ({"prune": PruneConfig(pruner="asha", min_iterations=0)}, "prune.min_iterations"),
+        ({"eval": EvalConfig(enabled=False)}, "eval.enabled=true"),
+        ({"study_dir": None}, "prune.pruner=asha needs a study_dir"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path: Path, change: dict, message: str) -> None:
+    cfg = _config(tmp_path)
+    for key, value in change.items():
+        setattr(cfg, key, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(cfg)
+
+
+def test_the_config_group_switches_it_on() -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        off = compose(config_name="offline_grpo")
+        asha = compose(
+            config_name="offline_grpo", overrides=["+prune=asha", "prune.min_iterations=20"]
+        )
+        median = compose(config_name="offline_grpo", overrides=["+prune=median"])
+    assert off.prune.pruner is None
+    assert (asha.prune.pruner, asha.prune.min_iterations, asha.prune.reduction_factor) == (
+        "asha",
+        20,
+        3,
+    )
+    assert (median.prune.pruner, median.prune.warmup_runs) == ("median", 2)
+    for cfg in (asha, median):
+        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+        config.study_dir = "/tmp/study"
+        validate(config)
+
+
+# ---- the pruned status everywhere ---------------------------------------------------------------
+
+PRUNED = {"iteration": 3, "value": 0.125, "metric": "auc", "pruner": "asha"}
+
+
+def test_a_pruned_summary_validates_and_says_why(tmp_path: Path) -> None:
+    summary = write_summary(tmp_path, 1.0, pruned=PRUNED)
+    assert summary["status"] == "pruned" and summary["pruned"] == PRUNED
+    validate_metrics(read_metrics(tmp_path / "summary.json"), "summary")
+    without = {k: v for k, v in summary.items() if k != "pruned"}
+    with pytest.raises(ValidationError, match="'pruned' is a required property"):
+        validate_metrics(without, "summary")
+    with pytest.raises(ValidationError):
+        validate_metrics({**summary, "pruned": {**PRUNED, "pruner": "hyperband"}}, "summary")
+
+
+def test_a_rerun_of_the_sweep_skips_a_pruned_run() -> None:
+    record = RunRecord(status="pruned", has_progress=True, overrides=("train.lr=1",))
+    decision = decide(record, resume=True, overrides=["train.lr=1", "resume=true"])
+    assert (decision.action, decision.reason) == (Action.SKIP, "pruned earlier")
+    assert decide(record, resume=False, overrides=["train.lr=1"]).action is Action.START
+
+
+def _study(sweep: Path) -> dict[str, Path]:
+    """A study caught mid-way: two settings on two seeds, one run of each kind."""
+    runs = {
+        "completed": (["train.lr=1e-3", "seed=0"], 0.6),
+        "failed": (["train.lr=1e-3", "seed=1"], 0.5),
+        "pruned": (["train.lr=1e-2", "seed=0"], 0.1),
+        "running": (["train.lr=1e-2", "seed=1"], 0.4),
+        "completed2": (["train.lr=1e-3", "seed=2"], 0.7),
+        "completed3": (["train.lr=1e-2", "seed=2"], 0.8),
+    }
+    made = {}
+    for job, (kind, (overrides, level)) in enumerate(runs.items()):
+        done = 2 if kind == "pruned" else 4
+        run = make_run(
+            sweep / str(job),
+            overrides,
+            iterations=4,
+            done=done,
+            success=lambda i, level=level: level,
+            completed=kind.startswith("completed"),
+        )
+        if kind == "failed":
+            write_summary(run, 1.0, error=RuntimeError("CUDA OOM"))
+        if kind == "pruned":
+            write_summary(run, 1.0, pruned={**PRUNED, "iteration": 1, "value": 0.1})
+        made[kind] = run
+    return made
+
+
+def test_run_status_and_report_on_a_study_with_every_kind_of_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep = tmp_path / "sweep"
+    runs = _study(sweep)
+    status = {kind: run_status(path).status for kind, path in runs.items()}
+    assert status == {
+        "completed": "done",
+        "failed": "failed",
+        "pruned": "pruned",
+        "running": "incomplete",
+        "completed2": "done",
+        "completed3": "done",
+    }
+    assert run_status(runs["pruned"]).error is None
+
+    stats_csv, runs_csv = tmp_path / "stats.csv", tmp_path / "runs.csv"
+    argv = [str(sweep), "--out", str(tmp_path), "--csv", str(stats_csv)]
+    assert report_main([*argv, "--runs-csv", str(runs_csv)]) == 0
+    text = capsys.readouterr().out
+    assert "6 runs: 3 done, 1 failed, 1 incomplete, 1 pruned" in text
+    table_row = next(line for line in text.splitlines() if line.startswith("│ 2 "))
+    assert "pruned" in table_row and "2/4" in table_row  # the run table: status, iterations
+    assert "not in the statistics (3 runs)" in text
+    assert "pruned 2 (train.lr=1e-2, seed 0)" in text
+    assert "pruned runs (stopped early by the pruner) are not counted" in text
+
+    rows = {r["setting"]: r for r in _csv(stats_csv)}
+    hi, lo = rows["train.lr=1e-2"], rows["train.lr=1e-3"]
+    # train.lr=1e-2: only seed 2 completed; its pruned seed 0 (0.1) is not averaged in.
+    assert (hi["n"], hi["pruned"], hi["failed"], hi["incomplete"]) == ("1", "1", "0", "1")
+    assert float(hi["mean"]) == pytest.approx(0.8) and hi["seeds"] == "2"
+    assert (lo["n"], lo["pruned"], lo["failed"], lo["incomplete"]) == ("2", "0", "1", "0")
+    per_run = {r["run"]: r["status"] for r in _csv(runs_csv)}
+    assert per_run["2"] == "pruned"
+    assert {r["run"]: r["status"] for r in _csv(tmp_path / "summary.csv")}["2"] == "pruned"
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _outcome(sweep: Path) -> int:
+    """The end-of-sweep callback's exit code (what it prints goes to stderr)."""
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+    try:
+        SweepOutcome().on_multirun_end(config)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def test_the_end_of_a_sweep_counts_pruned_runs_as_ended(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep = tmp_path / "sweep"
+    runs = _study(sweep)
+    assert _outcome(sweep) == 1
+    err = capsys.readouterr().err
+    assert "2 of 6 runs did not complete (1 pruned early (prune.pruner), not failures)" in err
+    assert "  1 (train.lr=1e-3 seed=1): failed - RuntimeError: CUDA OOM" in err
+    assert "  3 (train.lr=1e-2 seed=1): incomplete" in err
+    assert "\n  2 (" not in err  # the pruned run is not listed as a problem
+
+    for kind in ("failed", "running"):
+        write_summary(runs[kind], 1.0)
+    assert _outcome(sweep) == 0
+    assert "all 6 runs ended: 5 completed, 1 pruned early" in capsys.readouterr().err
+
+
+# ---- end to end: grail-train -m with the real loop --------------------------------------------
+
+SMALL = [
+    "data.problems_per_iteration=4",
+    "data.rollouts_per_problem=4",
+    "eval.num_ids=8",
+    "eval.replicates=2",
+    "eval.report_ks=[1,2]",
+    "eval.interval=2",
+    "checkpoint.save_interval=5",  # iteration 1 is checkpointed only because it is pruned there
+    "train.iterations=6",
+]
+PRUNE = ["+prune=median", "prune.warmup_runs=1", "prune.min_iterations=2"]
+
+
+def _grail_train(*args: str, timeout: float = 240) -> tuple[int, str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "grail.train.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    return result.returncode, result.stdout + result.stderr
+
+
+def _perfect_earlier_run(sweep: Path) -> None:
+    """A completed run of seed 0 in the study, with eval success 1.0 throughout: as an earlier
+    sweep into the same study_dir leaves. The tiny model cannot reach that in 2 iterations, so
+    the median rule deterministically prunes the seed-0 run below; seed 1's study is empty."""
+    study = open_study(sweep, 0, PruneConfig(pruner="median"))
+    trial = study.ask()
+    for step in (2, 4, 6):
+        trial.report(1.0, step)
+    study.tell(trial, 1.0)
+
+
+def test_a_sweep_prunes_a_run_keeps_its_files_and_a_rerun_skips_it(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    _perfect_earlier_run(sweep)
+    command = ["-m", f"hydra.sweep.dir={sweep}", *SMALL, *PRUNE, "seed=0,1"]
+    code, out = _grail_train(*command)
+    assert code == 0, out[-4000:]
+    assert "all 2 runs ended: 1 completed, 1 pruned early" in out, out[-4000:]
+
+    pruned, completed = sweep / "0", sweep / "1"
+    summary = read_metrics(pruned / "summary.json")
+    validate_metrics(summary, "summary")
+    assert summary["status"] == "pruned" and summary["iterations"] == 2
+    assert summary["pruned"]["iteration"] == 1 and summary["pruned"]["pruner"] == "median"
+    assert summary["pruned"]["value"] < 1.0
+    assert (pruned / "checkpoints" / "iter_001").is_dir()  # saved although save_interval=5
+    assert sorted(p.name for p in (pruned / "metrics").iterdir()) == [
+        "eval_baseline.json",
+        "eval_iter_001.json",
+        "train_iter_000.json",
+        "train_iter_001.json",
+    ]
+    assert read_metrics(completed / "summary.json")["status"] == "completed"
+    assert len(list((completed / "metrics").glob("train_iter_*.json"))) == 6
+    states = {s: [t.state for t in _trials(sweep, s)] for s in (0, 1)}
+    assert states == {
+        0: [TrialState.COMPLETE, TrialState.PRUNED],
+        1: [TrialState.COMPLETE],
+    }
+
+    # The same command with resume=true: both runs ended, nothing runs again.
+    code, out = _grail_train(*command, "resume=true")
+    assert code == 0, out[-4000:]
+    assert "pruned earlier, skipping (resume=true)" in out
+    for run in (pruned, completed):
+        actions = [json.loads(line)["action"] for line in (run / "attempts.jsonl").open()]
+        assert actions == ["start", "skip"]
+    assert read_metrics(pruned / "summary.json")["status"] == "pruned"
+
+    # A single run resumed in the pruned run's directory says so and trains nothing.
+    overrides = yaml.safe_load((pruned / ".hydra" / "overrides.yaml").read_text())
+    overrides = [o for o in overrides if not o.startswith("resume=")]
+    code, out = _grail_train(
+        f"hydra.run.dir={pruned}", *overrides, "resume=true", f"study_dir={sweep}"
+    )
+    assert code == 0, out[-4000:]
+    assert "was pruned after iteration 1" in out
+    assert "started builtin server" not in out
+    assert "pruned after iteration 1 (auc" in out  # the summary shown at the end
+    assert read_metrics(pruned / "summary.json")["status"] == "pruned"
+    assert not (pruned / "metrics" / "train_iter_002.json").exists()
