@@ -33,6 +33,12 @@ Why the shaping is shaped this way (each choice was measured with GRPO from rand
   completions equal, groups carry no signal and training stalls there.
 - `found` is multiplied by `brevity` so that hedging ("0123456789" contains any digit) or
   repeating the digit to the token limit scores less than answering and stopping.
+- Stopping is the hard part, not copying. Once the digit is copied, every completion that
+  does not stop scores the same, so nothing steers the tokens after the digit: with Adam, noise
+  alone concentrates them on some junk token, and then <|im_end|> or whitespace is never
+  sampled and `correct` never paid. The default job (conf/env/copy_digits.yaml) therefore
+  allows 2 new tokens (the digit and a stop) rather than 4, and adds a small entropy bonus that
+  keeps the second token's distribution open until stopping is found.
 
 With num_digits = n a constant completion succeeds on 10^-n of the seeds (10% for the default
 n = 1); `num_digits` is the difficulty knob.
