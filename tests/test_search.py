@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import optuna
 import pytest
 import yaml
@@ -33,42 +32,12 @@ from run_dirs import make_run
 
 from grail.records import atomic_write_text, metric_records
 from grail.report_stats import metric_of, t_interval
-from grail.search import (
-    BEST,
-    JOURNAL,
-    SEARCH_DIR,
-    OptunaSearchSweeper,
-    job_numbers,
-    launch_blocks,
-    parse_space,
-    seed_list,
-    trial_outcome,
-    trials_per_batch,
-)
+from grail.search import BEST, JOURNAL, SEARCH_DIR, OptunaSearchSweeper, trial_outcome
+from grail.search_space import job_numbers, launch_blocks, parse_space, seed_list, trials_per_batch
 from grail.sweep import SweepError
 from grail.train.cli import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _schema_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fake runs' records are still validated, but with one validator per schema:
-    `jsonschema.validate` checks the schema itself on every call, which made these tests spend
-    most of their time re-checking the same three schemas."""
-    from grail import records
-
-    validators: dict[str, Any] = {}
-
-    def validate(record: dict[str, Any], schema: str) -> None:
-        if schema not in validators:
-            document = records.load_schema(schema)
-            cls = jsonschema.validators.validator_for(document)
-            cls.check_schema(document)
-            validators[schema] = cls(document)
-        validators[schema].validate(record)
-
-    monkeypatch.setattr(records, "validate_metrics", validate)
 
 
 # ---- the parameter grammar ----------------------------------------------------------------------
