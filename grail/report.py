@@ -41,8 +41,9 @@ from grail.report_stats import (
     CI_METHOD,
     CONFIDENCE,
     DEFAULT_SEED,
+    DEFAULT_TEST,
     METRICS,
-    TIE_METHOD,
+    TESTS,
     WILCOXON_MIN_SEEDS,
     SeedRun,
     SettingStats,
@@ -352,12 +353,13 @@ def seed_runs(runs: Sequence[RunReport]) -> list[SeedRun]:
 
 
 def seed_stats(
-    runs: Sequence[RunReport], metric: str
+    runs: Sequence[RunReport], metric: str, test: str = DEFAULT_TEST
 ) -> tuple[dict[str, list[SeedRun]], list[SettingStats]]:
-    """Runs grouped by setting (overrides minus seed), and each setting's statistics, best first."""
+    """Runs grouped by setting (overrides minus seed), and each setting's statistics, best first,
+    each compared with the best by the paired `test` (a key of grail.report_stats.TESTS)."""
     in_order = sorted(runs, key=lambda r: natural_key(r.name))  # seeds in job order
     groups = group_by_setting(seed_runs(in_order), lambda r: r.overrides)
-    return groups, summarize(groups, metric)
+    return groups, summarize(groups, metric, test)
 
 
 def _ci(s: SettingStats) -> str:
@@ -380,22 +382,28 @@ def _vs_best(s: SettingStats) -> str:
 
 def stats_captions(stats: Sequence[SettingStats], metric: str) -> list[str]:
     """What the statistics table means: the metric, the interval's method, the test's."""
+    tests = {TESTS[s.tie.test] for s in stats if s.tie is not None}
     lines = [
         f"metric {metric}: {METRIC_HELP[metric]}; only completed runs count.",
         f"{CONFIDENCE:.0%} CI: {CI_METHOD} (n/a with one seed).",
-        f"tied with best: {TIE_METHOD}, two-sided, p >= {ALPHA:g}; "
-        "fewer than 2 shared seeds: n/a, counted as tied.",
+        f"tied with best: {', '.join(sorted(tests)) or TESTS[DEFAULT_TEST]}, two-sided, "
+        f"p >= {ALPHA:g}; fewer than 2 shared seeds: n/a, counted as tied.",
     ]
     if any(s.pruned for s in stats):
         lines.append(
             "pruned runs (stopped early by the pruner) are not counted: a setting pruned on "
             "some seeds is averaged over the others only, which flatters it (see not counted)."
         )
-    shared = [s.tie.n_shared for s in stats if s.tie is not None and s.tie.p is not None]
+    shared = [
+        s.tie.n_shared
+        for s in stats
+        if s.tie is not None and s.tie.p is not None and s.tie.test == "wilcoxon"
+    ]
     if any(n < WILCOXON_MIN_SEEDS for n in shared):
         lines.append(
             f"with fewer than {WILCOXON_MIN_SEEDS} shared seeds the smallest two-sided Wilcoxon "
-            "p is 2/2^n (0.0625 with 5), so such settings cannot be told apart from the best."
+            "p is 2/2^n (0.0625 with 5), so such settings cannot be told apart from the best "
+            "(--test t can)."
         )
     return lines
 
@@ -583,6 +591,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write one row a run: setting, seed, status, final, best, auc",
     )
     parser.add_argument(
+        "--test",
+        choices=list(TESTS),
+        default=DEFAULT_TEST,
+        help="the paired test over shared seeds that marks settings tied with the best: "
+        + "; ".join(f"{k}: {v}" for k, v in TESTS.items())
+        + f" (default: {DEFAULT_TEST}; Wilcoxon cannot separate anything below 6 seeds)",
+    )
+    parser.add_argument(
         "--plot",
         type=Path,
         default=None,
@@ -614,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = any(x is not None for x in (args.metric, args.csv, args.runs_csv, args.plot))
     if wanted or any(seed_of(r.overrides) != DEFAULT_SEED for r in runs):
         metric: str = args.metric or "auc"
-        groups, stats = seed_stats(runs, metric)
+        groups, stats = seed_stats(runs, metric, args.test)
         console.print()
         print_seed_stats(console, groups, stats, metric)
         written = []

@@ -8,8 +8,10 @@ Pure functions over lists and dicts (no file I/O), so they are tested on hand-ma
   under the eval curve per eval point). The baseline eval (iteration -1) never counts.
 - `t_interval(values)`: mean and 95% confidence interval, Student t with n - 1 degrees of freedom.
   One value has no interval: `lo` and `hi` are None (shown as "n/a").
-- `paired_tie(best, other)`: is `other` statistically indistinguishable from the best setting?
-  Wilcoxon signed-rank, two-sided, over the seeds both share; alpha 0.05.
+- `paired_tie(best, other, test)`: is `other` statistically indistinguishable from the best
+  setting? A paired test over the seeds both share, two-sided, alpha 0.05: `t` (paired Student
+  t, the default: it can separate settings with 2 to 5 seeds, the usual study) or `wilcoxon`
+  (signed-rank: no normality assumed, but with fewer than 6 seeds its p never drops below 0.05).
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ DEFAULT_SEED = "default"  # the seed of a run launched without a seed override
 CONFIDENCE = 0.95
 ALPHA = 0.05
 CI_METHOD = "Student t over seeds"
-TIE_METHOD = "Wilcoxon signed-rank over shared seeds"
+# grail-report --test: the paired test against the best setting, by name, and how it is named in
+# the output.
+TESTS = {
+    "t": "paired Student t over shared seeds",
+    "wilcoxon": "Wilcoxon signed-rank over shared seeds",
+}
+DEFAULT_TEST = "t"
 # Below this many paired seeds the two-sided exact Wilcoxon p can never drop under 0.05
 # (its smallest value is 2 / 2**n: 0.0625 with 5 seeds).
 WILCOXON_MIN_SEEDS = 6
@@ -189,30 +197,45 @@ class Tie:
     tied: bool  # statistically indistinguishable from the best (also when untestable)
     reason: str
     n_shared: int
+    test: str = DEFAULT_TEST  # a key of TESTS
 
 
 def paired_tie(
-    best_by_seed: Mapping[str, float], other_by_seed: Mapping[str, float], alpha: float = ALPHA
+    best_by_seed: Mapping[str, float],
+    other_by_seed: Mapping[str, float],
+    alpha: float = ALPHA,
+    test: str = DEFAULT_TEST,
 ) -> Tie:
-    """Wilcoxon signed-rank (two-sided) over the seeds both settings have. Fewer than 2 shared
-    seeds: no test, p None, counted as tied ("n/a"). Identical values on every shared seed: tied
-    with p = 1. Otherwise tied when p >= alpha."""
+    """A paired two-sided test (`TESTS[test]`) over the seeds both settings have. Fewer than 2
+    shared seeds: no test, p None, counted as tied ("n/a"). Identical values on every shared
+    seed: tied with p = 1. Otherwise tied when p >= alpha. The t test of differences that are
+    the same on every seed (no spread) gives p = 0: a consistent difference."""
+    import warnings
+
     from scipy import stats
+
+    if test not in TESTS:
+        raise ValueError(f"unknown test {test!r}; known: {', '.join(TESTS)}")
 
     shared = sorted(set(best_by_seed) & set(other_by_seed), key=natural_key)
     n = len(shared)
     if n < 2:
-        return Tie(None, True, f"n/a: {n} shared seed{'s' if n != 1 else ''}", n)
+        return Tie(None, True, f"n/a: {n} shared seed{'s' if n != 1 else ''}", n, test)
     a = [best_by_seed[s] for s in shared]
     b = [other_by_seed[s] for s in shared]
     if all(x == y for x, y in zip(a, b, strict=True)):
-        return Tie(1.0, True, "identical on every shared seed", n)
-    p = float(stats.wilcoxon(a, b, alternative="two-sided").pvalue)
+        return Tie(1.0, True, "identical on every shared seed", n, test)
+    with warnings.catch_warnings():  # scipy warns when the differences have no spread
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if test == "t":
+            p = float(stats.ttest_rel(a, b, alternative="two-sided").pvalue)
+        else:
+            p = float(stats.wilcoxon(a, b, alternative="two-sided").pvalue)
     if not math.isfinite(p):
-        return Tie(None, True, f"n/a: no test over {n} shared seeds", n)
+        return Tie(None, True, f"n/a: no test over {n} shared seeds", n, test)
     if p >= alpha:
-        return Tie(p, True, f"p={p:.3g} >= {alpha:g} over {n} shared seeds", n)
-    return Tie(p, False, f"p={p:.3g} < {alpha:g} over {n} shared seeds", n)
+        return Tie(p, True, f"p={p:.3g} >= {alpha:g} over {n} shared seeds", n, test)
+    return Tie(p, False, f"p={p:.3g} < {alpha:g} over {n} shared seeds", n, test)
 
 
 @dataclass
@@ -268,7 +291,9 @@ def setting_stats(label: str, runs: Sequence[SeedRun], metric: str) -> SettingSt
     )
 
 
-def summarize(groups: Mapping[str, Sequence[SeedRun]], metric: str) -> list[SettingStats]:
+def summarize(
+    groups: Mapping[str, Sequence[SeedRun]], metric: str, test: str = DEFAULT_TEST
+) -> list[SettingStats]:
     """Every setting, ranked by mean (highest first; settings without a value last, by label),
     each compared with the best one (`paired_tie`)."""
     all_stats = [setting_stats(label, runs, metric) for label, runs in groups.items()]
@@ -281,7 +306,7 @@ def summarize(groups: Mapping[str, Sequence[SeedRun]], metric: str) -> list[Sett
     if have:
         best = have[0]
         for s in have[1:]:
-            s.tie = paired_tie(best.values_by_seed, s.values_by_seed)
+            s.tie = paired_tie(best.values_by_seed, s.values_by_seed, test=test)
     return have + missing
 
 

@@ -81,14 +81,15 @@ def test_grouping_drops_the_seed_and_labels_by_what_differs() -> None:
 def test_paired_tie_agrees_with_scipy_and_handles_degenerate_cases() -> None:
     best = {str(s): 0.5 + 0.01 * s for s in range(6)}
     worse = {str(s): v - 0.1 - 0.001 * i for i, (s, v) in enumerate(best.items())}
-    tie = paired_tie(best, worse)
+    tie = paired_tie(best, worse, test="wilcoxon")
     expected = scipy_stats.wilcoxon(list(best.values()), list(worse.values())).pvalue
     assert tie.p == pytest.approx(expected)
     assert tie.p == pytest.approx(2 / 2**6)  # exact: every difference has the same sign
     assert not tie.tied and tie.n_shared == 6
 
     five = {k: best[k] for k in list(best)[:5]}
-    tie5 = paired_tie(five, worse)  # 5 shared seeds: p >= 0.0625, cannot be separated
+    # 5 shared seeds: p >= 0.0625, cannot be separated
+    tie5 = paired_tie(five, worse, test="wilcoxon")
     assert tie5.p == pytest.approx(0.0625) and tie5.tied
 
     same = paired_tie(best, dict(best))
@@ -98,22 +99,43 @@ def test_paired_tie_agrees_with_scipy_and_handles_degenerate_cases() -> None:
     assert one.tied and one.p is None and one.reason.startswith("n/a")
 
 
+def test_paired_t_test_matches_its_closed_form_and_separates_few_seeds() -> None:
+    # differences 0.05, 0.1, 0.05: mean 1/15, sd 0.05/sqrt(3), t = 4 with 2 degrees of freedom,
+    # where the two-sided p is exactly 1 - t / sqrt(t^2 + 2)
+    best, other = {"0": 0.5, "1": 0.6, "2": 0.7}, {"0": 0.45, "1": 0.5, "2": 0.65}
+    tie = paired_tie(best, other)  # the default test
+    assert tie.test == "t" and tie.n_shared == 3
+    assert tie.p == pytest.approx(1 - 4 / math.sqrt(18))
+    assert tie.p == pytest.approx(scipy_stats.ttest_rel([0.5, 0.6, 0.7], [0.45, 0.5, 0.65]).pvalue)
+    assert tie.tied  # 0.057 >= 0.05
+    # the same setting worse by 0.3 on each of 3 seeds: Wilcoxon cannot tell (p = 0.25), t can
+    worse = {k: v - 0.3 - 0.01 * int(k) for k, v in best.items()}
+    assert paired_tie(best, worse, test="wilcoxon").tied
+    assert not paired_tie(best, worse).tied
+    # no spread in the differences: a consistent difference, p = 0
+    assert paired_tie(best, {k: v - 0.1 for k, v in best.items()}).p == 0.0
+    with pytest.raises(ValueError, match="unknown test"):
+        paired_tie(best, other, test="bootstrap")
+
+
 def test_summarize_ranks_by_mean_and_only_counts_completed_runs() -> None:
     def run(seed: int, status: str, auc: float | None) -> SeedRun:
         return SeedRun(f"r{seed}", [f"seed={seed}"], status, auc=auc)
 
     groups = {
         "a": [run(0, "done", 0.2), run(1, "done", 0.4), run(2, "failed", 0.9)],
-        "b": [run(0, "done", 0.6), run(1, "done", 0.8), run(2, "incomplete", 0.0)],
+        "b": [run(0, "done", 0.6), run(1, "done", 0.7), run(2, "incomplete", 0.0)],
         "c": [run(0, "failed", None)],
     }
     a, b, c = sorted(summarize(groups, "auc"), key=lambda s: s.label)
     ranked = summarize(groups, "auc")
     assert [s.label for s in ranked] == ["b", "a", "c"]
     assert ranked[0].is_best and ranked[0].tie is None
-    assert (b.n, b.interval.mean, b.failed, b.incomplete) == (2, pytest.approx(0.7), 0, 1)
+    assert (b.n, b.interval.mean, b.failed, b.incomplete) == (2, pytest.approx(0.65), 0, 1)
     assert (a.n, a.interval.mean, a.failed) == (2, pytest.approx(0.3), 1)
-    assert a.tie is not None and a.tie.n_shared == 2 and a.tie.tied  # 2 seeds: p = 0.5
+    # differences 0.4 and 0.3: paired t = 7 with 1 degree of freedom, p = 1 - 2 atan(7) / pi
+    assert a.tie is not None and a.tie.n_shared == 2 and a.tie.tied
+    assert a.tie.p == pytest.approx(1 - 2 * math.atan(7) / math.pi)
     assert c.n == 0 and c.rank == 0 and c.interval.mean is None
 
 
@@ -164,6 +186,7 @@ def test_report_over_seeds_with_failed_and_incomplete_runs(
     out = tmp_path / "out"
     stats_csv, runs_csv, png = out / "stats.csv", out / "runs.csv", out / "curves.png"
     argv = [str(sweep), "--out", str(out), "--metric", "final", "--csv", str(stats_csv)]
+    argv += ["--test", "wilcoxon"]
     assert main([*argv, "--runs-csv", str(runs_csv), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "95% CI: Student t over seeds" in text
@@ -207,9 +230,11 @@ def test_six_seeds_separate_a_clearly_better_setting_and_equal_ones_tie(
             _run(sweep, job, [f"+tag={name}", f"seed={seed}"], base + 0.02 * seed)
             job += 1
     stats_csv = tmp_path / "stats.csv"
-    assert main([str(sweep), "--out", str(tmp_path), "--csv", str(stats_csv)]) == 0
+    argv = [str(sweep), "--out", str(tmp_path), "--csv", str(stats_csv), "--test", "wilcoxon"]
+    assert main(argv) == 0
     text = capsys.readouterr().out
     assert "metric auc" in text  # the default
+    assert "Wilcoxon signed-rank over shared seeds" in text
     assert "0.0625" not in text  # 6 shared seeds: the caption on few seeds is not needed
 
     rows = {r["setting"]: r for r in _read_csv(stats_csv)}
