@@ -1,8 +1,12 @@
-"""Synthetic run directories for sweep and report tests: schema-valid metrics written with the
-same `write_metrics` the loop uses, plus Hydra's `.hydra/` files, in any state a run can be in."""
+"""Run directories for sweep and report tests: synthetic ones (schema-valid metrics written with
+the same `write_metrics` the loop uses, plus Hydra's `.hydra/` files, in any state a run can be
+in), and `grail_train`, which makes real ones through the command line."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,6 +14,20 @@ from typing import Any
 import yaml
 
 from grail.records import write_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def grail_train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`grail-train ARGS` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "grail.train.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def train_record(iteration: int, reward: float, *, kl: float | None = 0.01) -> dict[str, Any]:

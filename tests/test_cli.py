@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
+from run_dirs import grail_train
 
 from grail.config import UserError
 from grail.train import cli
@@ -30,17 +31,6 @@ SMALL = [
     "data.rollouts_per_problem=4",
     "eval.enabled=false",
 ]
-
-
-def _grail_train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "grail.train.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 def _output(result: subprocess.CompletedProcess[str]) -> str:
@@ -63,7 +53,7 @@ def _nothing_started(run_dir: Path) -> bool:
 
 
 def test_help_says_what_the_program_does_its_groups_and_first_commands() -> None:
-    result = _grail_train("--help")
+    result = grail_train("--help")
     out = _output(result)
     assert result.returncode == 0, out
     assert "GRPO" in out and "powered by Hydra" not in out
@@ -93,7 +83,7 @@ def test_help_says_what_the_program_does_its_groups_and_first_commands() -> None
 def test_a_key_added_with_plus_is_rejected_naming_it_and_the_closest_key(
     tmp_path: Path, override: str, key: str, hint: str
 ) -> None:
-    result = _grail_train(*SMALL, override, f"hydra.run.dir={tmp_path}")
+    result = grail_train(*SMALL, override, f"hydra.run.dir={tmp_path}")
     out = _output(result)
     assert result.returncode == 2, out[-3000:]
     assert f"unknown config key {key}" in out, out[-3000:]
@@ -111,16 +101,14 @@ def test_documented_env_kwargs_spelling_works_and_a_wrong_key_lists_the_accepted
     # README: `uv run grail-train env=gsm8k data.env_kwargs.path=...` (no `+`). A missing file
     # proves the key reached the environment (it tried to read it).
     missing = tmp_path / "no_such_gsm8k.jsonl"
-    result = _grail_train(
+    result = grail_train(
         *SMALL, "env=gsm8k", f"data.env_kwargs.path={missing}", f"hydra.run.dir={tmp_path}"
     )
     out = _output(result)
     assert "not in struct" not in out, out[-3000:]
     assert str(missing) in out and result.returncode != 0, out[-3000:]
 
-    result = _grail_train(
-        *SMALL, "env=gsm8k", "+data.env_kwargs.pth=x", f"hydra.run.dir={tmp_path}"
-    )
+    result = grail_train(*SMALL, "env=gsm8k", "+data.env_kwargs.pth=x", f"hydra.run.dir={tmp_path}")
     out = _output(result)
     assert result.returncode == 2, out[-3000:]
     assert "environment 'gsm8k' has no argument 'pth'" in out, out[-3000:]
@@ -134,7 +122,7 @@ def test_documented_env_kwargs_spelling_works_and_a_wrong_key_lists_the_accepted
 
 def test_a_plugin_named_like_an_env_component_fails_before_anything_starts(tmp_path: Path) -> None:
     # The default environment (copy_digits) scores `correct`, `found` and `brevity`.
-    result = _grail_train(
+    result = grail_train(
         *SMALL, "data.rewards=[tests.cli_plugins:brevity]", f"hydra.run.dir={tmp_path}"
     )
     out = _output(result)
@@ -144,7 +132,7 @@ def test_a_plugin_named_like_an_env_component_fails_before_anything_starts(tmp_p
     assert _nothing_started(tmp_path)
     # Named otherwise, the same plugin is accepted (checked without training: --cfg job).
     renamed = "data.rewards=[{fn: tests.cli_plugins:brevity, name: short}]"
-    assert _grail_train(renamed, "--cfg", "job").returncode == 0
+    assert grail_train(renamed, "--cfg", "job").returncode == 0
 
 
 # --- 14: known errors in one line, unknown ones with their traceback, Ctrl-C -----------------
@@ -170,7 +158,7 @@ def test_a_plugin_named_like_an_env_component_fails_before_anything_starts(tmp_p
 def test_known_user_errors_print_one_line_and_log_the_traceback(
     tmp_path: Path, overrides: list[str], message: str
 ) -> None:
-    result = _grail_train(*SMALL, *overrides, f"hydra.run.dir={tmp_path}")
+    result = grail_train(*SMALL, *overrides, f"hydra.run.dir={tmp_path}")
     out = _output(result)
     assert result.returncode in (1, 2), out[-3000:]
     assert message in out, out[-3000:]
@@ -215,7 +203,7 @@ def test_ctrl_c_says_in_one_line_how_to_resume(tmp_path: Path) -> None:
     assert "KeyboardInterrupt" in _log_file(run_dir).read_text()
     # The command it prints composes the run's config again (checked without training).
     argv = shlex.split(command)[3:]
-    again = _grail_train(*argv, "--cfg", "job")
+    again = grail_train(*argv, "--cfg", "job")
     assert again.returncode == 0 and "resume: true" in again.stdout, _output(again)
 
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,7 @@ from hydra.types import HydraContext
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
-from run_dirs import make_run
+from run_dirs import grail_train, make_run
 
 from grail.records import atomic_write_text, metric_records
 from grail.report_stats import metric_of, t_interval
@@ -460,19 +457,8 @@ def test_the_sweeper_config_composes_typed_with_the_automatic_batch_size() -> No
             )
 
 
-def _grail_train(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "grail.train.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
 def test_a_misspelt_key_fails_before_the_study_holds_anything(tmp_path: Path) -> None:
-    result = _grail_train(
+    result = grail_train(
         "-m",
         "hydra/sweeper=grail_optuna",
         "train.lrr=tag(log, interval(1e-3, 1e-2))",
@@ -486,7 +472,7 @@ def test_a_misspelt_key_fails_before_the_study_holds_anything(tmp_path: Path) ->
 
 def test_a_real_search_through_grail_train(tmp_path: Path) -> None:
     """Two trials of real training (tiny model, CPU), one seed each."""
-    result = _grail_train(
+    result = grail_train(
         "-m",
         "hydra/sweeper=grail_optuna",
         "train.lr=tag(log, interval(1e-3, 1e-2))",
@@ -500,6 +486,7 @@ def test_a_real_search_through_grail_train(tmp_path: Path) -> None:
         "eval.report_ks=[1,2]",
         "eval.interval=1",
         f"hydra.sweep.dir={tmp_path}",
+        timeout=180,
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
