@@ -9,6 +9,13 @@ from pathlib import Path
 
 import pytest
 
+# A test session started in the background of a non-interactive shell (`cmd &`) inherits SIGINT
+# ignored, and so would every grail-train it starts (an ignored signal stays ignored across exec):
+# the Ctrl-C tests would see their runs carry on. A handled SIGINT is reset to the default in a
+# child, where Python installs its KeyboardInterrupt handler again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # --------------------------------------------------------------------------------------------
 # Process-leak check: "no child process is left after the test session".
 #
