@@ -51,8 +51,9 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from grail.records import LAUNCH_KEYS, SUMMARY, atomic_write_text, metric_records, read_json
+from grail.records import LAUNCH_KEYS, atomic_write_text, metric_records
 from grail.report_stats import METRICS, metric_of, t_interval, trained_curve
+from grail.runs import run_status
 from grail.search_space import (
     Space,
     job_numbers,
@@ -128,12 +129,6 @@ class Outcome:
         return sum(v) / len(v) if v and self.state == COMPLETE else None
 
 
-def _error_line(summary: Mapping[str, Any]) -> str:
-    error = summary.get("error") or {}
-    message = str(error.get("message") or "(no message)").strip().splitlines() or [""]
-    return f"{error.get('type', 'error')}: {message[0]}"
-
-
 def trial_outcome(runs: Mapping[int, Path], metric: str) -> Outcome:
     """The outcome of a trial from its run directories (seed -> directory): failed if any run
     failed (or completed without an eval to compute the metric from), else running if any has no
@@ -142,15 +137,14 @@ def trial_outcome(runs: Mapping[int, Path], metric: str) -> Outcome:
     missing: list[Path] = []
     pruned: list[Path] = []
     values: dict[int, float] = {}
-    curves: list[list[tuple[int, float]]] = []
+    evals_by_run: list[list[dict[str, Any]]] = []
     for seed, run_dir in runs.items():
-        summary = read_json(run_dir / SUMMARY)
-        status = summary.get("status") if summary is not None else None
+        status = run_status(run_dir)
         evals = metric_records(run_dir, "eval")
-        curves.append(trained_curve(evals))
-        if summary is None:
+        evals_by_run.append(evals)
+        if status.status == "incomplete":
             missing.append(run_dir)
-        elif status == "completed":
+        elif status.status == "done":
             value = metric_of(evals, metric)
             if value is None:
                 failed.append(
@@ -160,10 +154,11 @@ def trial_outcome(runs: Mapping[int, Path], metric: str) -> Outcome:
                 )
             else:
                 values[seed] = value
-        elif status == "pruned":
+        elif status.status == "pruned":
             pruned.append(run_dir)
         else:
-            failed.append(f"run {run_dir} {status}: {_error_line(summary)}")
+            why = (status.error or "").splitlines() or [""]
+            failed.append(f"run {run_dir} failed: {why[0]}")
     if failed:
         return Outcome(FAIL, values, "; ".join(failed))
     if missing:
@@ -171,13 +166,10 @@ def trial_outcome(runs: Mapping[int, Path], metric: str) -> Outcome:
         return Outcome(RUNNING, values, f"no summary.json in {names} (killed or still running)")
     if pruned:
         partial, step = None, None
+        curves = [trained_curve(evals) for evals in evals_by_run]
         if all(curves):
             step = min(c[-1][0] for c in curves)
-            metrics = [
-                metric_of([{"iteration": i, "success_rate": v} for i, v in c], metric)
-                for c in curves
-            ]
-            known = [m for m in metrics if m is not None]
+            known = [v for evals in evals_by_run if (v := metric_of(evals, metric)) is not None]
             partial = sum(known) / len(known) if known else None
         names = ", ".join(str(p) for p in pruned)
         return Outcome(PRUNED, values, f"pruned: {names}", partial=partial, step=step)

@@ -16,6 +16,15 @@ import yaml
 from grail.records import write_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+# The smallest real workload: a few problems and evaluation seeds, so a real run of the tiny model
+# takes seconds. Tests add their own iterations, eval interval and checkpointing.
+TINY_RUN = [
+    "data.problems_per_iteration=4",
+    "data.rollouts_per_problem=4",
+    "eval.num_ids=8",
+    "eval.replicates=2",
+    "eval.report_ks=[1,2]",
+]
 
 
 def grail_train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

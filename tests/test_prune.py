@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from jsonschema import ValidationError
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
-from run_dirs import eval_record, make_run
+from run_dirs import TINY_RUN, eval_record, make_run
 
 from grail.config import Config, ConfigError, DataConfig, EvalConfig, PruneConfig, validate
 from grail.prune import NoPruning, RunTrial, open_study, open_trial, storage_path, study_name
@@ -387,11 +387,7 @@ def test_the_end_of_a_sweep_counts_pruned_runs_as_ended(
 # ---- end to end: grail-train -m with the real loop --------------------------------------------
 
 SMALL = [
-    "data.problems_per_iteration=4",
-    "data.rollouts_per_problem=4",
-    "eval.num_ids=8",
-    "eval.replicates=2",
-    "eval.report_ks=[1,2]",
+    *TINY_RUN,
     "eval.interval=2",
     "checkpoint.save_interval=5",  # iteration 1 is checkpointed only because it is pruned there
     "train.iterations=6",

@@ -25,7 +25,7 @@ from hydra.types import HydraContext
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
-from run_dirs import grail_train, make_run
+from run_dirs import TINY_RUN, grail_train, make_run
 
 from grail.records import atomic_write_text, metric_records
 from grail.report_stats import metric_of, t_interval
@@ -479,11 +479,7 @@ def test_a_real_search_through_grail_train(tmp_path: Path) -> None:
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.seeds=1",
         "train.iterations=2",
-        "data.problems_per_iteration=4",
-        "data.rollouts_per_problem=4",
-        "eval.num_ids=8",
-        "eval.replicates=2",
-        "eval.report_ks=[1,2]",
+        *TINY_RUN,
         "eval.interval=1",
         f"hydra.sweep.dir={tmp_path}",
         timeout=180,

@@ -16,15 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+from run_dirs import TINY_RUN
 
 from grail.records import read_metrics, validate_metrics
 
 SMALL = [
-    "data.problems_per_iteration=4",
-    "data.rollouts_per_problem=4",
-    "eval.num_ids=8",
-    "eval.replicates=2",
-    "eval.report_ks=[1,2]",
+    *TINY_RUN,
     "eval.interval=2",
     "checkpoint.save_interval=1",
     "checkpoint.keep_last_k=2",
