@@ -32,6 +32,9 @@ KLEstimator = Literal["k1", "k2", "k3"]
 ISCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 PrunerName = Literal["asha", "median"]  # grail/prune.py; null (None) switches pruning off
 PruneMetric = Literal["auc", "success"]
+# train: the loop owns the prompts and the scoring | service: clients send prompts and rewards over
+# HTTP (grail/service/)
+Mode = Literal["train", "service"]
 
 
 def available_cores() -> int:
@@ -231,8 +234,27 @@ class PruneConfig:
 
 
 @dataclass
+class ServiceConfig:
+    """The trainer as a service (`mode=service`, grail/service/): its HTTP API and its queue."""
+
+    host: str = "127.0.0.1"
+    port: int = 8400  # 0: any free port (the address is in RUN_DIR/service/endpoint.json)
+    # Bearer key every route but /health needs. null: a random one, written (owner-only) to
+    # RUN_DIR/service/endpoint.json beside the address.
+    api_key: str | None = None
+    # A completion sampled by policy version v takes rewards until the trainer reaches version
+    # v + max_staleness; a queued group older than that when a batch is taken is dropped.
+    max_staleness: int = 1
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get 413 before they are read
+    # How long an iteration waits for its groups before the run stops with an error (null: for
+    # ever): a run whose clients went away ends instead of holding its GPU.
+    wait_timeout_s: float | None = 3600.0
+
+
+@dataclass
 class Config:
     seed: int = 0
+    mode: str = "train"  # train | service (see Mode)
     resume: bool = False
     # Where the runs of one study share state: the pruner's Optuna storage, rollouts reused between
     # runs. null: a sweep's hydra.sweep.dir (every run of `grail-train -m` joins it), none for a
@@ -247,6 +269,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
+    service: ServiceConfig = field(default_factory=ServiceConfig)
 
 
 def _one_of(key: str, value: str, choices: Any) -> None:
@@ -432,6 +455,34 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.save_interval", cfg.checkpoint.save_interval)
     _positive("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k)
     validate_prune(cfg)
+    validate_service(cfg)
+
+
+def validate_service(cfg: Config) -> None:
+    """The service's keys, and what a run fed by clients cannot do."""
+    _one_of("mode", cfg.mode, Mode)
+    service = cfg.service
+    if not 0 <= service.port <= 65535:
+        raise ConfigError(f"service.port must be in [0, 65535], got {service.port}")
+    if service.max_staleness < 0:
+        raise ConfigError(f"service.max_staleness must be >= 0, got {service.max_staleness}")
+    _positive("service.max_body_bytes", service.max_body_bytes)
+    if service.wait_timeout_s is not None:
+        _positive("service.wait_timeout_s", service.wait_timeout_s)
+    if service.api_key is not None and not service.api_key.strip():
+        raise ConfigError("service.api_key must be a non-empty string or null (a random key)")
+    if cfg.mode != "service":
+        return
+    # Clients decide what is generated and when: the loop neither prefetches nor resamples.
+    for key, value in (
+        ("train.pipeline", cfg.train.pipeline),
+        ("data.dynamic_sampling", cfg.data.dynamic_sampling),
+    ):
+        if value:
+            raise ConfigError(
+                f"mode=service trains on the groups its clients complete, as they arrive: "
+                f"{key}=true has no meaning there (set it to false)"
+            )
 
 
 def validate_prune(cfg: Config) -> None:

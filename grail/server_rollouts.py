@@ -297,6 +297,9 @@ class ServerRollouts:
     def pending(self) -> GeneratedBatch | None:
         return self._ready
 
+    def checkpointed(self, iteration: int) -> None:
+        pass  # a checkpoint keeps the pending batch itself (`pending`)
+
     # -- generation -------------------------------------------------------------------------------
 
     async def _training_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:

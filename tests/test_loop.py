@@ -113,6 +113,9 @@ class ScriptedSource:
     def pending(self) -> GeneratedBatch | None:
         return self._next
 
+    def checkpointed(self, iteration: int) -> None:
+        self.calls.append(("checkpointed", iteration))
+
     def close(self) -> None:
         self.calls.append(("close", -1))
 
@@ -129,20 +132,23 @@ def _run(cfg: Config, run_dir: Path, fail_at: int | None = None) -> ScriptedSour
 def test_the_loop_runs_its_steps_in_order_and_records_each(tmp_path: Path) -> None:
     cfg = _config()
     source = _run(cfg, tmp_path)
-    # Baseline eval, then per iteration: rollouts, update, sync with the new version, and an
-    # evaluation every eval.interval iterations and after the last.
+    # Baseline eval, then per iteration: rollouts, update, sync with the new version, an
+    # evaluation every eval.interval iterations and after the last, and the source told of each
+    # committed checkpoint (save_interval 2, and the last).
     assert source.calls == [
         ("evaluate", -1),
         ("next_batch", 0),
         ("sync_weights", 1),
         ("next_batch", 1),
         ("sync_weights", 2),
+        ("checkpointed", 1),
         ("next_batch", 2),
         ("sync_weights", 3),
         ("evaluate", -1),
         ("next_batch", 3),
         ("sync_weights", 4),
         ("evaluate", -1),
+        ("checkpointed", 3),
     ]
     names = sorted(p.name for p in (tmp_path / "metrics").iterdir())
     assert names == [

@@ -1,4 +1,5 @@
-"""Reward functions beyond an environment's own score: built-ins and `module:function` plugins.
+"""Reward functions beyond an environment's own score: built-ins, `module:function` plugins and
+remote HTTP scorers (an `http://` or `https://` URL; grail/envs/remote_rewards.py, docs/rewards.md).
 
 A reward function has the TRL signature
 
@@ -11,6 +12,8 @@ is required so that new batch keys never break an old plugin.
 
 Built-ins (see each function): `correctness`, `keyword_match`, `strict_format`.
 Plugins: `"package.module:function"` (dotted attributes allowed: `"pkg.mod:Class.method"`).
+Remote scorers: `"https://host/path"`, or a mapping with the URL as `fn` and the HTTP options
+(`REMOTE_OPTIONS`); the harness POSTs the batch as JSON and reads back one number per sample.
 
 `score_completions` is the one place where a batch is scored: the environment's score, then each
 extra reward, whose value v (unweighted) is stored in `components[name]` and whose weighted value
@@ -23,7 +26,8 @@ environment's `components`: `check_names` refuses it, before the run starts.
 
 Problems are never hidden: any plugin that cannot be imported, cannot take the arguments,
 raises, or returns something other than a list of one finite number per sample raises a
-`RewardError` naming the plugin spec (and the sample index where the problem is one sample).
+`RewardError` naming the plugin spec (and the sample index where the problem is one sample);
+remote scorers are held to the same checks (`check_reward_values`).
 """
 
 from __future__ import annotations
@@ -170,12 +174,19 @@ def _check_signature(spec: str, fn: Callable[..., Any]) -> None:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """A built-in by name, or the callable at `"package.module:attr"`; checked, not yet called."""
+    """A built-in by name, the callable at `"package.module:attr"`, or a remote scorer at an
+    `http(s)://` URL (default options; `RewardFunctions.from_specs` takes them from the entry);
+    checked, not yet called. A URL is only parsed here: the scorer is not contacted."""
     if not isinstance(spec, str) or not spec.strip():
         raise RewardError(str(spec), "a reward spec must be a non-empty string")
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    # Imported here: remote_rewards builds on RewardError and check_reward_values from this module.
+    from grail.envs.remote_rewards import RemoteReward, is_remote_spec
+
+    if is_remote_spec(spec):
+        return RemoteReward(spec)
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
         raise RewardError(
@@ -226,20 +237,40 @@ def call_reward_fn(
         raise
     except Exception as exc:
         raise RewardError(spec, f"raised {type(exc).__name__}: {exc}") from exc
+    return check_reward_values(spec, values, len(completions))
+
+
+def check_reward_values(
+    spec: str, values: object, count: int, *, offset: int = 0, where: str = ""
+) -> list[float]:
+    """`values` as floats if it is a list of `count` finite real numbers, else a RewardError.
+
+    The one check of what a reward function returned, for plugins and remote scorers alike.
+    `offset` is the batch index of `values[0]` (a remote scorer's chunk), so that a bad value is
+    named by its sample in the batch; `where` is appended to a wrong-length message.
+    """
     if not isinstance(values, list):
         hint = " (convert with .tolist())" if hasattr(values, "tolist") else ""
         raise RewardError(spec, f"returned {type(values).__name__}, expected a list{hint}")
-    if len(values) != len(completions):
-        raise RewardError(spec, f"returned {len(values)} values for {len(completions)} completions")
+    if len(values) != count:
+        raise RewardError(spec, f"returned {len(values)} values for {count} completions{where}")
     out = []
     for i, v in enumerate(values):
         if not isinstance(v, numbers.Real):
-            raise RewardError(spec, f"value {v!r} is not a number", index=i)
+            raise RewardError(spec, f"value {v!r} is not a number", index=offset + i)
         f = float(v)
         if not math.isfinite(f):
-            raise RewardError(spec, f"value {f} is not finite", index=i)
+            raise RewardError(spec, f"value {f} is not finite", index=offset + i)
         out.append(f)
     return out
+
+
+def _safe_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    # An entry as shown in an error message: header values may be credentials, so never shown.
+    shown = dict(entry)
+    if isinstance(shown.get("headers"), Mapping):
+        shown["headers"] = {k: "***" for k in shown["headers"]}
+    return shown
 
 
 def _copied(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -250,13 +281,17 @@ def _copied(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class WeightedReward:
     name: str  # key in Score.components
-    spec: str  # what the user wrote: a built-in name or "module:function"
+    spec: str  # what the user wrote: a built-in name, "module:function" or a scorer's URL
     fn: RewardFn
     weight: float
 
 
 class RewardFunctions:
-    """An ordered, weighted collection of reward functions with unique names."""
+    """An ordered, weighted collection of reward functions with unique names.
+
+    Close it (`close()`, or use it as a context manager) to release the HTTP connections of its
+    remote scorers; one never closed holds no thread and does not delay the interpreter's exit.
+    """
 
     def __init__(self, rewards: Sequence[WeightedReward] = ()) -> None:
         names = [r.name for r in rewards]
@@ -270,8 +305,13 @@ class RewardFunctions:
         """From `[{"fn": "correctness", "weight": 1.0, "name": "optional"}, "strict_format"]`.
 
         A bare string means weight 1.0. The name defaults to the spec (the built-in name, or
-        the function name of a plugin, e.g. "pkg.mod:len_penalty" -> "len_penalty").
+        the function name of a plugin, e.g. "pkg.mod:len_penalty" -> "len_penalty"), and to
+        "remote" for a URL. A URL entry may also set the options in `REMOTE_OPTIONS`; other
+        entries may not. Nothing is contacted here: URLs are only parsed.
         """
+        # Imported here: remote_rewards builds on RewardError and check_reward_values from here.
+        from grail.envs.remote_rewards import REMOTE_OPTIONS, RemoteReward, is_remote_spec
+
         if specs is None:
             return cls()
         if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):
@@ -283,14 +323,16 @@ class RewardFunctions:
             entry: Mapping[str, Any] = {"fn": item} if isinstance(item, str) else item
             if not isinstance(entry, Mapping):
                 raise ConfigError(f"reward spec #{i} must be a string or a mapping, got {item!r}")
-            unknown = sorted(set(entry) - {"fn", "weight", "name"})
+            unknown = sorted(set(entry) - {"fn", "weight", "name", *REMOTE_OPTIONS})
             if unknown:
                 raise ConfigError(
-                    f"reward spec #{i} has unknown key(s) {unknown}; allowed: fn, weight, name"
+                    f"reward spec #{i} has unknown key(s) {unknown}; allowed: fn, weight, name "
+                    f"(and for a URL scorer: {', '.join(REMOTE_OPTIONS)})"
                 )
             if "fn" not in entry:
-                raise ConfigError(f"reward spec #{i} has no 'fn' key: {dict(entry)}")
+                raise ConfigError(f"reward spec #{i} has no 'fn' key: {_safe_entry(entry)}")
             spec = entry["fn"]
+            options = {k: entry[k] for k in REMOTE_OPTIONS if k in entry}
             weight = entry.get("weight", 1.0)
             if (
                 isinstance(weight, bool)
@@ -298,10 +340,34 @@ class RewardFunctions:
                 or not math.isfinite(float(weight))
             ):
                 raise ConfigError(f"reward spec #{i} ({spec!r}): weight must be finite, {weight!r}")
-            fn = load_reward_fn(spec)
-            name = entry.get("name") or str(spec).strip().rpartition(":")[2]
+            if is_remote_spec(spec):
+                fn: RewardFn = RemoteReward.from_options(spec, options, where=f"reward spec #{i}")
+                default_name = "remote"
+            else:
+                if options:
+                    raise ConfigError(
+                        f"reward spec #{i} ({spec!r}): {next(iter(options))!r} is only for a "
+                        "remote scorer (an http:// or https:// URL as `fn`)"
+                    )
+                fn = load_reward_fn(spec)
+                default_name = str(spec).strip().rpartition(":")[2]
+            name = entry.get("name") or default_name
             rewards.append(WeightedReward(str(name), str(spec).strip(), fn, float(weight)))
         return cls(rewards)
+
+    def close(self) -> None:
+        """Release the remote scorers' HTTP connections (idempotent); plugins are left alone."""
+        from grail.envs.remote_rewards import RemoteReward
+
+        for r in self.rewards:
+            if isinstance(r.fn, RemoteReward):
+                r.fn.close()
+
+    def __enter__(self) -> RewardFunctions:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def check_names(self, env_name: str, components: Collection[str]) -> None:
         """Refuse a reward named like a component of the environment's score (its value would

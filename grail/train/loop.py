@@ -48,6 +48,7 @@ from grail.records import (
 )
 from grail.rollouts import GeneratedBatch, RolloutBatch, RolloutSource, WeightSync
 from grail.server_rollouts import ServerRollouts
+from grail.service.source import ServiceRollouts
 from grail.shared_rollouts import SharedRollouts
 from grail.train.checkpoint import (
     CheckpointRef,
@@ -114,20 +115,28 @@ def train(
     shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
 
     display = Display()
-    with (
-        display,
-        ServerRollouts(
+    server_rollouts = ServerRollouts(
+        cfg,
+        server,
+        env,
+        eval_env,
+        trainer.tokenizer,
+        extra_rewards=extra_rewards,
+        progress=display.task,
+        pending=trainer.pending_rollouts,
+        shared=shared,
+    )
+    source: ServerRollouts | ServiceRollouts = server_rollouts
+    if cfg.mode == "service":  # clients send the prompts and rewards (grail/service/)
+        source = ServiceRollouts(
             cfg,
-            server,
-            env,
-            eval_env,
+            run_dir,
+            server_rollouts,
             trainer.tokenizer,
-            extra_rewards=extra_rewards,
+            start_iteration=trainer.start_iteration,
             progress=display.task,
-            pending=trainer.pending_rollouts,
-            shared=shared,
-        ) as source,
-    ):
+        )
+    with display, source, extra_rewards:  # extra_rewards: remote scorers hold connections
         recorder = Recorder(run_dir, cfg, loggers, display, part)
         run_iterations(cfg, run_dir, trainer, source, recorder)
 
@@ -192,6 +201,7 @@ def run_iterations(
             if staged is not None:
                 commit_checkpoint(staged)
                 staged = None
+                source.checkpointed(iteration)
                 prune_checkpoints(checkpoints_dir, cfg.checkpoint.keep_last_k)
             recorder.display.done(
                 f"iter {iteration:03d}: reward {record['reward_mean']:.3f} "
@@ -414,6 +424,7 @@ def iteration_record(
             {} if rollouts.resampling is None else {"dynamic_sampling": asdict(rollouts.resampling)}
         ),
         **({} if rollouts.reused is None else {"rollouts_reused": asdict(rollouts.reused)}),
+        **({} if rollouts.service is None else {"service": rollouts.service}),
         "policy": {
             "version": rollouts.policy_version,
             "staleness": iteration - rollouts.policy_version,

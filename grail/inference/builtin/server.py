@@ -46,7 +46,6 @@ import itertools
 import json
 import logging
 import math
-import secrets
 import sys
 import threading
 import time
@@ -65,6 +64,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from grail.http_api import APIError, Gate, describe_validation_errors, error_response
 from grail.inference.builtin.engine import Engine, EngineStopped, SequenceOutput
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.weights import WeightUpdateError
@@ -73,37 +73,6 @@ logger = logging.getLogger("grail.serve")
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 LOGPROB_FLOOR = -9999.0  # what vLLM sends instead of -inf
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestTooLargeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class APIError(Exception):
-    """An error answered in the OpenAI shape with HTTP ``status``."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-
-
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "BadRequestError"),
-            "param": param,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
-
-
 # --------------------------------------------------------------------------- limits
 
 # 8 MiB holds about 1.2 million token ids as JSON (at most 7 bytes each with the comma): the
@@ -489,26 +458,16 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            loc = []
-        elif loc[:1] == ["prompt"]:
+        message, param = describe_validation_errors(errors)
+        if (param or "").split(".")[0] == "prompt":
             message = (
                 "prompt must be a string, a list of token ids, a list of strings or a list of "
                 "token-id lists"
             )
-            loc = ["prompt"]
-        else:
-            message = "; ".join(
-                f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
-                f"{e.get('msg')}"
-                for e in errors[:5]
-            )
+            param = "prompt"
         if request.url.path == "/update_weights_from_disk":
             return JSONResponse({"success": False, "message": message}, status_code=400)
-        return error_response(message, 400, ".".join(loc) or None)
+        return error_response(message, 400, param)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -519,7 +478,7 @@ def create_app(
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
 
-    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=limits.max_request_bytes)
+    app.add_middleware(Gate, api_key=api_key, max_body_bytes=limits.max_request_bytes)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -711,72 +670,6 @@ def create_app(
         return JSONResponse({"success": True, "message": message})
 
     return app
-
-
-class _Gate:
-    """ASGI middleware in front of every route: the API key, then the body size.
-
-    - With a key, every route but ``/health`` needs ``Authorization: Bearer <key>``: 401 before
-      anything else happens (unknown routes included, so they reveal nothing).
-    - A body over ``max_body_bytes`` gets 413 before it is read: at once from its Content-Length,
-      or, for a chunked body (no length), as soon as the bytes received pass the limit. uvicorn
-      discards the rest of a body the app did not read, so nothing more is held in memory.
-
-    Plain ASGI rather than ``@app.middleware("http")``, whose per-request task group and streams
-    cost more than the rest of a small request's handling."""
-
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":  # lifespan (and websockets, which no route accepts)
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
-                await error_response(message, 401)(scope, receive, send)
-                return
-        length = headers.get(b"content-length")
-        if length is not None:  # h11 has checked that it is a number
-            if int(length) > self.max_body_bytes:
-                await self._too_large(f"of {int(length)} bytes is", scope, receive, send)
-                return
-        elif b"transfer-encoding" in headers:  # chunked: count while reading, then replay
-            body = bytearray()
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":  # the client went away
-                    return
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
-                if len(body) > self.max_body_bytes:
-                    await self._too_large("(chunked) is", scope, receive, send)
-                    return
-            receive = _replay(bytes(body), receive)
-        await self.app(scope, receive, send)
-
-    async def _too_large(self, what: str, scope: Any, receive: Any, send: Any) -> None:
-        message = (
-            f"request body {what} over this server's limit of {self.max_body_bytes} bytes "
-            "(--max-request-bytes)"
-        )
-        await error_response(message, 413)(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Any) -> Callable[[], Any]:
-    """An ASGI ``receive`` that gives ``body`` first, then what ``receive`` gives (disconnect)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replay() -> Any:
-        return pending.pop() if pending else await receive()
-
-    return replay
 
 
 async def _all_done(futures: Sequence[concurrent.futures.Future[Any]]) -> None:

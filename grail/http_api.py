@@ -1,0 +1,132 @@
+"""What grail's two HTTP APIs share (the built-in inference server in
+grail/inference/builtin/server.py, the trainer as a service in grail/service/app.py): errors in
+the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` and the gate in front of
+every route (Bearer key, body size)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape with HTTP ``status``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    409: "ConflictError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "BadRequestError"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """A request body that failed validation, in one line (the first five problems, each with
+    where it is), and the first problem's place as the OpenAI error's ``param``."""
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+
+    def where(error: Any) -> str:
+        return ".".join(str(x) for x in error.get("loc", ()) if x != "body")
+
+    message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors[:5])
+    return message, where(first) or None
+
+
+class Gate:
+    """ASGI middleware in front of every route: the API key, then the body size.
+
+    - With a key, every route but ``open_paths`` needs ``Authorization: Bearer <key>``: 401 before
+      anything else happens (unknown routes included, so they reveal nothing).
+    - A body over ``max_body_bytes`` gets 413 before it is read: at once from its Content-Length,
+      or, for a chunked body (no length), as soon as the bytes received pass the limit. uvicorn
+      discards the rest of a body the app did not read, so nothing more is held in memory.
+
+    Plain ASGI rather than ``@app.middleware("http")``, whose per-request task group and streams
+    cost more than the rest of a small request's handling."""
+
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        max_body_bytes: int,
+        open_paths: tuple[str, ...] = ("/health",),
+        limit_name: str = "(--max-request-bytes)",
+    ) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body_bytes = max_body_bytes
+        self.open_paths, self.limit_name = open_paths, limit_name
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":  # lifespan (and websockets, which no route accepts)
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in self.open_paths:
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+                await error_response(message, 401)(scope, receive, send)
+                return
+        length = headers.get(b"content-length")
+        if length is not None:  # h11 has checked that it is a number
+            if int(length) > self.max_body_bytes:
+                await self._too_large(f"of {int(length)} bytes is", scope, receive, send)
+                return
+        elif b"transfer-encoding" in headers:  # chunked: count while reading, then replay
+            body = bytearray()
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":  # the client went away
+                    return
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > self.max_body_bytes:
+                    await self._too_large("(chunked) is", scope, receive, send)
+                    return
+            receive = replay(bytes(body), receive)
+        await self.app(scope, receive, send)
+
+    async def _too_large(self, what: str, scope: Any, receive: Any, send: Any) -> None:
+        message = (
+            f"request body {what} over this server's limit of {self.max_body_bytes} bytes "
+            f"{self.limit_name}"
+        )
+        await error_response(message, 413)(scope, receive, send)
+
+
+def replay(body: bytes, receive: Any) -> Callable[[], Any]:
+    """An ASGI ``receive`` that gives ``body`` first, then what ``receive`` gives (disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Any:
+        return pending.pop() if pending else await receive()
+
+    return replay

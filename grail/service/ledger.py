@@ -1,0 +1,338 @@
+"""The service's book of completions and groups: what was handed out, what was scored, what is
+queued for training and what a batch took. Pure state (no HTTP, no threads, no files): the
+service (grail/service/source.py) calls it from one event loop and saves `to_json()` after every
+change.
+
+A group is GRPO's unit, `data.rollouts_per_problem` samples of one prompt. It comes either from
+`/v1/completions` (the service sampled it; the client sends a reward per sample id) or from
+`/v1/groups` (an environment sampled and scored it itself). It is queued once every sample has a
+reward, and trained in arrival order.
+
+Staleness: a group sampled by policy version v is trainable until the trainer holds version
+v + max_staleness. Past that its rewards get 409 and a queued group is dropped when a batch is
+taken; both are counted.
+
+Sample ids carry their group's version and number, "v{version}-g{group}-s{index}", so that a
+reward for a sample the ledger no longer keeps (its group trained long ago) still gets the right
+answer: 409 stale, not 404 unknown.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from grail.http_api import APIError
+
+SOURCES = ("completions", "groups")  # where a group came from: which route
+_SAMPLE_ID = re.compile(r"v(\d+)-g(\d+)-s(\d+)")
+
+
+@dataclass
+class ServiceSample:
+    """One completion of a group, and its reward once a client sent it."""
+
+    id: str
+    token_ids: list[int]
+    logprobs: list[float]  # the behaviour policy's, one per token
+    finish_reason: str
+    text: str
+    reward: float | None = None
+    success: bool | None = None  # the client's verdict; absent: reward > 0
+
+
+@dataclass
+class ServiceGroup:
+    """The samples of one prompt, and where and under which policy version they were made."""
+
+    id: str
+    prompt_ids: list[int]
+    policy_version: int
+    source: str  # one of SOURCES
+    samples: list[ServiceSample]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.reward is not None for s in self.samples)
+
+
+@dataclass
+class PushedGroup:
+    """A group as an environment sends it to /v1/groups (samples' ids are assigned on arrival)."""
+
+    prompt_ids: list[int]
+    policy_version: int
+    samples: list[ServiceSample]
+
+
+@dataclass
+class RewardEntry:
+    id: str
+    reward: float
+    success: bool | None = None
+
+
+@dataclass
+class Counters:
+    """What the service turned away or let lapse, for /v1/status and the metrics."""
+
+    rejected_stale_rewards: int = 0  # rewards refused: their sample's version was too old
+    expired_samples: int = 0  # handed out, never rewarded before they went stale
+    dropped_stale_groups: int = 0  # complete, but too old by the time a batch was taken
+
+
+def sample_id(version: int, group: int, index: int) -> str:
+    return f"v{version}-g{group:06d}-s{index}"
+
+
+def group_id(version: int, group: int) -> str:
+    return f"v{version}-g{group:06d}"
+
+
+@dataclass
+class Ledger:
+    group_size: int  # data.rollouts_per_problem
+    max_staleness: int  # service.max_staleness
+    policy_version: int = 0
+    next_group: int = 0
+    open: dict[str, ServiceGroup] = field(default_factory=dict)  # awaiting rewards
+    queue: list[ServiceGroup] = field(default_factory=list)  # complete, oldest first
+    # Groups a batch took, by iteration, until a checkpoint covers that iteration: a run resumed
+    # from an older checkpoint trains on them again (`rewind`).
+    taken: dict[int, list[ServiceGroup]] = field(default_factory=dict)
+    # Complete groups (queued, taken or trained) still inside the staleness window: a second
+    # reward for one of their samples is "already rewarded", not "unknown".
+    closed: dict[str, int] = field(default_factory=dict)  # group id -> policy version
+    counters: Counters = field(default_factory=Counters)
+
+    # -- what clients do --------------------------------------------------------------------
+
+    def new_group_number(self) -> int:
+        """The number of the next group (part of its ids, and of its sampling seed)."""
+        number = self.next_group
+        self.next_group += 1
+        return number
+
+    def hand_out(
+        self,
+        number: int,
+        prompt_ids: list[int],
+        samples: Sequence[tuple[list[int], list[float], str, str]],
+    ) -> ServiceGroup:
+        """Register group `number` (from `new_group_number`), just sampled with the current
+        policy: (token ids, log-probs, finish reason, text) per sample. Returns it with its
+        sample ids."""
+        if len(samples) != self.group_size:
+            raise ValueError(f"{len(samples)} samples for a group of {self.group_size}")
+        version = self.policy_version
+        group = ServiceGroup(
+            group_id(version, number),
+            list(prompt_ids),
+            version,
+            "completions",
+            [
+                ServiceSample(sample_id(version, number, i), list(ids), list(lps), reason, text)
+                for i, (ids, lps, reason, text) in enumerate(samples)
+            ],
+        )
+        self.open[group.id] = group
+        return group
+
+    def add_rewards(self, entries: Sequence[RewardEntry]) -> int:
+        """Attach rewards to handed-out samples: all of them or, on any bad entry, none
+        (APIError naming the first). Groups whose every sample now has a reward are queued."""
+        if not entries:
+            raise APIError("rewards is empty: send at least one {id, reward}", 400, "rewards")
+        seen: set[str] = set()
+        targets: list[tuple[ServiceSample, RewardEntry]] = []
+        for k, entry in enumerate(entries):
+            param = f"rewards.{k}"
+            if entry.id in seen:
+                raise APIError(f"sample {entry.id!r} appears twice in this request", 400, param)
+            seen.add(entry.id)
+            check_finite(entry.reward, f"{param}.reward")
+            targets.append((self._awaiting_reward(entry.id, param), entry))
+        for sample, entry in targets:
+            sample.reward, sample.success = float(entry.reward), entry.success
+        for gid in dict.fromkeys(s.id.rpartition("-")[0] for s, _ in targets):
+            if self.open[gid].complete:
+                self._enqueue(self.open.pop(gid))
+        return len(targets)
+
+    def add_groups(self, groups: Sequence[PushedGroup]) -> list[ServiceGroup]:
+        """Queue groups an environment sampled and scored itself: all of them or, when one is
+        bad, none (APIError naming what is wrong)."""
+        if not groups:
+            raise APIError("groups is empty: send at least one group", 400, "groups")
+        for k, group in enumerate(groups):
+            self._check_group(group, f"groups.{k}")
+        added = []
+        for group in groups:
+            number = self.new_group_number()
+            version = group.policy_version
+            added.append(
+                ServiceGroup(
+                    group_id(version, number),
+                    list(group.prompt_ids),
+                    version,
+                    "groups",
+                    [
+                        replace(sample, id=sample_id(version, number, i))
+                        for i, sample in enumerate(group.samples)
+                    ],
+                )
+            )
+            self._enqueue(added[-1])
+        return added
+
+    def _check_group(self, group: PushedGroup, param: str) -> None:
+        if len(group.samples) != self.group_size:
+            raise APIError(
+                f"a group has {len(group.samples)} completions; data.rollouts_per_problem="
+                f"{self.group_size} (GRPO normalises rewards within a group of that size)",
+                400,
+                f"{param}.completions",
+            )
+        version = group.policy_version
+        if version > self.policy_version:
+            raise APIError(
+                f"policy_version {version} is ahead of the trainer's {self.policy_version}: "
+                "it is the version whose weights sampled the group (GET /v1/status before "
+                "generating)",
+                400,
+                f"{param}.policy_version",
+            )
+        if self.too_stale(version):
+            self.counters.rejected_stale_rewards += len(group.samples)
+            raise APIError(self._stale_message(version), 409, f"{param}.policy_version")
+        for i, sample in enumerate(group.samples):
+            where = f"{param}.completions.{i}"
+            if len(sample.logprobs) != len(sample.token_ids):
+                raise APIError(
+                    f"{len(sample.logprobs)} logprobs for {len(sample.token_ids)} token_ids: "
+                    "one behaviour log-probability per generated token",
+                    400,
+                    f"{where}.logprobs",
+                )
+            for lp in sample.logprobs:
+                check_finite(lp, f"{where}.logprobs")
+            reward = math.nan if sample.reward is None else sample.reward
+            check_finite(reward, f"{where}.reward")
+
+    # -- what the trainer does ------------------------------------------------------------
+
+    def take(self, count: int, iteration: int) -> list[ServiceGroup] | None:
+        """The `count` oldest queued groups for `iteration`, or None while fewer are queued.
+        Groups gone stale are dropped first (counted)."""
+        fresh = [g for g in self.queue if not self.too_stale(g.policy_version)]
+        self.counters.dropped_stale_groups += len(self.queue) - len(fresh)
+        self.queue = fresh
+        if len(self.queue) < count:
+            return None
+        batch, self.queue = self.queue[:count], self.queue[count:]
+        self.taken[iteration] = batch
+        return batch
+
+    def advance(self, policy_version: int) -> None:
+        """The trainer now holds `policy_version`: samples handed out too long ago expire."""
+        self.policy_version = policy_version
+        for gid, group in list(self.open.items()):
+            if self.too_stale(group.policy_version):
+                self.counters.expired_samples += sum(s.reward is None for s in group.samples)
+                del self.open[gid]
+        self.closed = {g: v for g, v in self.closed.items() if not self.too_stale(v)}
+
+    def checkpointed(self, iteration: int) -> None:
+        """A checkpoint now holds every update up to `iteration`: a resume never goes back
+        past it, so what those iterations took is needed no more."""
+        self.taken = {i: g for i, g in self.taken.items() if i > iteration}
+
+    def rewind(self, start_iteration: int) -> int:
+        """A run resumed at `start_iteration` (its checkpoint's policy version): the groups
+        later iterations took go back to the front of the queue, in order; how many did."""
+        again = [g for i in sorted(self.taken) if i >= start_iteration for g in self.taken[i]]
+        self.taken = {i: g for i, g in self.taken.items() if i < start_iteration}
+        self.queue = again + self.queue
+        self.policy_version = start_iteration
+        return len(again)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def too_stale(self, version: int) -> bool:
+        return version + self.max_staleness < self.policy_version
+
+    def outstanding(self) -> int:
+        """Samples handed out and not yet rewarded."""
+        return sum(s.reward is None for g in self.open.values() for s in g.samples)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["taken"] = {str(i): groups for i, groups in data["taken"].items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Ledger:
+        def groups(items: list[dict[str, Any]]) -> list[ServiceGroup]:
+            return [
+                ServiceGroup(**{**g, "samples": [ServiceSample(**s) for s in g["samples"]]})
+                for g in items
+            ]
+
+        return cls(
+            group_size=data["group_size"],
+            max_staleness=data["max_staleness"],
+            policy_version=data["policy_version"],
+            next_group=data["next_group"],
+            open={g.id: g for g in groups(list(data["open"].values()))},
+            queue=groups(data["queue"]),
+            taken={int(i): groups(items) for i, items in data["taken"].items()},
+            closed=dict(data["closed"]),
+            counters=Counters(**data["counters"]),
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _enqueue(self, group: ServiceGroup) -> None:
+        self.queue.append(group)
+        self.closed[group.id] = group.policy_version
+
+    def _awaiting_reward(self, sid: str, param: str) -> ServiceSample:
+        """The handed-out sample `sid`, still waiting for its reward; else APIError saying why
+        not (malformed 400, stale 409, already rewarded 409, unknown 404)."""
+        match = _SAMPLE_ID.fullmatch(sid)
+        if match is None:
+            raise APIError(
+                f"{sid!r} is not a sample id (ids look like 'v3-g000042-s0', as "
+                "/v1/completions returned them)",
+                400,
+                f"{param}.id",
+            )
+        version, number, index = (int(x) for x in match.groups())
+        gid = group_id(version, number)
+        if self.too_stale(version):
+            self.counters.rejected_stale_rewards += 1
+            raise APIError(f"sample {sid}: {self._stale_message(version)}", 409, f"{param}.id")
+        group = self.open.get(gid)
+        if group is None or index >= len(group.samples):
+            if gid in self.closed:
+                raise APIError(f"sample {sid} already has a reward", 409, f"{param}.id")
+            raise APIError(f"no sample {sid} was handed out by this run", 404, f"{param}.id")
+        sample = group.samples[index]
+        if sample.reward is not None:
+            raise APIError(f"sample {sid} already has a reward", 409, f"{param}.id")
+        return sample
+
+    def _stale_message(self, version: int) -> str:
+        return (
+            f"sampled by policy version {version}, the trainer is at version "
+            f"{self.policy_version}: older than service.max_staleness={self.max_staleness} "
+            "allows, so it is not trained on (ask for fresh completions)"
+        )
+
+
+def check_finite(value: float, param: str) -> None:
+    if not math.isfinite(value):
+        raise APIError(f"{param} must be a finite number, got {value}", 400, param)

@@ -1,0 +1,532 @@
+"""The trainer as a service (grail/service/): the ledger's rules, the routes' answers to good and
+bad input, the journal's durability, and real runs driven by a client in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from run_dirs import REPO, TINY_RUN
+from transformers import AutoTokenizer
+
+from grail.envs import make_env
+from grail.http_api import APIError
+from grail.inference.client import Completion, SamplingParams
+from grail.records import eval_metrics_path, read_json, train_metrics_path
+from grail.rollouts import render_prompt_ids
+from grail.service.app import create_app
+from grail.service.core import ServiceCore, WaitTimeout
+from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceSample
+from grail.service.store import LedgerStore
+
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def handed_out(ledger: Ledger, size: int | None = None) -> list[str]:
+    """Hand out one group of `size` (the ledger's) samples; their ids."""
+    size = size or ledger.group_size
+    samples = [([5, 6], [-0.5, -0.25], "stop", f"t{i}") for i in range(size)]
+    group = ledger.hand_out(ledger.new_group_number(), [1, 2, 3], samples)
+    return [s.id for s in group.samples]
+
+
+def pushed(version: int, size: int, reward: float = 1.0) -> PushedGroup:
+    return PushedGroup(
+        [1, 2],
+        version,
+        [ServiceSample("", [7], [-1.0], "stop", "x", reward + i, None) for i in range(size)],
+    )
+
+
+def state(ledger: Ledger) -> str:
+    return json.dumps(ledger.to_json(), sort_keys=True)
+
+
+def status_of(excinfo: pytest.ExceptionInfo[APIError]) -> int:
+    return excinfo.value.status
+
+
+# ---- the ledger ---------------------------------------------------------------------------
+
+
+def test_a_group_is_queued_once_every_sample_has_a_reward_in_any_order() -> None:
+    ledger = Ledger(group_size=3, max_staleness=1)
+    ids = handed_out(ledger)
+    assert ledger.add_rewards([RewardEntry(ids[2], 1.0), RewardEntry(ids[0], 0.0)]) == 2
+    assert ledger.queue == [] and ledger.outstanding() == 1
+    assert ledger.add_rewards([RewardEntry(ids[1], 0.5, success=True)]) == 1
+    (group,) = ledger.queue
+    assert [s.reward for s in group.samples] == [0.0, 0.5, 1.0]
+    assert group.samples[1].success is True and group.source == "completions"
+    assert ledger.open == {} and ledger.outstanding() == 0
+
+
+@pytest.mark.parametrize(
+    ("entries", "status", "match"),
+    [
+        ([], 400, "rewards is empty"),
+        ([("nonsense", 1.0)], 400, "not a sample id"),
+        ([("v0-g000099-s0", 1.0)], 404, "no sample v0-g000099-s0"),
+        ([("v0-g000000-s7", 1.0)], 404, "no sample"),
+        ([("v0-g000000-s0", math.nan)], 400, "finite"),
+        ([("v0-g000000-s0", math.inf)], 400, "finite"),
+        ([("v0-g000000-s0", 1.0), ("v0-g000000-s0", 1.0)], 400, "twice"),
+        # one good entry and one bad: neither is applied
+        ([("v0-g000000-s1", 1.0), ("v0-g000000-s9", 1.0)], 404, "no sample"),
+    ],
+)
+def test_bad_rewards_are_refused_and_change_nothing(
+    entries: list[tuple[str, float]], status: int, match: str
+) -> None:
+    ledger = Ledger(group_size=2, max_staleness=1)
+    handed_out(ledger)
+    before = state(ledger)
+    with pytest.raises(APIError, match=match) as excinfo:
+        ledger.add_rewards([RewardEntry(i, r) for i, r in entries])
+    assert status_of(excinfo) == status
+    assert state(ledger) == before
+
+
+def test_a_second_reward_for_a_sample_is_a_conflict() -> None:
+    ledger = Ledger(group_size=2, max_staleness=1)
+    ids = handed_out(ledger)
+    ledger.add_rewards([RewardEntry(ids[0], 1.0)])
+    with pytest.raises(APIError, match="already has a reward") as excinfo:
+        ledger.add_rewards([RewardEntry(ids[0], 0.0)])
+    assert status_of(excinfo) == 409
+    ledger.add_rewards([RewardEntry(ids[1], 0.0)])  # the group is queued now
+    with pytest.raises(APIError, match="already has a reward") as excinfo:
+        ledger.add_rewards([RewardEntry(ids[1], 0.0)])
+    assert status_of(excinfo) == 409
+
+
+def test_staleness_refuses_late_rewards_expires_samples_and_drops_old_groups() -> None:
+    ledger = Ledger(group_size=2, max_staleness=1)
+    late = handed_out(ledger)  # version 0, never rewarded in time
+    queued = handed_out(ledger)
+    ledger.add_rewards([RewardEntry(i, 1.0) for i in queued])
+    ledger.advance(1)  # still within max_staleness=1
+    early = handed_out(ledger)  # version 1
+    ledger.add_rewards([RewardEntry(late[0], 0.5)])
+    ledger.advance(2)  # version 0 is now too old
+    assert ledger.counters.expired_samples == 1  # late[1] never got its reward
+    with pytest.raises(APIError, match="policy version 0, the trainer is at version 2") as exc:
+        ledger.add_rewards([RewardEntry(late[1], 1.0)])
+    assert status_of(exc) == 409 and ledger.counters.rejected_stale_rewards == 1
+    ledger.add_rewards([RewardEntry(i, 0.0) for i in early])
+    batch = ledger.take(1, iteration=2)
+    assert batch is not None and batch[0].policy_version == 1  # the version-0 group was dropped
+    assert ledger.counters.dropped_stale_groups == 1
+
+
+def test_taken_groups_come_back_in_order_on_rewind_until_a_checkpoint_covers_them() -> None:
+    ledger = Ledger(group_size=2, max_staleness=5)
+    for _ in range(5):
+        ledger.add_groups([pushed(0, 2)])
+    first, second = ledger.take(2, 0), ledger.take(2, 1)
+    assert first is not None and second is not None and len(ledger.queue) == 1
+    ledger.checkpointed(0)
+    assert ledger.rewind(1) == 2  # iteration 1's groups: its checkpoint never committed
+    assert [g.id for g in ledger.queue[:2]] == [g.id for g in second]
+    assert ledger.take(2, 1) == second
+
+
+def test_pushed_groups_are_checked_whole_and_all_or_nothing() -> None:
+    ledger = Ledger(group_size=2, max_staleness=1)
+    ledger.advance(3)
+    before = state(ledger)
+    bad_logprobs = pushed(3, 2)
+    bad_logprobs.samples[1].logprobs = [-1.0, -2.0]
+    cases: list[tuple[PushedGroup, int, str]] = [
+        (pushed(3, 3), 400, "3 completions; data.rollouts_per_problem=2"),
+        (pushed(4, 2), 400, "ahead of the trainer's 3"),
+        (pushed(1, 2), 409, "older than service.max_staleness=1"),
+        (pushed(3, 2, reward=math.nan), 400, "finite"),
+        (bad_logprobs, 400, "2 logprobs for 1 token_ids"),
+    ]
+    for bad, status, match in cases:
+        with pytest.raises(APIError, match=match) as excinfo:
+            ledger.add_groups([pushed(3, 2), bad])  # a good group before the bad one
+        assert status_of(excinfo) == status
+        assert json.loads(state(ledger))["queue"] == json.loads(before)["queue"]
+    (group,) = ledger.add_groups([pushed(2, 2)])
+    assert group.source == "groups" and group.samples[1].id == f"{group.id}-s1"
+
+
+def test_the_journal_replays_to_the_state_a_killed_process_had(tmp_path: Path) -> None:
+    store = LedgerStore(tmp_path)
+    ledger = Ledger(group_size=2, max_staleness=1)
+    store.snapshot(ledger)
+    live = Ledger(group_size=2, max_staleness=1)
+    # The same calls on a live ledger and, as journal lines, on the stored one.
+    number = live.new_group_number()
+    samples = [([5], [-0.5], "stop", "a"), ([6], [-0.25], "length", "b")]
+    group = live.hand_out(number, [1], samples)
+    store.append({"op": "hand_out", "number": number, "prompt_ids": [1], "samples": samples})
+    entries = [RewardEntry(group.samples[0].id, 0.25, True)]
+    live.add_rewards(entries)
+    store.append({"op": "rewards", "entries": [[e.id, e.reward, e.success] for e in entries]})
+    live.add_groups([pushed(0, 2)])
+    store.append({"op": "groups", "groups": [_asdict(pushed(0, 2))]})
+    live.take(1, 0)
+    store.append({"op": "take", "count": 1, "iteration": 0})
+    live.advance(1)
+    store.append({"op": "advance", "policy_version": 1})
+    store.close()
+    (tmp_path / f"journal.{store.generation}.jsonl").open("a").write('{"op": "rew')  # cut short
+    assert state(LedgerStore(tmp_path).load()) == state(live)  # type: ignore[arg-type]
+    # A new snapshot folds the journal in and starts an empty one.
+    store.snapshot(live)
+    assert state(LedgerStore(tmp_path).load()) == state(live)  # type: ignore[arg-type]
+    assert [p.name for p in tmp_path.glob("journal.*")] == []
+
+
+def _asdict(group: PushedGroup) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(group)
+
+
+# ---- the routes, with a stand-in inference server -------------------------------------------
+
+
+class FakeClient:
+    """The inference client's `complete`: token ids 10, 11, ... per sample, and a record of
+    the requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[list[int], int, int]] = []
+        self.release: asyncio.Event | None = None
+
+    async def complete(
+        self, prompt_ids: list[int], n: int, sampling: SamplingParams, seed: int
+    ) -> list[Completion]:
+        self.requests.append((list(prompt_ids), n, seed))
+        if self.release is not None:
+            await self.release.wait()
+        return [Completion([10 + i], [-0.5], "stop", f"s{i}") for i in range(n)]
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def make_core(tmp_path: Path, tokenizer: Any, group_size: int = 2) -> ServiceCore:
+    store = LedgerStore(tmp_path)
+    ledger = Ledger(group_size=group_size, max_staleness=1)
+    store.snapshot(ledger)
+    return ServiceCore(
+        ledger,
+        store,
+        FakeClient(),  # type: ignore[arg-type]
+        SamplingParams(max_tokens=2, temperature=1.0),
+        tokenizer,
+        model_name="policy",
+        base_seed=0,
+        iterations=3,
+        info={"rollouts_per_problem": group_size},
+    )
+
+
+@pytest.fixture
+def service(tmp_path: Path, tokenizer: Any) -> Iterator[tuple[TestClient, ServiceCore]]:
+    core = make_core(tmp_path, tokenizer)
+    with TestClient(create_app(core, KEY, max_body_bytes=4096)) as client:
+        yield client, core
+
+
+def test_completions_hand_out_a_group_with_ids_and_the_policy_version(
+    service: tuple[TestClient, ServiceCore], tokenizer: Any
+) -> None:
+    client, core = service
+    problem = make_env("copy_digits").problem(3)
+    answer = client.post(
+        "/v1/completions", headers=AUTH, json={"messages": problem.prompt_messages}
+    )
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["policy_version"] == 0 and body["model"] == "policy"
+    assert [c["id"] for c in body["choices"]] == ["v0-g000000-s0", "v0-g000000-s1"]
+    assert [c["token_ids"] for c in body["choices"]] == [[10], [11]]
+    # messages are rendered exactly as the loop renders the environment's prompts
+    fake: FakeClient = core.client  # type: ignore[assignment]
+    assert fake.requests[0][0] == render_prompt_ids(tokenizer, problem)
+    text = client.post("/v1/completions", headers=AUTH, json={"prompt": "Repeat: 4", "n": 2})
+    assert text.status_code == 200 and fake.requests[1][0] == tokenizer.encode("Repeat: 4")
+    ids = client.post("/v1/completions", headers=AUTH, json={"prompt": [1, 2, 3]})
+    assert ids.status_code == 200 and fake.requests[2][0] == [1, 2, 3]
+    assert len({seed for *_, seed in fake.requests}) == 3  # every group its own sampling seed
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "match"),
+    [
+        ({"prompt": "x", "temperature": 0.5}, 400, "temperature: sampling settings come from"),
+        ({"prompt": "x", "n": 3}, 400, "data.rollouts_per_problem=2"),
+        ({"prompt": "x", "model": "other"}, 404, "does not exist"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "exactly one"),
+        ({}, 400, "exactly one"),
+        ({"prompt": [1, 10**9]}, 400, "outside the vocabulary"),
+        ({"prompt": [-1]}, 400, "prompt"),
+        ({"prompt": "x", "frobnicate": 1}, 400, "unknown field"),
+    ],
+)
+def test_bad_completion_requests_are_named(
+    service: tuple[TestClient, ServiceCore], body: dict[str, Any], status: int, match: str
+) -> None:
+    client, core = service
+    answer = client.post("/v1/completions", headers=AUTH, json=body)
+    assert answer.status_code == status, answer.text
+    assert match in answer.json()["error"]["message"]
+    assert core.ledger.open == {}
+
+
+def test_bad_input_gets_its_status_and_leaves_the_queue_unchanged(
+    service: tuple[TestClient, ServiceCore],
+) -> None:
+    client, core = service
+    ids = [
+        c["id"]
+        for c in client.post("/v1/completions", headers=AUTH, json={"prompt": "x"}).json()[
+            "choices"
+        ]
+    ]
+    status = client.get("/v1/status", headers=AUTH).json()
+    journal = core.store._journal(core.store.generation).read_text()
+    one = [{"token_ids": [1], "logprobs": [-1.0], "reward": 1.0}]  # groups here are 2 samples
+    small_group = {"prompt_ids": [1], "policy_version": 0, "completions": one}
+    empty_prompt = {"prompt_ids": [], "policy_version": 0, "completions": one * 2}
+    wrong_key = {"Authorization": "Bearer no"}
+    reward = {"rewards": [{"id": ids[0], "reward": 1.0}]}
+    bad: list[tuple[str, Any, dict[str, str], int]] = [
+        ("/v1/rewards", reward, {}, 401),
+        ("/v1/rewards", reward, wrong_key, 401),
+        ("/v1/rewards", {"rewards": [{"id": "v0-g000042-s0", "reward": 1.0}]}, AUTH, 404),
+        ("/v1/rewards", {"rewards": [{"id": 17, "reward": 1.0}]}, AUTH, 400),
+        ("/v1/rewards", {"rewards": [{"id": ids[0], "reward": "high"}]}, AUTH, 400),
+        ("/v1/rewards", {"rewards": [{"id": ids[0]}]}, AUTH, 400),
+        ("/v1/rewards", {"reward": []}, AUTH, 400),
+        ("/v1/rewards", {"rewards": [{"id": "x" * 5000, "reward": 1.0}]}, AUTH, 413),
+        ("/v1/groups", {"groups": [small_group]}, AUTH, 400),
+        ("/v1/groups", {"groups": [empty_prompt]}, AUTH, 400),
+    ]
+    for path, body, headers, expected in bad:
+        answer = client.post(path, headers=headers, json=body)
+        assert answer.status_code == expected, (path, body, answer.text)
+        assert answer.json()["error"]["message"]
+    for raw in (b'{"rewards": [{"id": "%s", "reward": NaN}]}' % ids[0].encode(), b"{not json"):
+        answer = client.post(
+            "/v1/rewards", headers={**AUTH, "content-type": "application/json"}, content=raw
+        )
+        assert answer.status_code == 400, answer.text
+    assert client.get("/v1/status", headers=AUTH).json() == status
+    assert core.store._journal(core.store.generation).read_text() == journal
+    assert client.get("/health").status_code == 200  # the one route without a key
+    # The good request after all that: accepted, and the group is queued.
+    good = {"rewards": [{"id": i, "reward": 1.0} for i in ids]}
+    assert client.post("/v1/rewards", headers=AUTH, json=good).json() == {"accepted": 2}
+    assert client.get("/v1/status", headers=AUTH).json()["queued_groups"] == 1
+
+
+def test_pushed_groups_are_queued_with_their_version(
+    service: tuple[TestClient, ServiceCore],
+) -> None:
+    client, core = service
+    completion = {"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "reward": 0.5}
+    group = {"prompt_ids": [1, 2], "policy_version": 0, "completions": [completion, completion]}
+    answer = client.post("/v1/groups", headers=AUTH, json={"groups": [group, group]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["accepted"] == 2 and len(core.ledger.queue) == 2
+    assert core.ledger.queue[0].samples[0].text == core.decode([5, 6])
+    info = client.get("/v1/info", headers=AUTH).json()
+    assert info["model"] == "policy" and info["rollouts_per_problem"] == 2
+
+
+def test_weight_changes_wait_for_completions_in_flight_and_hold_new_ones(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    async def scenario() -> None:
+        core = make_core(tmp_path, tokenizer)
+        core.started()
+        fake: FakeClient = core.client  # type: ignore[assignment]
+        fake.release = asyncio.Event()
+        first = asyncio.create_task(core.complete([1, 2]))
+        await asyncio.sleep(0.05)
+        pause = asyncio.create_task(core.pause())
+        await asyncio.sleep(0.05)
+        assert not pause.done()  # a completion is still being sampled with the old weights
+        fake.release.set()
+        await asyncio.wait_for(pause, 5)
+        held = asyncio.create_task(core.complete([3]))
+        await asyncio.sleep(0.05)
+        assert not held.done() and len(fake.requests) == 1  # new ones wait for the new weights
+        await core.resume(1)
+        assert (await first).policy_version == 0
+        assert (await asyncio.wait_for(held, 5)).policy_version == 1
+
+    asyncio.run(scenario())
+
+
+def test_an_iteration_waits_for_its_groups_within_the_timeout(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    async def scenario() -> None:
+        core = make_core(tmp_path, tokenizer)
+        core.started()
+        with pytest.raises(WaitTimeout, match="waited 0.2 s .* for 1 groups"):
+            await core.take(1, 0, timeout_s=0.2)
+        take = asyncio.create_task(core.take(1, 0, timeout_s=5))
+        await core.add_groups([pushed(0, 2)])
+        assert len(await asyncio.wait_for(take, 5)) == 1
+
+    asyncio.run(scenario())
+
+
+# ---- real runs: grail-train mode=service, clients in other processes ------------------------
+
+
+class Trainer:
+    """`grail-train mode=service ARGS` in the background, killed (with its process group) if a
+    test leaves it running."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.run_dir = run_dir
+        self.endpoint = run_dir / "service" / "endpoint.json"
+        self.endpoint.unlink(missing_ok=True)
+        self.log = (run_dir.parent / f"{run_dir.name}.log").open("a")
+        command = [sys.executable, "-m", "grail.train.cli", "mode=service", "service.port=0"]
+        self.process = subprocess.Popen(
+            [*command, *args, f"hydra.run.dir={run_dir}"],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def connect(self, timeout_s: float = 120) -> httpx.Client:
+        """A client of the service, once it listens."""
+        deadline = time.monotonic() + timeout_s
+        while not self.endpoint.exists():
+            assert self.process.poll() is None, self.output()
+            assert time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.1)
+        endpoint = json.loads(self.endpoint.read_text())
+        headers = {"Authorization": f"Bearer {endpoint['api_key']}"}
+        return httpx.Client(base_url=endpoint["url"], headers=headers, timeout=60)
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.run_dir.parent / f"{self.run_dir.name}.log").read_text()[-4000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+        self.log.close()
+
+
+@pytest.fixture
+def trainers() -> Iterator[list[Trainer]]:
+    started: list[Trainer] = []
+    yield started
+    for trainer in started:
+        trainer.stop()
+
+
+def run_client(endpoint: Path, *args: str, timeout: float = 600) -> str:
+    result = subprocess.run(
+        [sys.executable, "examples/service_client.py", "--endpoint", str(endpoint), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def eval_success(run_dir: Path, iteration: int) -> float:
+    return read_json(eval_metrics_path(run_dir, iteration))["success_rate"]  # type: ignore[index]
+
+
+def test_a_client_in_another_process_teaches_the_default_task(
+    tmp_path: Path, trainers: list[Trainer]
+) -> None:
+    """The default task, its rewards computed and sent by examples/service_client.py alone:
+    held-out success (evaluated by the trainer on seeds the client never sees) rises."""
+    run_dir = tmp_path / "run"
+    iterations = 80
+    trainer = Trainer(run_dir, f"train.iterations={iterations}", "eval.interval=40")
+    trainers.append(trainer)
+    trainer.connect().close()
+    printed = run_client(trainer.endpoint, "--workers", "8")
+    assert trainer.process.wait(120) == 0, trainer.output()
+    assert "groups rewarded" in printed
+    baseline, final = eval_success(run_dir, -1), eval_success(run_dir, iterations - 1)
+    assert final >= baseline + 0.2, (baseline, final, trainer.output())
+    record = read_json(train_metrics_path(run_dir, iterations - 1))
+    assert record is not None and len(record["service"]["groups"]) == 64
+    assert {g["source"] for g in record["service"]["groups"]} == {"completions"}
+    assert record["policy"]["staleness"] <= 1  # service.max_staleness
+
+
+def test_a_killed_trainer_resumes_with_every_reward_it_accepted(
+    tmp_path: Path, trainers: list[Trainer]
+) -> None:
+    """SIGKILL while groups wait in the queue and samples wait for rewards: resume=true has them
+    all, and the first iteration trains on the group queued before the kill."""
+    run_dir = tmp_path / "run"
+    args = [*TINY_RUN, "train.iterations=2", "checkpoint.save_interval=1", "eval.enabled=false"]
+    first = Trainer(run_dir, *args)
+    trainers.append(first)
+    env = make_env("copy_digits")
+    with first.connect() as http:
+        groups = []
+        for seed in (0, 1):
+            body = {"messages": env.problem(seed).prompt_messages}
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            groups.append(answer.json())
+        ids = [[c["id"] for c in g["choices"]] for g in groups]
+        full = {"rewards": [{"id": i, "reward": 1.0 if k else 0.0} for k, i in enumerate(ids[0])]}
+        assert http.post("/v1/rewards", json=full).json() == {"accepted": 4}
+        half = {"rewards": [{"id": i, "reward": 0.5} for i in ids[1][:2]]}
+        assert http.post("/v1/rewards", json=half).json() == {"accepted": 2}
+        before = http.get("/v1/status").json()
+    assert (before["queued_groups"], before["outstanding_samples"]) == (1, 2)
+    first.process.send_signal(signal.SIGKILL)  # the trainer only: its server dies with it
+    first.process.wait(30)
+
+    second = Trainer(run_dir, *args, "resume=true")
+    trainers.append(second)
+    with second.connect() as http:
+        after = http.get("/v1/status").json()
+        assert (after["queued_groups"], after["outstanding_samples"]) == (1, 2)
+        again = http.post("/v1/rewards", json=half)
+        assert again.status_code == 409 and "already has a reward" in again.text
+        rest = {"rewards": [{"id": i, "reward": 0.0} for i in ids[1][2:]]}
+        assert http.post("/v1/rewards", json=rest).json() == {"accepted": 2}
+    run_client(second.endpoint, "--workers", "2", "--seed-start", "100")
+    assert second.process.wait(120) == 0, second.output()
+    record = read_json(train_metrics_path(run_dir, 0))
+    assert record is not None
+    taken = [g["id"] for g in record["service"]["groups"]]
+    assert taken[:2] == [groups[0]["group_id"], groups[1]["group_id"]]
