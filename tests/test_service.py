@@ -345,6 +345,25 @@ def test_bad_input_gets_its_status_and_leaves_the_queue_unchanged(
     assert client.get("/v1/status", headers=AUTH).json()["queued_groups"] == 1
 
 
+def test_late_rewards_and_old_groups_get_409_and_are_counted(
+    service: tuple[TestClient, ServiceCore],
+) -> None:
+    client, core = service
+    answer = client.post("/v1/completions", headers=AUTH, json={"prompt": "x"})
+    ids = [c["id"] for c in answer.json()["choices"]]
+    for version in (1, 2):  # two updates later, with service.max_staleness=1
+        client.portal.call(core.resume, version)  # type: ignore[union-attr]
+    late = client.post("/v1/rewards", headers=AUTH, json={"rewards": [{"id": ids[0], "reward": 1}]})
+    assert late.status_code == 409
+    assert "policy version 0, the trainer is at version 2" in late.json()["error"]["message"]
+    completion = {"token_ids": [5], "logprobs": [-0.1], "reward": 0.5}
+    old = {"prompt_ids": [1], "policy_version": 0, "completions": [completion, completion]}
+    assert client.post("/v1/groups", headers=AUTH, json={"groups": [old]}).status_code == 409
+    status = client.get("/v1/status", headers=AUTH).json()
+    assert status["policy_version"] == 2 and status["rejected_stale_rewards"] == 3
+    assert status["expired_samples"] == 2 and status["queued_groups"] == 0
+
+
 def test_pushed_groups_are_queued_with_their_version(
     service: tuple[TestClient, ServiceCore],
 ) -> None:
