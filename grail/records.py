@@ -23,6 +23,7 @@ killed at any moment, never sees a half-written file.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import json
 import logging
@@ -328,8 +329,29 @@ def run_summary(
     if environment is not None:
         summary["environment"] = environment
     if config is not None:
-        summary["config"] = config
+        summary["config"] = without_secrets(config)
     return summary
+
+
+REDACTED = "<redacted>"
+
+
+def without_secrets(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a run's config for records (summary.json, W&B, TensorBoard) without the values
+    that authorise something: `service.api_key` and the `headers` of remote reward scorers. The
+    config a user wrote (`.hydra/config.yaml`) keeps what they wrote: an `${oc.env:VAR}` there
+    stays a reference, where the config resolved for a run holds the token itself."""
+    config = copy.deepcopy(config)
+    service = config.get("service")
+    if isinstance(service, dict) and service.get("api_key") is not None:
+        service["api_key"] = REDACTED
+    rewards = (
+        config.get("data", {}).get("rewards") if isinstance(config.get("data"), dict) else None
+    )
+    for entry in rewards if isinstance(rewards, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("headers"), dict):
+            entry["headers"] = dict.fromkeys(entry["headers"], REDACTED)
+    return config
 
 
 def write_summary(

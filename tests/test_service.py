@@ -549,3 +549,22 @@ def test_a_killed_trainer_resumes_with_every_reward_it_accepted(
     assert record is not None
     taken = [g["id"] for g in record["service"]["groups"]]
     assert taken[:2] == [groups[0]["group_id"], groups[1]["group_id"]]
+
+
+def test_records_of_a_run_carry_no_secrets() -> None:
+    """summary.json and the metric loggers get the config without the service's key and the
+    remote scorers' headers (a key given as ${oc.env:VAR} is resolved by then)."""
+    from grail.records import REDACTED, without_secrets
+
+    config = {
+        "service": {"api_key": "sk-secret", "port": 1},
+        "data": {"rewards": ["correctness", {"fn": "http://h/s", "headers": {"X-Key": "t"}}]},
+    }
+    clean = without_secrets(config)
+    assert clean["service"] == {"api_key": REDACTED, "port": 1}
+    assert clean["data"]["rewards"] == [
+        "correctness",
+        {"fn": "http://h/s", "headers": {"X-Key": REDACTED}},
+    ]
+    assert config["service"]["api_key"] == "sk-secret"  # the run's own config is untouched
+    assert without_secrets({"service": {"api_key": None}}) == {"service": {"api_key": None}}

@@ -43,6 +43,7 @@ from grail.records import (
     read_pruned,
     run_lock,
     train_metrics_path,
+    without_secrets,
     write_metrics,
     write_summary,
 )
@@ -85,7 +86,8 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         try:
             # Opened before any model loads: a logging backend that is not installed fails at once.
             config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-            with MetricLoggers.from_config(cfg.logging, run_dir, config) as loggers:  # type: ignore[arg-type]
+            config = without_secrets(config)  # type: ignore[arg-type]
+            with MetricLoggers.from_config(cfg.logging, run_dir, config) as loggers:
                 return train(cfg, run_dir, loggers, resume_from, part)
         except BaseException:
             part.save()  # the wall time of a part that failed or was interrupted

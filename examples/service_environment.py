@@ -1,0 +1,266 @@
+"""An environment process for the trainer as a service, Atropos-style: it samples from the
+trainer's inference server itself, scores with its own copy of grail-train's default task
+(copy_digits), and pushes whole scored groups to the trainer, purely over HTTP.
+
+    uv run grail-train mode=service                      # terminal 1: the trainer, waiting
+    uv run python examples/service_environment.py --endpoint outputs/DATE/TIME/service/endpoint.json
+
+(`--endpoint` is the file the service writes with its URL and key; `--url` and `--api-key`, or
+GRAIL_SERVICE_URL and GRAIL_SERVICE_API_KEY, work too.) It stops when the run has taken all its
+batches (or the service is gone), and prints what it pushed and how fast.
+
+The protocol: GET /v1/info once (the inference server's URL and key, the model, the group size
+and the run's sampling settings). Then, per group: GET /v1/status, wait while a batch's worth of
+groups is already queued (`queued_groups`: more would wait and may go stale; see --backlog), and
+keep its `policy_version`, read BEFORE sampling; POST {inference_url}/chat/completions with the
+problem's messages, n = rollouts_per_problem, the run's temperature, top_p, top_k and max_tokens,
+`logprobs: true` and `return_token_ids: true`; score the choices; POST /v1/groups with the
+prompt's token ids (the server's rendering, `prompt_token_ids`), each completion's token ids,
+behaviour log-probabilities, reward, success and finish reason, and that version. A 409 means the
+group came too late (older than service.max_staleness allows): it is counted and dropped.
+
+Caveat: the trainer may sync new weights between the status read and the sampling. The group is
+then sent with a version one older than the weights that sampled it. That is safe: the trainer
+corrects for the behaviour policy with the log-probabilities sent (importance sampling), and
+service.max_staleness bounds how old a version it accepts; at worst the group is refused (409),
+or dropped when a batch is taken, one step early. Sampling with other settings than /v1/info's
+would make the log-probabilities those of another policy: this environment uses the run's.
+
+Your own environment replaces `make_env("copy_digits")` (its prompts and its scorer) and keeps
+the protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from grail.envs import make_env
+
+# How long a worker waits for the inference server to come back (a weight sync by restart)
+# while the service still runs.
+INFERENCE_RETRY_S = 120.0
+
+
+@dataclass
+class Tally:
+    groups: int = 0
+    completions: int = 0
+    stale: int = 0
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Finished(Exception):
+    """The run is over: the service stopped, or it has taken all its batches."""
+
+
+def read_endpoint(path: Path, timeout_s: float) -> tuple[str, str]:
+    """(url, key) from the service's endpoint file, waiting for the service to write it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            data = json.loads(path.read_text())
+            return str(data["url"]), str(data["api_key"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            if time.monotonic() > deadline:
+                sys.exit(f"no service endpoint at {path} after {timeout_s:g} s")
+            time.sleep(0.2)
+
+
+def service_status(service: httpx.Client) -> dict[str, Any]:
+    """GET /v1/status; Finished once the run has taken its last batch, or the service is gone."""
+    try:
+        status = service.get("/v1/status").raise_for_status().json()
+    except httpx.TransportError:
+        raise Finished from None
+    if status["finished"]:
+        raise Finished
+    return status
+
+
+def sample(
+    inference: httpx.Client,
+    service: httpx.Client,
+    info: dict[str, Any],
+    messages: list[dict[str, str]],
+    seed: int,
+) -> dict[str, Any]:
+    """One group of the problem from the inference server, with the run's sampling settings.
+    While the server is unreachable or busy (503) and the service still runs, retry."""
+    s = info["sampling"]
+    body = {
+        "model": info["model"],
+        "messages": messages,
+        "n": info["rollouts_per_problem"],
+        "max_tokens": s["max_tokens"],
+        "temperature": s["temperature"],
+        "top_p": s["top_p"],
+        "top_k": s["top_k"],
+        "seed": seed,  # sample i gets seed + i
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    deadline = time.monotonic() + INFERENCE_RETRY_S
+    while True:
+        try:
+            answer = inference.post("/chat/completions", json=body)
+            if answer.status_code != 503:
+                return answer.raise_for_status().json()
+            problem = f"503 {answer.text[:200]}"
+        except httpx.TransportError as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        service_status(service)  # raises Finished when the run is over: the server went with it
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the inference server failed for {INFERENCE_RETRY_S:g} s: {problem}"
+            )
+        time.sleep(0.5)
+
+
+def to_group(
+    answer: dict[str, Any], version: int, env: Any, problem: Any, group_size: int
+) -> dict[str, Any]:
+    """A chat completion answer as a scored /v1/groups group."""
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    if len(choices) != group_size:
+        raise RuntimeError(f"asked for {group_size} completions, got {len(choices)}")
+    completions = []
+    for choice in choices:
+        token_ids = choice["token_ids"]
+        # The behaviour log-probabilities: log-softmax(logits / T) of each sampled token.
+        logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        if len(logprobs) != len(token_ids):
+            raise RuntimeError(f"{len(token_ids)} token ids but {len(logprobs)} logprobs")
+        text = choice["message"]["content"]
+        score = env.score(problem, text)
+        completions.append(
+            {
+                "token_ids": token_ids,
+                "logprobs": logprobs,
+                "reward": score.reward,
+                "success": score.success,
+                "finish_reason": choice["finish_reason"],
+                "text": text,
+            }
+        )
+    return {
+        "prompt_ids": answer["prompt_token_ids"],
+        "policy_version": version,
+        "completions": completions,
+    }
+
+
+def worker(
+    number: int,
+    workers: int,
+    url: str,
+    api_key: str,
+    info: dict[str, Any],
+    seed_start: int,
+    backlog: int,
+    stop: threading.Event,
+    tally: Tally,
+) -> None:
+    env = make_env("copy_digits")  # the environment's own task: its prompts and its scorer
+    service = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
+    inference = httpx.Client(
+        base_url=info["inference_url"],
+        headers={"Authorization": f"Bearer {info['inference_api_key']}"},
+        timeout=300,
+    )
+    group_size = int(info["rollouts_per_problem"])
+    seed = seed_start + number
+    try:
+        while not stop.is_set():
+            status = service_status(service)
+            if status["queued_groups"] >= backlog:  # the next batch is there: more would go stale
+                time.sleep(0.05)
+                continue
+            version = int(status["policy_version"])  # before sampling: the weights that sample
+            problem = env.problem(seed)
+            answer = sample(inference, service, info, problem.prompt_messages, seed * group_size)
+            group = to_group(answer, version, env, problem, group_size)
+            seed += workers
+            try:
+                pushed = service.post("/v1/groups", json={"groups": [group]})
+            except httpx.TransportError:
+                break  # the service has stopped: the run is over
+            if pushed.status_code == 409:  # too old by now (service.max_staleness)
+                with tally.lock:
+                    tally.stale += 1
+                continue
+            if pushed.status_code != 200:
+                raise RuntimeError(f"POST /v1/groups: {pushed.status_code} {pushed.text[:500]}")
+            with tally.lock:
+                tally.groups += pushed.json()["accepted"]
+                tally.completions += group_size
+    except Finished:
+        pass
+    except Exception as exc:
+        with tally.lock:
+            tally.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        stop.set()  # one worker seeing the end stops the others
+        service.close()
+        inference.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--endpoint", type=Path, help="the service's endpoint.json")
+    parser.add_argument("--url", default=os.environ.get("GRAIL_SERVICE_URL"))
+    parser.add_argument("--api-key", default=os.environ.get("GRAIL_SERVICE_API_KEY"))
+    parser.add_argument("--workers", type=int, default=4, help="groups in flight at once")
+    parser.add_argument("--seed-start", type=int, default=0, help="first problem seed")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        help="sample only while fewer groups than this are queued (default: "
+        "data.problems_per_iteration, one batch ahead of the trainer)",
+    )
+    parser.add_argument("--wait", type=float, default=300, help="seconds to wait for the service")
+    args = parser.parse_args(argv)
+    if args.endpoint is not None:
+        url, api_key = read_endpoint(args.endpoint, args.wait)
+    elif args.url and args.api_key:
+        url, api_key = args.url, args.api_key
+    else:
+        parser.error("give --endpoint, or --url and --api-key")
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    info = httpx.get(f"{url}/v1/info", headers=headers, timeout=30).raise_for_status().json()
+    backlog = args.backlog if args.backlog is not None else int(info["problems_per_iteration"])
+    tally, stop = Tally(), threading.Event()
+    t0 = time.perf_counter()
+    threads = [
+        threading.Thread(
+            target=worker,
+            args=(k, args.workers, url, api_key, info, args.seed_start, backlog, stop, tally),
+        )
+        for k in range(args.workers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - t0
+    print(
+        f"{tally.groups} groups accepted ({tally.completions} completions, {tally.stale} groups "
+        f"too stale) in {seconds:.1f} s: {tally.groups / seconds:.1f} groups/s"
+    )
+    if tally.errors:
+        sys.exit(f"environment failed: {tally.errors[0]}")
+
+
+if __name__ == "__main__":
+    main()
