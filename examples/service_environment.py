@@ -183,8 +183,8 @@ def worker(
     try:
         while not stop.is_set():
             status = service_status(service)
-            if status["queued_groups"] >= backlog:  # the next batch is there: more would go stale
-                time.sleep(0.05)
+            if status["queued_groups"] >= backlog:  # the next batch is there: more would wait
+                time.sleep(0.1)
                 continue
             version = int(status["policy_version"])  # before sampling: the weights that sample
             problem = env.problem(seed)
@@ -195,6 +195,8 @@ def worker(
                 pushed = service.post("/v1/groups", json={"groups": [group]})
             except httpx.TransportError:
                 break  # the service has stopped: the run is over
+            if pushed.status_code == 503:  # the run has taken all its batches
+                break
             if pushed.status_code == 409:  # too old by now (service.max_staleness)
                 with tally.lock:
                     tally.stale += 1
@@ -251,8 +253,13 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:  # Ctrl-C: the workers finish the group in hand, then stop
+        stop.set()
+        for thread in threads:
+            thread.join()
     seconds = time.perf_counter() - t0
     print(
         f"{tally.groups} groups accepted ({tally.completions} completions, {tally.stale} groups "

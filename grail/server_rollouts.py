@@ -156,6 +156,19 @@ def resample_seeds(
     return drawn
 
 
+def completion_client(cfg: Config, server: ServerManager) -> CompletionClient:
+    """A client of the run's inference server, with the run's timeouts and concurrency."""
+    return CompletionClient(
+        server.base_url,
+        server.model_name,
+        api_key=server.api_key,
+        timeout=cfg.generation.request_timeout_s,
+        max_concurrency=cfg.generation.max_concurrency,
+        liveness_check=server.check_alive,
+        backend=server.kind,  # type: ignore[arg-type]
+    )
+
+
 def eval_seeds(cfg: Config) -> list[int]:
     return list(range(cfg.eval.id_seed_start, cfg.eval.id_seed_start + cfg.eval.num_ids))
 
@@ -208,15 +221,7 @@ class ServerRollouts:
         try:
             self.server.launch()
             self._events = EventLoopThread()
-            self._client = CompletionClient(
-                self.server.base_url,
-                self.server.model_name,
-                api_key=self.server.api_key,
-                timeout=self.cfg.generation.request_timeout_s,
-                max_concurrency=self.cfg.generation.max_concurrency,
-                liveness_check=self.server.check_alive,
-                backend=self.server.kind,  # type: ignore[arg-type]
-            )
+            self._client = completion_client(self.cfg, self.server)
             self._generator, self._eval_generator = (
                 RolloutGenerator(
                     env,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from run_dirs import REPO, TINY_RUN
@@ -18,7 +19,7 @@ PROBLEMS = 4  # data.problems_per_iteration in TINY_RUN
 
 
 @pytest.fixture
-def trainer(tmp_path) -> Iterator[Trainer]:  # noqa: ANN001
+def trainer(tmp_path: Path) -> Iterator[Trainer]:
     # max_staleness=0: every group trained was sampled by the very weights that train on it (a
     # group labelled with the version before a sync is refused or dropped), so the trainer's
     # log-probabilities of its tokens must equal the behaviour ones the environment sent.
@@ -57,7 +58,7 @@ def test_an_environment_that_samples_itself_trains_the_policy(trainer: Trainer) 
         groups = record["service"]["groups"]
         assert len(groups) == PROBLEMS
         assert {g["source"] for g in groups} == {"groups"}
-        assert record["policy"]["staleness"] == 0  # service.max_staleness
+        assert record["policy"]["staleness"] == 0  # service.max_staleness=0
         # The same weights, the same tokens: only float round-off apart (~1e-7 on CPU; a group
         # sampled one version earlier shows ~0.1 to 0.2 on this tiny model).
         assert record["logprob_mismatch"] is not None and record["logprob_mismatch"] < 1e-3, (

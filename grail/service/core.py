@@ -83,12 +83,7 @@ class ServiceCore:
         """Sample a group of the prompt with the current weights and hand it out."""
         async with self.changed:
             await self.changed.wait_for(lambda: not self._paused)
-            if self._finished:
-                raise APIError(
-                    f"the run has taken the batches of all its train.iterations="
-                    f"{self.iterations}: nothing more is trained",
-                    503,
-                )
+            self._refuse_when_finished()
             self._in_flight += 1
         try:
             number = self.ledger.new_group_number()
@@ -120,6 +115,7 @@ class ServiceCore:
         return accepted
 
     async def add_groups(self, groups: list[PushedGroup]) -> list[ServiceGroup]:
+        self._refuse_when_finished()
         with self._journal_refusals():
             added = self.ledger.add_groups(groups)
         self.store.append({"op": "groups", "groups": [asdict(g) for g in groups]})
@@ -183,7 +179,8 @@ class ServiceCore:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        # As the inference servers decode a completion's text (vLLM's skip_special_tokens=True).
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     # -- the trainer's side (submitted from its thread) ----------------------------------------
 
@@ -243,6 +240,14 @@ class ServiceCore:
         self.store.snapshot(self.ledger)
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _refuse_when_finished(self) -> None:
+        if self._finished:
+            raise APIError(
+                f"the run has taken the batches of all its train.iterations={self.iterations}: "
+                "nothing more is trained",
+                503,
+            )
 
     @contextlib.contextmanager
     def _journal_refusals(self) -> Iterator[None]:

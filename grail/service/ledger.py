@@ -79,7 +79,9 @@ class RewardEntry:
 class Counters:
     """What the service turned away or let lapse, for /v1/status and the metrics."""
 
-    rejected_stale_rewards: int = 0  # rewards refused: their sample's version was too old
+    # Rewards refused because their sample's version was too old; a pushed group refused as too
+    # old counts each of its samples' rewards.
+    rejected_stale_rewards: int = 0
     expired_samples: int = 0  # handed out, never rewarded before they went stale
     dropped_stale_groups: int = 0  # complete, but too old by the time a batch was taken
 

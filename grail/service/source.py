@@ -35,7 +35,7 @@ import uvicorn
 
 from grail.config import UserError
 from grail.envs.base import Problem
-from grail.inference.client import CompletionClient, SamplingParams
+from grail.inference.client import SamplingParams
 from grail.records import atomic_write_text
 from grail.rollouts import (
     GeneratedBatch,
@@ -45,7 +45,7 @@ from grail.rollouts import (
     WeightSync,
     assign_advantages,
 )
-from grail.server_rollouts import ServerRollouts, wait
+from grail.server_rollouts import ServerRollouts, completion_client, wait
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
 from grail.service.ledger import Ledger, ServiceGroup
@@ -113,15 +113,7 @@ class ServiceRollouts:
         ledger = self._load_ledger()
         self.store.snapshot(ledger)  # the journal starts from the (rewound) state
         api_key = cfg.service.api_key or f"sk-{secrets.token_urlsafe(24)}"
-        client = CompletionClient(
-            server.base_url,
-            server.model_name,
-            api_key=server.api_key,
-            timeout=cfg.generation.request_timeout_s,
-            max_concurrency=cfg.generation.max_concurrency,
-            liveness_check=server.check_alive,
-            backend=server.kind,  # type: ignore[arg-type]
-        )
+        client = completion_client(cfg, server)
         sampling = SamplingParams.from_config(cfg.generation)
         self.core = ServiceCore(
             ledger,
