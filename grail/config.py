@@ -85,6 +85,20 @@ class ConfigError(UserError, ValueError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA (peft): only the adapter trains and syncs; the base stays frozen in the server's
+    dtype, and the KL reference is the base with the adapter off (no second model)."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: float = 32.0  # the update is scaled by alpha / r
+    dropout: float = 0.0
+    # null: every linear layer of the transformer blocks (peft's "all-linear": q, k, v, o, gate,
+    # up and down projections for Qwen2 and Llama), never the output layer
+    target_modules: list[str] | None = None
+
+
+@dataclass
 class ModelConfig:
     # "tiny" builds (once, cached) the offline tiny model; otherwise a local directory or hub id.
     train_id: str = "tiny"
@@ -92,6 +106,7 @@ class ModelConfig:
     ref_id: str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -456,6 +471,25 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.keep_last_k", cfg.checkpoint.keep_last_k)
     validate_prune(cfg)
     validate_service(cfg)
+    validate_lora(cfg)
+
+
+def validate_lora(cfg: Config) -> None:
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    if lora.r < 1:
+        raise ConfigError(f"model.lora.r must be >= 1, got {lora.r}")
+    _positive("model.lora.alpha", lora.alpha)
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+    if lora.target_modules is not None and not lora.target_modules:
+        raise ConfigError("model.lora.target_modules must be null (every linear layer) or a list")
+    if cfg.generation.backend != "builtin":
+        raise ConfigError(
+            f"model.lora.enabled with generation.backend={cfg.generation.backend}: adapter sync "
+            "is built for the built-in server so far; use generation.backend=builtin"
+        )
 
 
 def validate_service(cfg: Config) -> None:

@@ -206,7 +206,8 @@ class ServerRollouts:
         self._extra_rewards = extra_rewards
         self._progress = progress
         self._sampling = SamplingParams.from_config(cfg.generation)
-        self._weights_dir = server.model_path  # where each sync writes the new weights
+        # Where each sync writes the new weights: the model, or the LoRA adapter alone.
+        self._weights_dir = server.lora_dir or server.model_path
         # A batch generated before a checkpoint (pipelined), or one generating now.
         self._ready: GeneratedBatch | None = pending
         self._prefetch: _Prefetch | None = None

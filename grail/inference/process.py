@@ -115,6 +115,8 @@ class ServerManager(ABC):
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         weight_sync_timeout: float = 600.0,
+        lora_dir: str | os.PathLike[str] | None = None,
+        lora_rank: int | None = None,
     ) -> None:
         if not served_model_name:
             raise ValueError("served_model_name must be a non-empty string")
@@ -149,6 +151,12 @@ class ServerManager(ABC):
         self.extra_args = list(extra_args)
         self.env_overrides = dict(env or {})
         self.weight_sync_timeout = float(weight_sync_timeout)
+        # LoRA (model.lora.enabled): the server serves the base at `model_path` with the adapter
+        # in `lora_dir` (a peft directory of rank at most `lora_rank`), which exists before the
+        # server starts and which every adapter sync rewrites. A (re)start loads the adapter
+        # there, so recovery and the restart fallback come back with the newest adapter.
+        self.lora_dir = None if lora_dir is None else Path(lora_dir).absolute()
+        self.lora_rank = lora_rank
         safe_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", served_model_name)
         self.log_path = self.log_dir / f"{self.kind}-{safe_name}.log"
 
@@ -172,6 +180,11 @@ class ServerManager(ABC):
     def extra_env(self) -> dict[str, str]:
         """Backend-specific environment variables (e.g. vLLM's dev-mode switch)."""
         return {}
+
+    def is_adapter_sync(self, checkpoint_dir: str | os.PathLike[str]) -> bool:
+        """Whether a sync of `checkpoint_dir` is of the LoRA adapter (`lora_dir`), not of the
+        whole model."""
+        return self.lora_dir is not None and Path(checkpoint_dir).absolute() == self.lora_dir
 
     def update_weights(
         self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None
@@ -199,7 +212,8 @@ class ServerManager(ABC):
 
     @property
     def model_name(self) -> str:
-        """The name to send as `model` in requests."""
+        """The name to send as `model` in requests (a backend serving the adapter under its own
+        name returns that name here)."""
         return self.served_model_name
 
     @property
@@ -564,8 +578,10 @@ class ServerManager(ABC):
                     self.kind,
                     reason,
                 )
+        # An adapter restarts on the base: the start loads the adapter from lora_dir.
+        restart_on = self.model_path if self.is_adapter_sync(checkpoint_dir) else checkpoint_dir
         try:
-            self.restart(checkpoint_dir)
+            self.restart(restart_on)
         except ServerError as exc:
             prefix = f"in-place update failed ({reason}); " if reason else ""
             raise WeightSyncError(

@@ -64,6 +64,8 @@ from grail.train.trainer import Trainer, setup_torch
 
 log = logging.getLogger("grail.train")
 
+ADAPTER_DIR = "adapter"  # weights/adapter/: the LoRA adapter the inference server serves
+
 
 class RunDirNotEmpty(UserError, FileExistsError):
     """A fresh run into a directory that already holds a run's metrics."""
@@ -109,9 +111,12 @@ def train(
 
     # The server starts from exactly the trainer's weights, saved where later syncs go.
     weights_dir = run_dir / "weights"
-    trainer.save_weights(weights_dir)
-    trainer.tokenizer.save_pretrained(weights_dir)
-    server = server_manager_from_config(cfg, weights_dir, run_dir)
+    trainer.save_server_model(weights_dir)
+    lora_dir = None
+    if trainer.lora:  # the server serves the base with this adapter, which every sync rewrites
+        lora_dir = weights_dir / ADAPTER_DIR
+        trainer.save_weights(lora_dir)
+    server = server_manager_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir)
     # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
     fresh = trainer.start_iteration == 0 and trainer.pending_rollouts is None
     shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
@@ -300,7 +305,7 @@ def check_models(cfg: Config, resume_from: CheckpointRef | None) -> None:
     """Fail before anything starts (the loggers, the server, `weights/`) when a local model
     directory this run loads lacks files or holds a truncated one, naming them. A resumed policy
     loads from its checkpoint, verified by `resume_point`."""
-    if resume_from is None:
+    if resume_from is None or cfg.model.lora.enabled:  # a LoRA checkpoint holds no base
         check_model_source(resolve_model(cfg.model.train_id))
     if cfg.train.kl_coef > 0:  # the reference model: weights only, the tokenizer is the policy's
         check_model_source(resolve_model(cfg.model.ref_id or cfg.model.train_id), tokenizer=False)

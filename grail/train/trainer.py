@@ -18,6 +18,13 @@ from omegaconf import OmegaConf
 from grail.algo.kl_control import AdaptiveKL
 from grail.config import Config, cpu_threads, gpu_placement
 from grail.models.loading import load_model, load_tokenizer
+from grail.models.lora import (
+    AdapterOff,
+    base_state_dict,
+    trainable_parameters,
+    with_new_adapter,
+    with_saved_adapter,
+)
 from grail.models.tiny import resolve_model
 from grail.rollouts import GeneratedBatch, RolloutBatch
 from grail.train.checkpoint import (
@@ -104,21 +111,36 @@ class Trainer:
         self.accelerator = accelerator
         self.settings = UpdateSettings.from_config(cfg)
         device = accelerator.device
-        init_id = str(resume_from.path) if resume_from else resolve_model(cfg.model.train_id)
-        self.tokenizer = load_tokenizer(init_id)
-        model = load_model(init_id, dtype="float32", device=device)
+        base_id = resolve_model(cfg.model.train_id)
+        lora = cfg.model.lora
+        # A full fine-tuning checkpoint holds the whole model; a LoRA one the adapter alone, over
+        # the base the config names. The tokenizer is in every checkpoint.
+        init_id = str(resume_from.path) if resume_from and not lora.enabled else base_id
+        self.tokenizer = load_tokenizer(str(resume_from.path) if resume_from else base_id)
+        model = load_model(init_id, dtype=self._master_dtype(device), device=device)
+        if lora.enabled:
+            model = (
+                with_saved_adapter(model, resume_from.path)
+                if resume_from is not None
+                else with_new_adapter(model, lora)
+            )
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+            if lora.enabled:  # the frozen embeddings' output must carry grad for the checkpoints
+                model.enable_input_require_grads()
         self.ref_model: torch.nn.Module | None = None
         if cfg.train.kl_coef > 0:
-            self.ref_model = load_model(
-                resolve_model(cfg.model.ref_id or cfg.model.train_id),
-                dtype="float32",
-                device=device,
-            )
-            self.ref_model.eval().requires_grad_(False)
+            if lora.enabled and cfg.model.ref_id is None:
+                self.ref_model = AdapterOff(model)  # the base: the same weights, adapter off
+            else:
+                self.ref_model = load_model(
+                    resolve_model(cfg.model.ref_id or cfg.model.train_id),
+                    dtype="float32",
+                    device=device,
+                )
+                self.ref_model.eval().requires_grad_(False)
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            trainable_parameters(model),
             lr=cfg.train.lr,
             betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
             weight_decay=cfg.train.weight_decay,
@@ -149,6 +171,18 @@ class Trainer:
                 self.pending_rollouts = state.get("pending_rollouts")
             log.info("resuming after iteration %d from %s", state["iteration"], resume_from.path)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+
+    def _master_dtype(self, device: torch.device) -> str:
+        """Full fine-tuning keeps float32 master weights. Under LoRA the base is frozen, so it
+        stays in the server's dtype (bfloat16 on CUDA unless model.dtype says otherwise); the
+        adapter peft adds is float32 either way."""
+        if not self.cfg.model.lora.enabled or device.type != "cuda":
+            return "float32"
+        return "bfloat16" if self.cfg.model.dtype == "auto" else self.cfg.model.dtype
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.model.lora.enabled
 
     @property
     def lr(self) -> float:
@@ -189,11 +223,22 @@ class Trainer:
             log.warning(no_signal_message(batch, self.no_signal_streak))
 
     def save_weights(self, directory: Path) -> None:
-        """The current weights into a `save_pretrained` directory: what the inference server
-        loads (the tokenizer is written there once, at the start)."""
+        """What a weight sync sends the inference server, as a `save_pretrained` directory: the
+        whole model, or under LoRA the adapter alone (peft's format)."""
         self.accelerator.unwrap_model(self.model).save_pretrained(
             directory, safe_serialization=True
         )
+
+    def save_server_model(self, directory: Path) -> None:
+        """What the inference server starts from: the current weights, or under LoRA the frozen
+        base (the adapter goes separately, `save_weights`). The tokenizer with it."""
+        model = self.accelerator.unwrap_model(self.model)
+        if self.lora:
+            base = model.get_base_model()
+            base.save_pretrained(directory, state_dict=base_state_dict(model))
+        else:
+            model.save_pretrained(directory, safe_serialization=True)
+        self.tokenizer.save_pretrained(directory)
 
     def stage_checkpoint(
         self, checkpoints_dir: Path, iteration: int, pending: GeneratedBatch | None

@@ -42,6 +42,8 @@ def make_server_manager(
     api_key: str | None = None,
     port: int | None = None,
     env: Mapping[str, str] | None = None,
+    lora_dir: str | os.PathLike[str] | None = None,
+    lora_rank: int | None = None,
 ) -> ServerManager:
     """The `ServerManager` for `backend` ("builtin", "vllm" or "sglang").
 
@@ -67,6 +69,8 @@ def make_server_manager(
         "api_key": api_key,
         "port": port,
         "env": env,
+        "lora_dir": lora_dir,
+        "lora_rank": lora_rank,
     }
     if backend == "builtin":
         # "sk-" first: a URL-safe token starts with "-" one time in 64, and the server's argument
@@ -95,8 +99,10 @@ def server_manager_from_config(
     *,
     cuda_available: bool | None = None,
     served_model_name: str = "policy",
+    lora_dir: str | os.PathLike[str] | None = None,
 ) -> ServerManager:
     """The server `grail-train` runs for `cfg`: backend, GPU placement and sizes from the config.
+    With `model.lora.enabled`, `lora_dir` is where the adapter the server serves is written.
 
     Placement: the server gets `gpu.server_gpu`; with `gpu.strategy=single` the trainer shares
     that GPU, so the memory fraction defaults low. The built-in server runs on CPU when CUDA is
@@ -132,4 +138,6 @@ def server_manager_from_config(
         max_num_seqs=gen.max_num_seqs,
         seed=cfg.seed,
         extra_args=list(gen.extra_args),
+        lora_dir=lora_dir,
+        lora_rank=cfg.model.lora.r if lora_dir is not None else None,
     )

@@ -47,6 +47,8 @@ class BuiltinServer(ServerManager):
             args += ["--threads", str(self.threads)]
         if self.api_key:
             args += ["--api-key", self.api_key]
+        if self.lora_dir is not None:
+            args += ["--lora-dir", str(self.lora_dir)]
         return args + self.extra_args
 
     def build_command(self) -> list[str]:
@@ -81,7 +83,8 @@ class BuiltinServer(ServerManager):
         if status != 200 or body.get("success") is not True:
             message = body.get("message") or body.get("detail") or body
             raise WeightSyncError(f"server refused weights from {path} (HTTP {status}): {message}")
-        self.model_path = path
+        if not self.is_adapter_sync(path):  # an adapter leaves the base being served as it is
+            self.model_path = path
         self.weight_version = version
         seconds = time.perf_counter() - t0
         logger.info("loaded weights %s into the builtin server in %.2f s", version, seconds)

@@ -54,6 +54,13 @@ from grail.inference.builtin.invariance import (
     group_attention_ok,
     linear_row_quantum,
 )
+from grail.inference.builtin.lora import (
+    adapter_settings,
+    add_lora_layers,
+    copy_adapter,
+    is_adapter_dir,
+    read_adapter,
+)
 from grail.inference.builtin.sampling import SamplingParams, draw
 from grail.inference.builtin.weights import read_checkpoint
 
@@ -140,6 +147,7 @@ class Engine:
         max_batch_size: int = 256,
         batch_invariant: bool | None = None,
         max_model_len: int | None = None,
+        lora_dir: str | Path | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
@@ -158,6 +166,12 @@ class Engine:
         )
         self.model: PreTrainedModel = model.to(self.device).eval()
         self.model.requires_grad_(False)
+        if lora_dir is not None:
+            # Before the batch-invariance probes below, which measure every linear layer: the
+            # LoRA layers' own included. Later adapter syncs copy into these layers.
+            lora_dir = Path(lora_dir)
+            add_lora_layers(self.model, adapter_settings(lora_dir))
+            copy_adapter(self.model, read_adapter(lora_dir, self.model))
         config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         context = int(getattr(config, "max_position_embeddings", 0) or 0) or None
@@ -325,14 +339,19 @@ class Engine:
         names, or wrong shapes. Returns a human-readable summary.
         """
         start = time.perf_counter()
-        tensors = read_checkpoint(Path(model_path), self.model)
+        path = Path(model_path)
+        adapter = is_adapter_dir(path)  # a LoRA adapter (lora.py), or the whole model
+        tensors = read_adapter(path, self.model) if adapter else read_checkpoint(path, self.model)
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def copy() -> None:
-            state = self.model.state_dict()
-            with torch.no_grad():
-                for name, tensor in tensors.items():
-                    state[name].copy_(tensor)
+            if adapter:
+                copy_adapter(self.model, tensors)
+            else:
+                state = self.model.state_dict()
+                with torch.no_grad():
+                    for name, tensor in tensors.items():
+                        state[name].copy_(tensor)
             if weight_version is not None:
                 self.weight_version = weight_version
 
@@ -344,7 +363,8 @@ class Engine:
         future.result()
         seconds = time.perf_counter() - start
         return (
-            f"loaded {len(tensors)} tensors from {model_path} in {seconds:.2f} s; "
+            f"loaded {len(tensors)} {'adapter ' if adapter else ''}tensors from {model_path} in "
+            f"{seconds:.2f} s; "
             f"weight_version={self.weight_version}"
         )
 

@@ -791,6 +791,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="HF model directory, or 'tiny': the offline tiny model (grail-train's default)",
     )
     parser.add_argument("--served-model-name", help="name clients send (default: dir name)")
+    parser.add_argument(
+        "--lora-dir",
+        help="a peft LoRA adapter directory served over the model (its layers are added at "
+        "start; POST /update_weights_from_disk with an adapter directory swaps the adapter)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -867,6 +872,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             batch_invariant=args.batch_invariant,
             max_model_len=args.max_model_len,
+            lora_dir=args.lora_dir,
         )
     except (OSError, ValueError, RuntimeError) as exc:
         hint = " (--model takes an HF model directory or 'tiny')" if not model_dir.is_dir() else ""
