@@ -180,3 +180,24 @@ def run_worker(
     if code != 0:
         tail = log_path.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"{what} failed (exit {code}); last output:\n{tail}")
+
+
+def synthetic_batch(
+    groups: int, group_size: int, *, prompt_len: int, completion_len: int, vocab: int, seed: int = 0
+) -> Any:
+    """A scored rollout batch of random tokens with 0/1 rewards and their group advantages: an
+    update's real shape without generating anything."""
+    from grail.envs.base import Problem
+    from grail.rollouts import Group, RolloutBatch, Sample, assign_advantages
+
+    gen = torch.Generator().manual_seed(seed)
+    made = []
+    for g in range(groups):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+        samples = []
+        for _ in range(group_size):
+            ids = torch.randint(3, vocab, (completion_len,), generator=gen).tolist()
+            reward = float(torch.randint(0, 2, (), generator=gen))
+            samples.append(Sample(ids, [-6.0] * len(ids), "length", "", reward, {}, reward > 0))
+        made.append(Group(Problem(g, [], ""), prompt, samples))
+    return RolloutBatch(made, assign_advantages(made, "group"))

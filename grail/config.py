@@ -96,6 +96,10 @@ class LoraConfig:
     # null: every linear layer of the transformer blocks (peft's "all-linear": q, k, v, o, gate,
     # up and down projections for Qwen2 and Llama), never the output layer
     target_modules: list[str] | None = None
+    # Modules trained in full beside the adapter and synced with it (peft's modules_to_save),
+    # matched by name suffix: e.g. [norm] (every RMSNorm weight) for the tiny default model,
+    # whose frozen random embeddings and norms cap its logits too low to learn through LoRA alone.
+    modules_to_save: list[str] = field(default_factory=list)
 
 
 @dataclass

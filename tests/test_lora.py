@@ -214,3 +214,39 @@ def test_lora_needs_the_built_in_server_for_now() -> None:
     cfg.generation.backend = "vllm"
     with pytest.raises(ConfigError, match="generation.backend=vllm"):
         validate(cfg)
+
+
+def test_modules_trained_in_full_sync_with_the_adapter(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """model.lora.modules_to_save: those modules' trained weights travel with the adapter and
+    replace the served base's own; the trainer's base (its reference) keeps the originals."""
+    lora = LoraConfig(enabled=True, r=4, modules_to_save=["norm"])
+    dirs = {}
+    for name, scale in (("start", 0.0), ("trained", 0.5)):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        model = with_new_adapter(base, lora)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param.requires_grad and "lora_A" not in param_name:  # B and the norms
+                    param.add_(scale * torch.randn(param.shape, generator=torch.manual_seed(1)))
+        model.save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    engine = Engine(tiny_model_dir, lora_dir=dirs["start"])
+    engine.start()
+    try:
+        torch.testing.assert_close(logits(engine.model), peft_logits(tiny_model_dir, dirs["start"]))
+        engine.update_weights(dirs["trained"], "v1")
+        torch.testing.assert_close(
+            logits(engine.model), peft_logits(tiny_model_dir, dirs["trained"])
+        )
+    finally:
+        engine.stop()
+    # The trainer's base for the server: the original norms, not the trained copies.
+    trainer_model = with_new_adapter(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), lora
+    )
+    from grail.models.lora import base_state_dict
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert base_state_dict(trainer_model).keys() == original.state_dict().keys()

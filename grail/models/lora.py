@@ -30,6 +30,7 @@ def peft_config(lora: LoraConfig) -> PeftLoraConfig:
         lora_dropout=lora.dropout,
         # peft's "all-linear": every nn.Linear of the blocks, never the output layer
         target_modules=list(lora.target_modules) if lora.target_modules else "all-linear",
+        modules_to_save=list(lora.modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -68,13 +69,15 @@ class AdapterOff(torch.nn.Module):
 
 
 def base_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
-    """The frozen base's weights under their own names (peft's LoRA layers keep them as
-    `...q_proj.base_layer.weight`): what the inference server starts from. No copy is made."""
+    """The frozen base's weights under their own names (peft keeps them as
+    `...q_proj.base_layer.weight`, and a module of `modules_to_save` as
+    `...norm.original_module.weight` beside its trained copy): what the inference server starts
+    from. No copy is made."""
     state = model.get_base_model().state_dict()
     return {
-        name.replace(".base_layer.", "."): tensor
+        name.replace(".base_layer.", ".").replace(".original_module.", "."): tensor
         for name, tensor in state.items()
-        if "lora_" not in name
+        if "lora_" not in name and ".modules_to_save." not in name
     }
 
 

@@ -26,7 +26,7 @@ __all__ = ["is_adapter_dir", "read_adapter", "add_lora_layers", "copy_adapter"]
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 _SAVED_PREFIX = "base_model.model."  # peft's saved names: base_model.model.<module>.lora_A.weight
 # What must agree between the adapter the layers were made for and a later one.
-_SHAPE_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "bias")
+_SHAPE_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "bias", "modules_to_save")
 
 
 def adapter_settings(path: Path) -> dict[str, Any]:
@@ -56,6 +56,7 @@ def add_lora_layers(model: torch.nn.Module, settings: dict[str, Any]) -> None:
     )
     inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     model.eval().requires_grad_(False)
+    # modules_to_save get no wrapper here: their trained weights overwrite the base's own.
     model.lora_settings = {k: settings.get(k) for k in _SHAPE_KEYS}  # type: ignore[assignment]
 
 
@@ -82,12 +83,16 @@ def read_adapter(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise WeightUpdateError(f"{path} has no {ADAPTER_WEIGHTS}")
     params = dict(model.named_parameters())
+    saved_modules = settings.get("modules_to_save") or []
     tensors: dict[str, torch.Tensor] = {}
     try:
         with safe_open(file, framework="pt", device="cpu") as handle:
             for saved in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 name = served_name(saved)
-                if name not in params:
+                # A LoRA matrix, or a weight of a module trained in full (modules_to_save),
+                # which replaces the base's own.
+                known = ".lora_" in name or _in_saved_module(name, saved_modules)
+                if name not in params or not known:
                     raise WeightUpdateError(
                         f"tensor {saved} in {file.name} is not a LoRA weight of the served model"
                     )
@@ -123,6 +128,13 @@ def copy_adapter(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
     with torch.no_grad():
         for name, tensor in tensors.items():
             params[name].copy_(tensor)
+
+
+def _in_saved_module(name: str, modules: list[str]) -> bool:
+    """Whether parameter `name` belongs to a module of `modules_to_save`, matched as peft
+    matches them: by the end of the module's name, "norm" taking "input_layernorm" too."""
+    module = name.rpartition(".")[0]
+    return any(module.endswith(m) for m in modules)
 
 
 def _normalised(value: Any) -> Any:
