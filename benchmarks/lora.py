@@ -8,10 +8,11 @@
    built-in server's in-place load (`BuiltinServer.sync_weights`; a server started with
    `--lora-dir` for the adapter). Printed: bytes written, save and sync seconds (median of
    `--reps`, after one warm-up).
-2. Trainer peak memory (VmHWM, in a fresh process each) for one GRPO update of 8 x 8 samples with
-   `train.kl_coef=0.05` (so a full fine-tuning run holds a reference model), full against LoRA:
-   under LoRA the reference is the base with the adapter off, and AdamW keeps state for the
-   adapter only.
+2. Trainer peak memory (VmHWM, in a fresh process each) for one GRPO update of 8 x 8 samples of
+   64 + 64 tokens, micro-batch 16, with `train.kl_coef=0.05` (so a full fine-tuning run holds a
+   reference model), full against LoRA, each with and without gradient checkpointing: under
+   LoRA the reference is the base with the adapter off, and AdamW keeps state and gradients for
+   the adapter only; the activations (with gradients through every layer) are the same in both.
 
 Results: benchmarks/results/lora.json. LoRA settings: `model.lora` defaults (r=16, all linear
 layers of the blocks).
@@ -100,12 +101,16 @@ def bench_sync(source: Path, work: Path, reps: int, threads: int) -> dict[str, A
     return results
 
 
-def memory_worker(source: str, lora: bool, out: Path) -> None:
+def memory_worker(source: str, lora: bool, checkpointing: bool, out: Path) -> None:
     """One trainer, one update; its peak resident memory into `out` (run in a fresh process)."""
     from grail.train.trainer import Trainer, setup_torch
 
     cfg = Config(
-        model=ModelConfig(train_id=source, lora=LoraConfig(enabled=lora)),
+        model=ModelConfig(
+            train_id=source,
+            lora=LoraConfig(enabled=lora),
+            gradient_checkpointing=checkpointing,
+        ),
         data=DataConfig(
             environment="copy_digits", problems_per_iteration=8, rollouts_per_problem=8
         ),
@@ -123,10 +128,17 @@ def memory_worker(source: str, lora: bool, out: Path) -> None:
 
 
 def bench_memory(source: Path, work: Path) -> dict[str, Any]:
+    """Each of full and LoRA, with and without gradient checkpointing (which takes the
+    activations, the same in both, out of the comparison)."""
     results = {}
-    for kind, lora in (("full", False), ("lora", True)):
-        out = work / f"memory-{kind}.json"
-        worker = ["--memory-worker", str(source), str(int(lora)), str(out)]
+    for kind, lora, checkpointing in (
+        ("full", False, False),
+        ("lora", True, False),
+        ("full, gradient checkpointing", False, True),
+        ("lora, gradient checkpointing", True, True),
+    ):
+        out = work / f"memory-{len(results)}.json"
+        worker = ["--memory-worker", str(source), str(int(lora)), str(int(checkpointing)), str(out)]
         subprocess.run([sys.executable, __file__, *worker], check=True, timeout=1800)
         results[kind] = json.loads(out.read_text())
     return results
@@ -137,11 +149,11 @@ def main() -> None:
     parser.add_argument("--model", choices=["mid", "tiny"], default="mid")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
-    parser.add_argument("--memory-worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_worker:
-        source, lora, out = args.memory_worker
-        memory_worker(source, lora == "1", Path(out))
+        source, lora, checkpointing, out = args.memory_worker
+        memory_worker(source, lora == "1", checkpointing == "1", Path(out))
         return
     with tempfile.TemporaryDirectory(prefix="grail-lora-bench-") as tmp:
         work = Path(tmp)

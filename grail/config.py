@@ -489,10 +489,10 @@ def validate_lora(cfg: Config) -> None:
         raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
     if lora.target_modules is not None and not lora.target_modules:
         raise ConfigError("model.lora.target_modules must be null (every linear layer) or a list")
-    if cfg.generation.backend != "builtin":
+    if lora.modules_to_save and cfg.generation.backend != "builtin":
         raise ConfigError(
-            f"model.lora.enabled with generation.backend={cfg.generation.backend}: adapter sync "
-            "is built for the built-in server so far; use generation.backend=builtin"
+            f"model.lora.modules_to_save with generation.backend={cfg.generation.backend}: "
+            "vLLM's and SGLang's adapters carry LoRA matrices only; use the built-in server"
         )
 
 

@@ -209,10 +209,13 @@ def test_bad_lora_settings_are_named(change: dict[str, object], match: str) -> N
         validate(cfg)
 
 
-def test_lora_needs_the_built_in_server_for_now() -> None:
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_gpu_servers_take_adapters_but_not_modules_trained_in_full(backend: str) -> None:
     cfg = lora_config()
-    cfg.generation.backend = "vllm"
-    with pytest.raises(ConfigError, match="generation.backend=vllm"):
+    cfg.generation.backend = backend
+    validate(cfg)  # adapter sync: tests/test_lora_backends.py
+    cfg.model.lora.modules_to_save = ["norm"]
+    with pytest.raises(ConfigError, match=f"generation.backend={backend}"):
         validate(cfg)
 
 

@@ -10,12 +10,17 @@ Why the command lines look the way they do (each flag is there for a reason a us
   serve a float32 checkpoint (what `save_pretrained` of an fp32 master copy writes) in float16;
 - memory fraction: `DEFAULT_MEMORY_FRACTION_SHARED` (0.30) when `gpu.strategy=single` puts the
   trainer on the same GPU, `DEFAULT_MEMORY_FRACTION_OWN_GPU` (0.85) when the server has its own;
-- the flags that fix what the log-probabilities mean are each backend's own (vllm.py, sglang.py).
+- the flags that fix what the log-probabilities mean are each backend's own (vllm.py, sglang.py);
+- LoRA (`lora_dir` set): the server serves the base model at `model_path` with the adapter in
+  `lora_dir` registered at start under one fixed name (`lora_name`), and an adapter sync reloads
+  that name from `lora_dir`; the flags, routes and why the name stays fixed are in vllm.py,
+  sglang.py and docs/protocols.md ("LoRA adapters").
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -64,6 +69,9 @@ class GpuServer(ServerManager):
     owned_flags: Mapping[str, str] = {}
     #: extra flags that break rollouts, -> why
     forbidden_flags: Mapping[str, str] = {}
+    #: flags the harness sets when it serves a LoRA adapter (`lora_dir`) -> what sets them; such
+    #: a flag in extra_args is rejected then
+    lora_flags: Mapping[str, str] = {}
     # Loading a multi-billion-parameter model, compiling and capturing CUDA graphs takes minutes.
     default_start_timeout_s = 900.0
 
@@ -120,6 +128,14 @@ class GpuServer(ServerManager):
                 )
             if flag in self.forbidden_flags:
                 raise ValueError(f"extra_args must not set {flag}: {self.forbidden_flags[flag]}")
+            if self.lora_dir is not None and flag in self.lora_flags:
+                raise ValueError(
+                    f"extra_args must not set {flag}: the harness sets it when it serves the "
+                    f"LoRA adapter ({self.lora_flags[flag]})"
+                )
+        rank = self.lora_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"lora_rank must be an int >= 1 or None, got {self.lora_rank!r}")
         self.gpu_memory_fraction = float(gpu_memory_fraction)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -127,6 +143,40 @@ class GpuServer(ServerManager):
         self.weight_version: str | None = None
         #: seconds per step of the last in-place update, for metrics and diagnosis
         self.last_sync_timings: dict[str, float] = {}
+
+    # -- LoRA ---------------------------------------------------------------------------------
+
+    @property
+    def lora_name(self) -> str | None:
+        """The name the adapter is served under, None without `lora_dir`.
+
+        Fixed for the server's life: an adapter sync loads the new adapter under the same name
+        (vLLM in place, SGLang unload + load), so a client made once keeps naming it."""
+        return None if self.lora_dir is None else f"{self.served_model_name}-lora"
+
+    def adapter_rank(self) -> int:
+        """The largest LoRA rank the server must make room for: `lora_rank`, or the largest rank
+        in `lora_dir`/adapter_config.json (its `r` and any `rank_pattern` entry) if larger.
+
+        Raises `ServerStartError` when neither says (the start fails clearly rather than the
+        server refusing the adapter later)."""
+        assert self.lora_dir is not None
+        ranks = [] if self.lora_rank is None else [self.lora_rank]
+        config_path = self.lora_dir / "adapter_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text())
+                ranks += [int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                if self.lora_rank is None:
+                    raise ServerStartError(
+                        f"cannot read the LoRA rank from {config_path}: {exc!r}"
+                    ) from exc
+        if not ranks:
+            raise ServerStartError(
+                f"the LoRA rank is unknown: lora_rank is not set and {config_path} does not exist"
+            )
+        return max(ranks)
 
     # -- installation -----------------------------------------------------------------------
 
@@ -155,6 +205,11 @@ class GpuServer(ServerManager):
                 f"checkpoint directory {path} holds no *.safetensors file (save_pretrained with "
                 "safe_serialization=True writes them)"
             )
+        if self.is_adapter_sync(path) and not (path / "adapter_config.json").is_file():
+            raise WeightSyncError(
+                f"adapter directory {path} holds no adapter_config.json (peft's save_pretrained "
+                "writes it)"
+            )
         try:
             self.check_alive()
         except ServerError as exc:
@@ -162,12 +217,17 @@ class GpuServer(ServerManager):
         return path
 
     def _updated(self, path: Path, version: str, t0: float) -> float:
-        self.model_path = path  # recover() and restarts start from the newest weights
+        adapter = self.is_adapter_sync(path)
+        if not adapter:
+            # recover() and restarts start from the newest weights; an adapter sync leaves the
+            # base there (a start loads the adapter from lora_dir, which now holds the newest)
+            self.model_path = path
         self.weight_version = version
         seconds = time.perf_counter() - t0
         steps = ", ".join(f"{k} {v:.2f} s" for k, v in self.last_sync_timings.items())
         logger.info(
-            "loaded weights %s into the %s server in %.2f s (%s)",
+            "loaded %s %s into the %s server in %.2f s (%s)",
+            "LoRA adapter" if adapter else "weights",
             version,
             self.kind,
             seconds,

@@ -3,16 +3,36 @@
 SGLang returns log softmax(logits / T) by default, what the trainer computes;
 `SGLANG_RETURN_ORIGINAL_LOGPROB` (which would return log softmax(logits)) is removed from the
 server's environment.
+
+LoRA (`lora_dir` set), from SGLang 0.5.23's source (details and line numbers in
+docs/protocols.md):
+- `--lora-paths '{"lora_name", "lora_path", "pinned"}' --enable-lora --max-lora-rank R
+  --max-loras-per-batch 2`: the adapter in lora_dir is loaded at start under `lora_name` (so a
+  restart comes back serving the newest adapter), and the target modules are inferred from it
+  (`--lora-target-modules` is needed only without an initial adapter); two adapter slots, the
+  adapter's and the base's (SGLang counts base-only requests as one);
+- requests name the adapter as `"<served name>:<adapter name>"` in `model` (SGLang's OpenAI
+  routes read "base:adapter"; the adapter's name alone is taken as a base name, unchecked, and
+  would generate without the adapter);
+- SGLang refuses to load a name that is loaded, and has no in-place reload: an adapter sync is
+  `/unload_lora_adapter` (it waits for the requests using the adapter) then
+  `/load_lora_adapter` under the same name. Each load gets a fresh internal id, which SGLang's
+  prefix cache keys on, so nothing cached with the old adapter is reused.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from typing import Any
 
 from grail.inference.backends.gpu import GpuServer, server_error
 from grail.inference.process import WeightSyncError
+
+#: adapter slots: the adapter's, and the one SGLang counts for base-only requests
+LORA_SLOTS = 2
 
 
 class SGLangServer(GpuServer):
@@ -41,6 +61,12 @@ class SGLangServer(GpuServer):
         "--tp-size": "the number of GPUs in the server's device",
         "--api-key": "the api_key argument",
     }
+    lora_flags = {
+        "--enable-lora": "model.lora.enabled",
+        "--max-lora-rank": "model.lora.r",
+        "--lora-paths": "the adapter directory the trainer writes",
+        "--max-loras-per-batch": f"always {LORA_SLOTS}: the adapter and the base",
+    }
     forbidden_flags = {
         "--enable-deterministic-inference": (
             "with it SGLang samples from the request's seed alone, and the n samples of one "
@@ -55,6 +81,27 @@ class SGLangServer(GpuServer):
                 f"served_model_name must not contain ':' for SGLang, got {served_model_name!r}"
             )
         super().__init__(model_path, served_model_name, **kwargs)
+
+    @property
+    def model_name(self) -> str:
+        """`"<served name>:<adapter name>"` when serving an adapter (SGLang's OpenAI routes take
+        the part after ':' as the adapter), else the served model name."""
+        if self.lora_dir is None:
+            return self.served_model_name
+        return f"{self.served_model_name}:{self.lora_name}"
+
+    def lora_args(self) -> list[str]:
+        """The flags that serve the adapter in `lora_dir` from the start (none without it)."""
+        if self.lora_dir is None:
+            return []
+        adapter = {"lora_name": self.lora_name, "lora_path": str(self.lora_dir), "pinned": False}
+        # --lora-paths takes any number of values: a flag must follow it
+        return [
+            "--lora-paths", json.dumps(adapter),
+            "--enable-lora",
+            "--max-lora-rank", str(self.adapter_rank()),
+            "--max-loras-per-batch", str(LORA_SLOTS),
+        ]  # fmt: skip
 
     def server_args(self) -> list[str]:
         args = [
@@ -76,7 +123,7 @@ class SGLangServer(GpuServer):
             args += ["--tp-size", str(len(self.gpu_ids))]
         if self.api_key:
             args += ["--api-key", self.api_key]
-        return args + self.extra_args
+        return args + self.lora_args() + self.extra_args
 
     def build_command(self) -> list[str]:
         return [sys.executable, "-m", self.server_module, *self.server_args()]
@@ -90,7 +137,8 @@ class SGLangServer(GpuServer):
     def update_weights(
         self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None
     ) -> float:
-        """POST /update_weights_from_disk {model_path, weight_version}; return the seconds.
+        """POST /update_weights_from_disk {model_path, weight_version}; return the seconds. For an
+        adapter sync (`lora_dir`): POST /unload_lora_adapter, then /load_lora_adapter.
 
         HTTP 400 or `success: false` is a `WeightSyncError` carrying SGLang's message. SGLang
         renames its served model to the path afterwards; requests keep using our own name,
@@ -100,6 +148,9 @@ class SGLangServer(GpuServer):
         version = weight_version or path.name
         self.last_sync_timings = {}
         t0 = time.perf_counter()
+        if self.is_adapter_sync(path):
+            self._reload_adapter(path)
+            return self._updated(path, version, t0)
         status, body = self._control(
             "/update_weights_from_disk",
             body={"model_path": str(path), "weight_version": version},
@@ -110,3 +161,31 @@ class SGLangServer(GpuServer):
                 f"SGLang refused weights from {path} (HTTP {status}): {server_error(body)}"
             )
         return self._updated(path, version, t0)
+
+    def _reload_adapter(self, path: os.PathLike[str]) -> None:
+        """Unload the adapter, then load `path` under the same name. A failure of either is a
+        `WeightSyncError` (the caller's restart fallback then starts with lora_dir's adapter)."""
+
+        def step(name: str, route: str, body: dict[str, Any]) -> None:
+            t = time.perf_counter()
+            status, answer = self._control(route, body=body)
+            self.last_sync_timings[name] = time.perf_counter() - t
+            if status != 200 or not isinstance(answer, dict) or answer.get("success") is not True:
+                message = (
+                    answer.get("error_message") if isinstance(answer, dict) else None
+                ) or server_error(answer)
+                raise WeightSyncError(
+                    f"SGLang POST {route} of LoRA adapter {self.lora_name!r} failed "
+                    f"(HTTP {status}): {message}"
+                )
+
+        step("unload_adapter", "/unload_lora_adapter", self.lora_unload_body())
+        step("load_adapter", "/load_lora_adapter", self.lora_load_body(path))
+
+    def lora_unload_body(self) -> dict[str, Any]:
+        """The JSON of `POST /unload_lora_adapter`."""
+        return {"lora_name": self.lora_name}
+
+    def lora_load_body(self, path: os.PathLike[str]) -> dict[str, Any]:
+        """The JSON of `POST /load_lora_adapter` that loads `path` under the adapter's name."""
+        return {"lora_name": self.lora_name, "lora_path": str(path), "pinned": False}

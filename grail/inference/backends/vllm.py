@@ -5,10 +5,23 @@
   top_p = 1 and no top-k (vLLM's default, raw_logprobs, ignores the temperature);
 - `--generation-config vllm`: the model's generation_config.json must not fill in sampling
   fields (the client sends all of them anyway).
+
+LoRA (`lora_dir` set), from vLLM 0.33's source (details and line numbers in docs/protocols.md):
+- `--lora-modules '{"name", "path", "base_model_name"}' --enable-lora --max-lora-rank R
+  --max-loras 1`: the adapter in lora_dir is loaded at start under `lora_name`, so a
+  restart (the fallback of a failed sync, or recovery) comes back serving the newest adapter;
+  R is the adapter's rank rounded up to one of vLLM's allowed values (`VLLM_LORA_RANKS`);
+- env `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` registers `POST /v1/load_lora_adapter`;
+- requests name the adapter (`model_name` is `lora_name`); an adapter sync reloads it under the
+  same name with `load_inplace: true` (without it vLLM refuses a loaded name), inside the same
+  pause/resume as a full reload: in flight requests finish on the old adapter, none starts
+  until the new one is in, and the prefix cache is reset (its block hashes key a LoRA by name
+  and path, both unchanged, so blocks of the old adapter would otherwise be reused).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -16,9 +29,26 @@ import time
 from typing import Any
 
 from grail.inference.backends.gpu import GpuServer, server_error
-from grail.inference.process import WeightSyncError
+from grail.inference.process import ServerStartError, WeightSyncError
 
 logger = logging.getLogger(__name__)
+
+#: the values `--max-lora-rank` accepts (vllm/config/lora.py, `MaxLoRARanks`, vLLM 0.33)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the runtime adapter load route (vllm/entrypoints/serve/lora/api_router.py)
+LOAD_LORA_ROUTE = "/v1/load_lora_adapter"
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds an adapter of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(
+        f"LoRA rank {rank} is above the largest --max-lora-rank vLLM accepts "
+        f"({VLLM_LORA_RANKS[-1]}; allowed: {', '.join(map(str, VLLM_LORA_RANKS))}): lower "
+        "model.lora.r, or serve with generation.backend=sglang"
+    )
 
 
 class VLLMServer(GpuServer):
@@ -27,7 +57,8 @@ class VLLMServer(GpuServer):
     In-place weight reload needs the server's dev-mode routes (env `VLLM_SERVER_DEV_MODE=1`, set
     here): pause (waiting for in-flight requests) → collective_rpc `reload_weights` from the
     checkpoint directory → reset the prefix cache (stale KV entries computed with the old weights
-    must go) → resume, the last in a `finally` so the server never stays paused.
+    must go) → resume, the last in a `finally` so the server never stays paused. An adapter sync
+    (LoRA) is the same sequence with `/v1/load_lora_adapter` (in place) as the load step.
     """
 
     kind = "vllm"
@@ -54,6 +85,49 @@ class VLLMServer(GpuServer):
         "--tensor-parallel-size": "the number of GPUs in the server's device",
         "--api-key": "the api_key argument",
     }
+    lora_flags = {
+        "--enable-lora": "model.lora.enabled",
+        "--max-lora-rank": "model.lora.r, rounded up to a rank vLLM accepts",
+        "--max-loras": "always 1: one adapter, reloaded in place",
+        "--lora-modules": "the adapter directory the trainer writes",
+    }
+
+    def __init__(self, model_path: str | os.PathLike[str], served_model_name: str, **kwargs: Any):
+        super().__init__(model_path, served_model_name, **kwargs)
+        if self.lora_dir is not None and self.lora_rank is not None:
+            vllm_max_lora_rank(self.lora_rank)  # fail now, not when the server starts
+
+    @property
+    def model_name(self) -> str:
+        """The adapter's name when serving one (vLLM routes a request to an adapter by its name
+        in `model`; the base's name would generate without it), else the served model name."""
+        return self.lora_name or self.served_model_name
+
+    def lora_args(self) -> list[str]:
+        """The flags that serve the adapter in `lora_dir` from the start (none without it)."""
+        if self.lora_dir is None:
+            return []
+        try:
+            rank = vllm_max_lora_rank(self.adapter_rank())
+        except ValueError as exc:
+            raise ServerStartError(str(exc)) from exc
+        module = {
+            "name": self.lora_name,
+            "path": str(self.lora_dir),
+            "base_model_name": self.served_model_name,
+        }
+        # --lora-modules takes one or more values: a flag must follow it
+        return [
+            "--lora-modules", json.dumps(module),
+            "--enable-lora",
+            "--max-lora-rank", str(rank),
+            "--max-loras", "1",
+        ]  # fmt: skip
+
+    def lora_load_body(self, path: os.PathLike[str]) -> dict[str, Any]:
+        """The JSON of `POST /v1/load_lora_adapter` that reloads the adapter from `path` under
+        its name (vLLM refuses a loaded name without `load_inplace`)."""
+        return {"lora_name": self.lora_name, "lora_path": str(path), "load_inplace": True}
 
     def server_args(self) -> list[str]:
         args = [
@@ -77,18 +151,23 @@ class VLLMServer(GpuServer):
             args += ["--tensor-parallel-size", str(len(self.gpu_ids))]
         if self.api_key:
             args += ["--api-key", self.api_key]
-        return args + self.extra_args
+        return args + self.lora_args() + self.extra_args
 
     def build_command(self) -> list[str]:
         return [sys.executable, "-m", self.server_module, "serve", *self.server_args()]
 
     def extra_env(self) -> dict[str, str]:
-        return {"VLLM_SERVER_DEV_MODE": "1"}
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self.lora_dir is not None:
+            # registers /v1/load_lora_adapter (vllm/envs.py reads "1" or "true", any case)
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        return env
 
     def update_weights(
         self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None
     ) -> float:
-        """pause?mode=wait → collective_rpc reload_weights → reset_prefix_cache → resume.
+        """pause?mode=wait → collective_rpc reload_weights → reset_prefix_cache → resume; for an
+        adapter sync (`lora_dir`), load_lora_adapter in place instead of reload_weights.
 
         Returns the seconds taken; `last_sync_timings` has each step. Any failure is a
         `WeightSyncError` (the caller falls back to a restart); resume is attempted whatever
@@ -96,6 +175,7 @@ class VLLMServer(GpuServer):
         """
         path = self._prepare_update(checkpoint_dir)
         version = weight_version or path.name
+        adapter = self.is_adapter_sync(path)
         timings: dict[str, float] = {}
         self.last_sync_timings = timings
         t0 = time.perf_counter()
@@ -104,7 +184,13 @@ class VLLMServer(GpuServer):
             t = time.perf_counter()
             status, body = self._control(route, **kwargs)
             timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
-            if status == 404:
+            # vLLM answers 404 for an adapter it cannot find too, with an OpenAI error body.
+            if status == 404 and route == LOAD_LORA_ROUTE and body == {"detail": "Not Found"}:
+                raise WeightSyncError(
+                    f"vLLM has no route POST {route} (HTTP 404): it needs "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in the server's environment"
+                )
+            if status == 404 and route != LOAD_LORA_ROUTE:
                 raise WeightSyncError(
                     f"vLLM has no route POST {route} (HTTP 404): the reload routes need "
                     "VLLM_SERVER_DEV_MODE=1 in the server's environment and vLLM >= 0.11"
@@ -118,11 +204,16 @@ class VLLMServer(GpuServer):
         step("pause", "/pause", params={"mode": "wait"})
         failure: BaseException | None = None
         try:
-            step(
-                "reload",
-                "/collective_rpc",
-                body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-            )
+            if adapter:
+                # Same name, same lora_int_id, re-read from lora_dir; vLLM loads the new adapter
+                # before dropping the old one, so a refused adapter leaves the old one serving.
+                step("load_adapter", LOAD_LORA_ROUTE, body=self.lora_load_body(path))
+            else:
+                step(
+                    "reload",
+                    "/collective_rpc",
+                    body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+                )
             for attempt in range(1, self.reset_attempts + 1):
                 body = step("reset_prefix_cache", "/reset_prefix_cache")
                 if isinstance(body, dict) and body.get("success") is True:
