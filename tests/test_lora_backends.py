@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_gpu_server import FakeSGLangServer, FakeVLLMServer
+from test_backends import calls, info
 
 from grail.inference.backends import make_server_manager
 from grail.inference.backends.sglang import SGLangServer
@@ -104,14 +105,6 @@ def make(tmp_path: Path, model_dir: Path, lora_dir: Path):
     yield build
     for server in made:
         server.stop(timeout=1.0)
-
-
-def calls(server) -> list[dict]:
-    return httpx.get(f"{server.root_url}/debug/calls", timeout=5).json()
-
-
-def info(server) -> dict:
-    return httpx.get(f"{server.root_url}/debug/info", timeout=5).json()
 
 
 def plan(server, routes: dict[str, list[dict]]) -> None:
