@@ -253,3 +253,29 @@ def test_modules_trained_in_full_sync_with_the_adapter(
 
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert base_state_dict(trainer_model).keys() == original.state_dict().keys()
+
+
+def test_a_lora_run_learns_the_default_task_from_a_base_that_knows_its_tokens(
+    tmp_path: Path,
+) -> None:
+    """The default job's tiny model is random: its frozen embeddings and norms cap its logits
+    near uniform, so LoRA alone cannot move it (docs/lora.md). From a base that 80 iterations
+    of the default job trained (held-out success 0.086), a LoRA run of the same task learns:
+    0.41 after 20 iterations (deterministic on CPU)."""
+    warm = tmp_path / "warm"
+    result = grail_train("train.iterations=80", "eval.enabled=false", f"hydra.run.dir={warm}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "lora"
+    result = grail_train(
+        f"model.train_id={warm / 'checkpoints' / 'iter_079'}",
+        "model.lora.enabled=true",
+        "train.lr=5e-3",
+        "train.iterations=20",
+        "eval.interval=20",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    baseline, final = summary["baseline_eval"], summary["final_eval"]
+    assert final["success_rate"] >= baseline["success_rate"] + 0.1, (baseline, final)
+    assert (run_dir / "checkpoints" / "iter_019" / "adapter_model.safetensors").exists()
