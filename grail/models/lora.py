@@ -81,14 +81,6 @@ def base_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     }
 
 
-def merged_copy(model: PeftModel) -> torch.nn.Module:
-    """A plain transformers model with the adapter merged into the base weights (W + s·B·A),
-    the trainer's model untouched."""
-    import copy
-
-    return copy.deepcopy(model).merge_and_unload()
-
-
 def export_merged(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Write the model of a LoRA checkpoint (`RUN_DIR/checkpoints/iter_XXX`) as one plain
     `save_pretrained` directory, base and adapter merged, with the tokenizer: what transformers,

@@ -51,7 +51,6 @@ class ServiceCore:
         self.client, self.sampling, self.tokenizer = client, sampling, tokenizer
         self.model_name, self.base_seed = model_name, base_seed
         self.iterations = iterations
-        self.iterations_done = ledger.policy_version
         self._info = info
         self._vocab_size = len(tokenizer)
         self._in_flight = 0  # completions being sampled now
@@ -126,7 +125,7 @@ class ServiceCore:
         ledger = self.ledger
         return {
             "policy_version": ledger.policy_version,
-            "iterations_done": self.iterations_done,
+            "iterations_done": ledger.policy_version,  # one update per iteration
             "iterations_total": self.iterations,
             "queued_groups": len(ledger.queue),
             "open_groups": len(ledger.open),
@@ -138,7 +137,19 @@ class ServiceCore:
         }
 
     def info(self) -> dict[str, Any]:
-        return {"model": self.model_name, "max_staleness": self.ledger.max_staleness, **self._info}
+        s = self.sampling
+        return {
+            "model": self.model_name,
+            "max_staleness": self.ledger.max_staleness,
+            "rollouts_per_problem": self.group_size,
+            "sampling": {
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "top_k": s.top_k,
+                "max_tokens": s.max_tokens,
+            },
+            **self._info,
+        }
 
     def sampling_summary(self) -> str:
         s = self.sampling
@@ -229,7 +240,6 @@ class ServiceCore:
         """The weights are `policy_version`'s now (None: unchanged): completions go on."""
         if policy_version is not None:
             self.ledger.advance(policy_version)
-            self.iterations_done = policy_version
             self.store.append({"op": "advance", "policy_version": policy_version})
         async with self.changed:
             self._paused = False

@@ -91,7 +91,6 @@ class ServiceRollouts:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.core: ServiceCore | None = None
         self.store: LedgerStore | None = None
-        self.url = ""
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -128,14 +127,7 @@ class ServiceRollouts:
                 # For environments that sample from the inference server themselves (/v1/groups).
                 "inference_url": server.base_url,
                 "inference_api_key": server.api_key,
-                "rollouts_per_problem": cfg.data.rollouts_per_problem,
                 "problems_per_iteration": cfg.data.problems_per_iteration,
-                "sampling": {
-                    "temperature": sampling.temperature,
-                    "top_p": sampling.top_p,
-                    "top_k": sampling.top_k,
-                    "max_tokens": sampling.max_tokens,
-                },
             },
         )
         app = create_app(self.core, api_key, cfg.service.max_body_bytes)
@@ -160,13 +152,13 @@ class ServiceRollouts:
                 )
             time.sleep(0.01)
         host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        url = f"http://{host}:{port}"
         atomic_write_text(  # mkstemp's file mode (0600) is kept by the rename: owner-only
-            self.dir / ENDPOINT, json.dumps({"url": self.url, "api_key": api_key}) + "\n"
+            self.dir / ENDPOINT, json.dumps({"url": url, "api_key": api_key}) + "\n"
         )
         log.info(
             "service listening on %s (key in %s); %d groups queued",
-            self.url,
+            url,
             self.dir / ENDPOINT,
             len(ledger.queue),
         )

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model
-from safetensors import safe_open
 
-from grail.inference.builtin.weights import WeightUpdateError
+from grail.inference.builtin.weights import WeightUpdateError, read_checked
 from grail.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
 
 __all__ = ["is_adapter_dir", "read_adapter", "add_lora_layers", "copy_adapter"]
@@ -84,29 +83,15 @@ def read_adapter(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         raise WeightUpdateError(f"{path} has no {ADAPTER_WEIGHTS}")
     params = dict(model.named_parameters())
     saved_modules = settings.get("modules_to_save") or []
+
+    def lora_name(saved: str) -> str | None:
+        # A LoRA matrix, or a weight of a module trained in full (modules_to_save), which
+        # replaces the base's own.
+        name = served_name(saved)
+        return name if ".lora_" in name or _in_saved_module(name, saved_modules) else None
+
     tensors: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            for saved in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                name = served_name(saved)
-                # A LoRA matrix, or a weight of a module trained in full (modules_to_save),
-                # which replaces the base's own.
-                known = ".lora_" in name or _in_saved_module(name, saved_modules)
-                if name not in params or not known:
-                    raise WeightUpdateError(
-                        f"tensor {saved} in {file.name} is not a LoRA weight of the served model"
-                    )
-                shape = tuple(handle.get_slice(saved).get_shape())
-                if shape != tuple(params[name].shape):
-                    raise WeightUpdateError(
-                        f"tensor {saved}: shape {list(shape)}, the server's layer has "
-                        f"{list(params[name].shape)}"
-                    )
-                tensors[name] = handle.get_tensor(saved)
-    except WeightUpdateError:
-        raise
-    except Exception as exc:  # corrupt or unreadable file
-        raise WeightUpdateError(f"cannot read {file}: {exc}") from exc
+    read_checked(file, params, tensors, "a LoRA weight of the served model", lora_name)
     missing = [n for n in params if ".lora_" in n and n not in tensors]
     if missing:
         shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")

@@ -5,6 +5,7 @@ leaves the old weights serving."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -38,26 +39,7 @@ def read_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, torch.Tenso
     for file in files:
         if not file.is_file():
             raise WeightUpdateError(f"{file} is listed in the index but missing")
-        try:
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    if name in tensors:
-                        raise WeightUpdateError(f"tensor {name} appears twice in {path}")
-                    if name not in state:
-                        raise WeightUpdateError(
-                            f"tensor {name} in {file.name} is not a weight of the served model"
-                        )
-                    shape = tuple(handle.get_slice(name).get_shape())
-                    if shape != tuple(state[name].shape):
-                        raise WeightUpdateError(
-                            f"tensor {name}: shape {list(shape)} in {file.name}, model has "
-                            f"{list(state[name].shape)}"
-                        )
-                    tensors[name] = handle.get_tensor(name)
-        except WeightUpdateError:
-            raise
-        except Exception as exc:  # corrupt or unreadable file
-            raise WeightUpdateError(f"cannot read {file}: {exc}") from exc
+        read_checked(file, state, tensors, "a weight of the served model")
 
     # Every parameter must be covered by at least one of its names (tied weights share one).
     aliases: dict[int, list[str]] = {}
@@ -68,3 +50,35 @@ def read_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, torch.Tenso
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise WeightUpdateError(f"{path} lacks {len(missing)} model weights: {shown}")
     return tensors
+
+
+def read_checked(
+    file: Path,
+    served: Mapping[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    what: str,
+    served_name: Callable[[str], str | None] = lambda name: name,
+) -> None:
+    """Add every tensor of the safetensors `file` to `tensors` under its name in the served
+    model (`served_name` of its saved name; None: not one of `what`), each checked first: known
+    to `served`, there once, with the served tensor's shape. Raises ``WeightUpdateError``
+    naming the tensor (or the file, when it cannot be read)."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for saved in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                name = served_name(saved)
+                if name is None or name not in served:
+                    raise WeightUpdateError(f"tensor {saved} in {file.name} is not {what}")
+                if name in tensors:
+                    raise WeightUpdateError(f"tensor {saved} appears twice in {file.parent}")
+                shape = tuple(handle.get_slice(saved).get_shape())
+                if shape != tuple(served[name].shape):
+                    raise WeightUpdateError(
+                        f"tensor {saved}: shape {list(shape)} in {file.name}, model has "
+                        f"{list(served[name].shape)}"
+                    )
+                tensors[name] = handle.get_tensor(saved)
+    except WeightUpdateError:
+        raise
+    except Exception as exc:  # corrupt or unreadable file
+        raise WeightUpdateError(f"cannot read {file}: {exc}") from exc
