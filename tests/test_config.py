@@ -102,6 +102,7 @@ def test_wrong_type_names_the_key() -> None:
         ("generation.start_timeout_s=0", "generation.start_timeout_s"),
         ("generation.backend=tgi", "generation.backend"),
         ("train.epsilon_high=0.1", "train.epsilon_high"),
+        ("train.micro_batch_tokens=-1", "train.micro_batch_tokens"),
         ("train.is_correction=token", "train.is_correction"),
         ("train.is_clip_min=3 train.is_clip_max=2", "train.is_clip_min"),
         ("train.kl_target=0.04", "train.kl_coef"),  # adaptive KL starts from kl_coef > 0

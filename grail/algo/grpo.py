@@ -338,6 +338,7 @@ def grpo_loss(
     num_items_in_batch: int | float | Tensor | None = None,
     accumulation_steps: int = 1,
     steps_per_generation: int = 1,
+    microbatch_counts: tuple[int, int] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO loss of one micro-batch and its metrics (formulas in the module docstring).
 
@@ -358,6 +359,10 @@ def grpo_loss(
             it is required).
         accumulation_steps: G, the micro-batches of this optimizer step (this one included).
         steps_per_generation: S, the micro-batches of the generation batch (dapo only).
+        microbatch_counts: (B, Σ m) of the whole micro-batch when these inputs are one piece of
+            it (padding-free pieces, grail/train/packing.py): the normalisers above and the
+            entropy bonus's use them instead of this piece's own, so the pieces' losses (and
+            gradients) add up to the micro-batch's. None: the inputs are the micro-batch.
 
     Only ``logprobs`` (and ``entropy``) receive gradient: old, ref, behaviour and advantages
     are detached. Padding positions never matter, whatever they hold (NaN included).
@@ -438,6 +443,16 @@ def grpo_loss(
     m = keep.to(dtype)
     tokens_per_seq = m.sum(-1)
     num_tokens = tokens_per_seq.sum()
+    if microbatch_counts is None:
+        norm_batch, norm_tokens = batch, num_tokens.clamp(min=1.0)
+    else:
+        norm_batch, whole_tokens = microbatch_counts
+        if norm_batch < batch or whole_tokens < float(num_tokens):
+            raise ValueError(
+                f"microbatch_counts {microbatch_counts} count fewer completions or tokens than "
+                f"this piece has ({batch}, {int(num_tokens)})"
+            )
+        norm_tokens = num_tokens.new_tensor(float(max(whole_tokens, 1)))
 
     if config.loss_type == "dapo":
         if num_items_in_batch is None:
@@ -482,11 +497,14 @@ def grpo_loss(
         """Σ m·x by the loss type's normaliser, accumulation included (module docstring)."""
         x = x.expand_as(m) * m
         if config.loss_type == "grpo":
-            return (x.sum(-1) / tokens_per_seq.clamp(min=1.0)).mean() / steps
+            per_sequence = x.sum(-1) / tokens_per_seq.clamp(min=1.0)
+            if microbatch_counts is None:
+                return per_sequence.mean() / steps
+            return per_sequence.sum() / norm_batch / steps
         if config.loss_type == "bnpo":
-            return x.sum() / num_tokens.clamp(min=1.0) / steps
+            return x.sum() / norm_tokens / steps
         if config.loss_type == "dr_grpo":
-            return x.sum() / (batch * config.max_completion_length) / steps  # type: ignore[operator]
+            return x.sum() / (norm_batch * config.max_completion_length) / steps  # type: ignore[operator]
         return x.sum() / (n_items * steps / steps_per_generation)  # dapo
 
     # Log importance weights: per token, or GSPO's length-normalised sequence log ratio.
@@ -562,7 +580,7 @@ def grpo_loss(
     if ent is not None and config.entropy_coef > 0:
         # A token mean whatever the loss type (TRL): the bonus does not depend on how the
         # policy term is normalised.
-        loss_entropy = -config.entropy_coef * (ent.sum() / num_tokens.clamp(min=1.0)) / steps
+        loss_entropy = -config.entropy_coef * (ent.sum() / norm_tokens) / steps
 
     loss = loss_pg + loss_kl + loss_entropy
 

@@ -33,6 +33,7 @@ from grail.train.checkpoint import (
     set_rng_state,
     stage_checkpoint,
 )
+from grail.train.packing import decoder_and_head
 from grail.train.update import UpdateSettings, policy_update
 
 log = logging.getLogger("grail.train")
@@ -124,6 +125,10 @@ class Trainer:
                 if resume_from is not None
                 else with_new_adapter(model, lora)
             )
+        if cfg.train.compile:
+            # The body only: the output layer runs in checkpointed chunks (packing.py), and the
+            # body is what both the padded and the packed forward passes call.
+            decoder_and_head(model)[0].compile()
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             if lora.enabled:  # the frozen embeddings' output must carry grad for the checkpoints
@@ -208,6 +213,7 @@ class Trainer:
             clip_grad_norm=lambda c: accelerator.clip_grad_norm_(self.model.parameters(), c),
             on_microbatch_done=None if on_progress is None else lambda: on_progress(1),
             kl_control=self.kl_control,
+            autocast=accelerator.autocast,
         )
         self._watch_signal(batch)
         return metrics

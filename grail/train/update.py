@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,14 @@ from grail.algo.grpo import GRPOLossConfig, grpo_loss
 from grail.algo.kl_control import AdaptiveKL
 from grail.algo.logprobs import token_entropy, token_logprobs
 from grail.rollouts import RolloutBatch, Sample
+from grail.train.packing import (
+    PackedRow,
+    packed_logprobs,
+    packed_row,
+    resolve_micro_batch_tokens,
+    split_by_tokens,
+    to_padded,
+)
 
 if TYPE_CHECKING:
     from grail.config import Config
@@ -63,6 +72,10 @@ class MicroBatch:
     behaviour_logprobs: Tensor  # [B, K] the server's log-probs, 0 on padding
     advantages: Tensor  # [B]
     num_tokens: int  # completion tokens (completion_mask.sum()), counted on the host: no sync
+    # Padding-free pieces (grail/train/packing.py): the one-row forward input, and the
+    # (completions, completion tokens) of the whole micro-batch the loss normalises by.
+    packed: PackedRow | None = None
+    whole: tuple[int, int] | None = None
 
 
 def pack_microbatch(
@@ -173,6 +186,58 @@ def microbatches(batch: RolloutBatch, batch_size: int) -> list[list[tuple[list[i
     return [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
 
 
+def microbatch_pieces(
+    items: Sequence[tuple[list[int], Sample]],
+    pad_token_id: int,
+    device: torch.device,
+    micro_batch_tokens: int,
+) -> list[MicroBatch]:
+    """One micro-batch as the forward passes run it: whole (padded, prompts shared) when
+    `micro_batch_tokens` is 0, else padding-free pieces of at most that many tokens."""
+    if micro_batch_tokens == 0:
+        return [pack_microbatch(items, pad_token_id, device)]
+    whole = (len(items), sum(len(s.completion_ids) for _, s in items))
+    return [
+        replace(
+            pack_microbatch(piece, pad_token_id, device),
+            packed=packed_row(piece, device),
+            whole=whole,
+        )
+        for piece in split_by_tokens(items, micro_batch_tokens)
+    ]
+
+
+def policy_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> tuple[Tensor, Tensor | None]:
+    """[B, K] log-probabilities of `mb`'s completion tokens under `model` (sampling temperature
+    applied) and, with `entropy`, the per-token entropy (carrying gradient with `entropy_grad`,
+    for the entropy bonus; a metric otherwise); padding holds zeros when packed."""
+    if mb.packed is not None:
+        logprobs, ent = packed_logprobs(
+            model,
+            mb.packed,
+            temperature,
+            entropy=entropy,
+            entropy_grad=entropy_grad,
+            autocast=autocast,
+        )
+        mask = mb.completion_mask
+        return to_padded(logprobs, mask), None if ent is None else to_padded(ent, mask)
+    logits = completion_logits(model, mb)
+    logprobs = token_logprobs(logits, mb.completion_ids, temperature)
+    if not entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logprobs, token_entropy(logits if entropy_grad else logits.detach(), temperature)
+
+
 @dataclass
 class UpdateSettings:
     loss: GRPOLossConfig
@@ -180,6 +245,7 @@ class UpdateSettings:
     batch_size: int  # micro-batch, in samples
     grad_accum_steps: int
     grad_clip: float
+    micro_batch_tokens: int | None = 0  # padding-free pieces; None: resolve_micro_batch_tokens
 
     @classmethod
     def from_config(cls, cfg: Config) -> UpdateSettings:
@@ -189,18 +255,22 @@ class UpdateSettings:
             batch_size=cfg.train.batch_size,
             grad_accum_steps=cfg.train.grad_accum_steps,
             grad_clip=cfg.train.grad_clip,
+            micro_batch_tokens=cfg.train.micro_batch_tokens,
         )
 
 
-def _merge(metrics: list[dict[str, float]], weights: list[float]) -> dict[str, float]:
-    """Token-weighted mean of per-micro-batch metrics; maxima stay maxima, counts add up."""
+def _merge(
+    metrics: list[dict[str, float]], weights: list[float], add: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """Token-weighted mean of per-micro-batch metrics; maxima stay maxima, counts (and the keys
+    in `add`) add up."""
     merged: dict[str, float] = {}
     total = sum(weights) or 1.0
     for key in metrics[0]:
         values = [m[key] for m in metrics if key in m]
         if key.endswith("_max"):
             merged[key] = max(values)
-        elif key == "num_tokens":
+        elif key == "num_tokens" or key in add:
             merged[key] = sum(values)
         else:
             merged[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / total
@@ -216,6 +286,8 @@ def carries_no_gradient(batch: RolloutBatch, loss: GRPOLossConfig) -> bool:
         and all(s.advantage == 0.0 for s in batch.samples)
     )
 
+
+_LOSS_METRICS = ("loss_total", "loss_pg", "loss_kl", "loss_entropy")
 
 # A skipped update's metrics: the loss and its clipping fractions are exactly 0 when every
 # advantage is 0 (clipping counts only tokens with A < 0 or A > 0) ...
@@ -273,6 +345,7 @@ def policy_update(
     clip_grad_norm: Callable[[float], Tensor],
     on_microbatch_done: Callable[[], None] | None = None,
     kl_control: AdaptiveKL | None = None,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> dict[str, float | bool | None]:
     """Train one pass over `batch`; returns the iteration's training metrics.
 
@@ -282,6 +355,8 @@ def policy_update(
     (`carries_no_gradient`) skips the forward and backward passes, not the steps (module
     docstring). With `kl_control` each step uses its coefficient, and it adapts to the step's
     measured KL after the step; `kl_coef` in the metrics is the coefficient after the batch.
+    With `settings.micro_batch_tokens`, each micro-batch runs as padding-free pieces
+    (grail/train/packing.py) inside `autocast`, the trainer's mixed-precision context.
     """
     if not batch.samples:
         raise ValueError("policy_update got a rollout batch with no samples")
@@ -289,30 +364,34 @@ def policy_update(
         return _zero_gradient_update(
             optimizer, scheduler, batch, settings, clip_grad_norm, on_microbatch_done
         )
-    packed = [
-        pack_microbatch(mb, pad_token_id, device) for mb in microbatches(batch, settings.batch_size)
+    budget = resolve_micro_batch_tokens(settings.micro_batch_tokens, device)
+    # units[i]: micro-batch i as its forward passes run it (one piece, or padding-free pieces).
+    units = [
+        microbatch_pieces(items, pad_token_id, device, budget)
+        for items in microbatches(batch, settings.batch_size)
     ]
+    pieces = [piece for unit in units for piece in unit]
     steps = [
-        packed[i : i + settings.grad_accum_steps]
-        for i in range(0, len(packed), settings.grad_accum_steps)
+        units[i : i + settings.grad_accum_steps]
+        for i in range(0, len(units), settings.grad_accum_steps)
     ]
     temperature = settings.temperature
 
     def logprobs_of(m: torch.nn.Module, mb: MicroBatch) -> Tensor:
-        return token_logprobs(completion_logits(m, mb), mb.completion_ids, temperature)
+        return policy_logprobs(m, mb, temperature, autocast=autocast)[0]
 
     # Several optimizer steps per iteration: freeze the pre-update policy's log-probs first. The
     # first step's micro-batches need no extra pass: the policy has not moved yet when they run,
     # so their own log-probs, detached, are the old ones (None below).
-    old_logprobs: list[Tensor | None] = [None] * len(packed)
+    old_logprobs: list[Tensor | None] = [None] * len(pieces)
     if len(steps) > 1:
-        first = len(steps[0])
+        first = sum(len(unit) for unit in steps[0])
         with torch.no_grad():
-            old_logprobs[first:] = [logprobs_of(model, mb) for mb in packed[first:]]
-    ref_logprobs: list[Tensor | None] = [None] * len(packed)
+            old_logprobs[first:] = [logprobs_of(model, mb) for mb in pieces[first:]]
+    ref_logprobs: list[Tensor | None] = [None] * len(pieces)
     if ref_model is not None and settings.loss.kl_coef > 0:
         with torch.no_grad():
-            ref_logprobs = [logprobs_of(ref_model, mb) for mb in packed]
+            ref_logprobs = [logprobs_of(ref_model, mb) for mb in pieces]
 
     model.train()
     metrics: list[dict[str, float]] = []
@@ -320,40 +399,51 @@ def policy_update(
     grad_norms: list[float] = []
     skipped = 0
     index = 0
-    tokens_in_batch = sum(mb.num_tokens for mb in packed)
+    tokens_in_batch = sum(mb.num_tokens for mb in pieces)
     loss_config = settings.loss
+    needs_entropy_grad = settings.loss.entropy_coef > 0
     for step in steps:
         if kl_control is not None:
             loss_config = replace(settings.loss, kl_coef=kl_control.value)
         step_kl: list[tuple[float, float]] = []  # (kl, tokens) per micro-batch
-        for mb in step:
-            logits = completion_logits(model, mb)
-            logprobs = token_logprobs(logits, mb.completion_ids, temperature)
-            needs_entropy_grad = settings.loss.entropy_coef > 0
-            with torch.set_grad_enabled(needs_entropy_grad):
-                entropy = token_entropy(
-                    logits if needs_entropy_grad else logits.detach(), temperature
+        for unit in step:
+            unit_metrics: list[dict[str, float]] = []
+            for mb in unit:
+                logprobs, entropy = policy_logprobs(
+                    model,
+                    mb,
+                    temperature,
+                    entropy=True,
+                    entropy_grad=needs_entropy_grad,
+                    autocast=autocast,
                 )
-            old = old_logprobs[index]
-            loss, m = grpo_loss(
-                logprobs,
-                logprobs.detach() if old is None else old,
-                mb.advantages,
-                mb.completion_mask,
-                loss_config,
-                ref_logprobs=ref_logprobs[index],
-                behaviour_logprobs=mb.behaviour_logprobs,
-                entropy=entropy,
-                num_items_in_batch=tokens_in_batch,
-                accumulation_steps=len(step),
-                steps_per_generation=len(packed),
-            )
-            backward(loss)  # normalised for the accumulation as TRL does (grpo.py)
+                old = old_logprobs[index]
+                loss, m = grpo_loss(
+                    logprobs,
+                    logprobs.detach() if old is None else old,
+                    mb.advantages,
+                    mb.completion_mask,
+                    loss_config,
+                    ref_logprobs=ref_logprobs[index],
+                    behaviour_logprobs=mb.behaviour_logprobs,
+                    entropy=entropy,
+                    num_items_in_batch=tokens_in_batch,
+                    accumulation_steps=len(step),
+                    steps_per_generation=len(units),
+                    microbatch_counts=mb.whole,
+                )
+                backward(loss)  # normalised for the accumulation as TRL does (grpo.py)
+                unit_metrics.append(m)
+                index += 1
+            # A micro-batch's pieces: their loss terms add up to the micro-batch's.
+            m = unit_metrics[0]
+            if len(unit) > 1:
+                m = _merge(unit_metrics, [float(mb.num_tokens) for mb in unit], add=_LOSS_METRICS)
             metrics.append(m)
-            weights.append(float(mb.num_tokens))
+            tokens = float(sum(mb.num_tokens for mb in unit))
+            weights.append(tokens)
             if "kl" in m:
-                step_kl.append((m["kl"], float(mb.num_tokens)))
-            index += 1
+                step_kl.append((m["kl"], tokens))
             if on_microbatch_done is not None:
                 on_microbatch_done()
         grad_norm = _optimizer_step(optimizer, scheduler, clip_grad_norm, settings.grad_clip)

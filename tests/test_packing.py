@@ -1,0 +1,231 @@
+"""Padding-free micro-batches (`grail.train.packing`, `train.micro_batch_tokens`): the packed
+layout, its log-probabilities, and an update that equals the padded one."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from grail.algo.grpo import GRPOLossConfig, token_logprobs
+from grail.algo.logprobs import token_entropy
+from grail.envs.base import Problem
+from grail.models.loading import load_model
+from grail.models.lora import AdapterOff, with_new_adapter
+from grail.rollouts import Group, RolloutBatch, Sample
+from grail.train.packing import (
+    DEFAULT_CUDA_MICRO_BATCH_TOKENS,
+    packed_logprobs,
+    packed_row,
+    resolve_micro_batch_tokens,
+    split_by_tokens,
+)
+from grail.train.update import (
+    UpdateSettings,
+    microbatch_pieces,
+    microbatches,
+    policy_logprobs,
+    policy_update,
+)
+
+
+def _sample(ids: list[int], advantage: float, gen: torch.Generator) -> Sample:
+    logprobs = (-torch.rand(len(ids), generator=gen) * 3).tolist()
+    return Sample(ids, logprobs, "length", "", 0.0, {}, False, advantage)
+
+
+def _batch(groups: int, replicas: int, seed: int, max_len: int = 9) -> RolloutBatch:
+    """Prompts and completions of spread lengths, advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g in range(groups):
+        prompt = torch.randint(3, 500, (3 + 2 * g,), generator=gen).tolist()
+        samples = []
+        for _ in range(replicas):
+            n = int(torch.randint(1, max_len, (), generator=gen))
+            ids = torch.randint(3, 500, (n,), generator=gen).tolist()
+            samples.append(_sample(ids, float(torch.randn((), generator=gen)), gen))
+        out.append(Group(Problem(g, [], ""), prompt, samples))
+    return RolloutBatch(out)
+
+
+def test_split_keeps_order_and_budget_and_puts_a_long_sample_alone() -> None:
+    gen = torch.Generator().manual_seed(0)
+    items = [([1] * p, _sample([5] * c, 0.0, gen)) for p, c in [(3, 2), (2, 2), (4, 9), (1, 1)]]
+    pieces = split_by_tokens(items, budget=10)
+    assert [[len(p) + len(s.completion_ids) for p, s in piece] for piece in pieces] == [
+        [5, 4],
+        [13],  # longer than the budget: alone
+        [2],
+    ]
+    assert [it for piece in pieces for it in piece] == items
+
+
+def test_packed_row_restarts_positions_and_predicts_each_completion_token() -> None:
+    gen = torch.Generator().manual_seed(0)
+    items = [([7, 8], _sample([20, 21, 22], 1.0, gen)), ([9], _sample([30], -1.0, gen))]
+    row = packed_row(items, "cpu")
+    assert row.input_ids.tolist() == [[7, 8, 20, 21, 22, 9, 30]]
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    # position p predicts token p + 1: 8 -> 20, 20 -> 21, 21 -> 22; 9 -> 30
+    assert row.predict_at.tolist() == [1, 2, 3, 5]
+    assert row.target_ids.tolist() == [20, 21, 22, 30]
+
+
+def test_packed_log_probs_equal_each_sample_run_alone(tiny_model_dir: Path) -> None:
+    """No token attends across samples in the packed row, and the chunked output layer gives
+    each token's log-probability and entropy: those of the sample run alone, unpadded."""
+    model = load_model(tiny_model_dir).eval()
+    batch = _batch(groups=3, replicas=3, seed=1)
+    items = microbatches(batch, batch_size=64)[0]
+    with torch.no_grad():
+        logprobs, entropy = packed_logprobs(
+            model, packed_row(items, "cpu"), 0.7, entropy=True, head_chunk_tokens=5
+        )
+        assert entropy is not None
+        start = 0
+        for prompt, sample in items:
+            ids = torch.tensor([prompt + sample.completion_ids])
+            n = len(sample.completion_ids)
+            logits = model(input_ids=ids).logits[:, -n - 1 : -1]
+            alone = token_logprobs(logits, ids[:, -n:], 0.7)[0]
+            torch.testing.assert_close(logprobs[start : start + n], alone, rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                entropy[start : start + n], token_entropy(logits, 0.7)[0], rtol=0, atol=1e-5
+            )
+            start += n
+        assert start == logprobs.shape[0]
+
+
+def _grads_of(model: torch.nn.Module, loss: Tensor) -> Tensor:
+    model.zero_grad()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_packed_and_padded_log_probs_have_the_same_gradients(tiny_model_dir: Path) -> None:
+    """The chunked, checkpointed output layer back-propagates what the padded forward does,
+    entropy included (several chunks, several pieces)."""
+    model = load_model(tiny_model_dir).train()
+    items = microbatches(_batch(groups=4, replicas=3, seed=2), batch_size=64)[0]
+    padded = microbatch_pieces(items, 0, torch.device("cpu"), micro_batch_tokens=0)[0]
+    weights = torch.randn(padded.completion_mask.shape, generator=torch.Generator().manual_seed(3))
+
+    def objective(mb_logprobs: Tensor, mb_entropy: Tensor, mask: Tensor, w: Tensor) -> Tensor:
+        return ((mb_logprobs * w + 0.3 * mb_entropy) * mask).sum()
+
+    lp, ent = policy_logprobs(model, padded, 1.0, entropy=True, entropy_grad=True)
+    assert ent is not None
+    want = _grads_of(model, objective(lp, ent, padded.completion_mask, weights))
+    pieces = microbatch_pieces(items, 0, torch.device("cpu"), micro_batch_tokens=24)
+    assert len(pieces) > 2
+    total = torch.zeros(())
+    row = 0
+    for mb in pieces:
+        lp, ent = policy_logprobs(model, mb, 1.0, entropy=True, entropy_grad=True)
+        assert ent is not None
+        b, k = mb.completion_mask.shape
+        total = total + objective(lp, ent, mb.completion_mask, weights[row : row + b, :k])
+        row += b
+    got = _grads_of(model, total)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _update(
+    model: torch.nn.Module,
+    ref: torch.nn.Module | None,
+    batch: RolloutBatch,
+    settings: UpdateSettings,
+) -> tuple[dict[str, float | bool | None], list[Tensor]]:
+    """One policy_update with plain SGD; the gradient of every optimizer step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    grads: list[Tensor] = []
+
+    def clip(c: float) -> Tensor:
+        grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), c)
+
+    metrics = policy_update(
+        model,
+        ref,
+        optimizer,
+        scheduler,
+        batch,
+        settings,
+        pad_token_id=0,
+        device=torch.device("cpu"),
+        backward=lambda loss: loss.backward(),
+        clip_grad_norm=clip,
+    )
+    return metrics, grads
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "kl_coef", "entropy_coef", "grad_accum"),
+    [
+        ("dapo", 0.0, 0.0, 1),
+        ("grpo", 0.05, 0.0, 2),
+        ("bnpo", 0.0, 0.01, 1),
+        ("dr_grpo", 0.05, 0.01, 2),
+    ],
+)
+def test_packed_update_equals_the_padded_update(
+    tiny_model_dir: Path, loss_type: str, kl_coef: float, entropy_coef: float, grad_accum: int
+) -> None:
+    """train.micro_batch_tokens changes how the forward passes run, not the update: every
+    optimizer step's gradient and the loss metrics equal the padded update's, for each loss
+    type's normaliser, with the KL term and the entropy bonus, over several optimizer steps."""
+    torch.manual_seed(0)
+    base = load_model(tiny_model_dir)
+    ref = copy.deepcopy(base).eval().requires_grad_(False) if kl_coef > 0 else None
+    batch = _batch(groups=4, replicas=4, seed=4)
+    loss = GRPOLossConfig(
+        loss_type=loss_type, max_completion_length=8, kl_coef=kl_coef, entropy_coef=entropy_coef
+    )
+
+    def settings(tokens: int) -> UpdateSettings:
+        return UpdateSettings(loss, 1.0, 4, grad_accum, 1.0, micro_batch_tokens=tokens)
+
+    want, want_grads = _update(copy.deepcopy(base), ref, batch, settings(0))
+    got, got_grads = _update(copy.deepcopy(base), ref, batch, settings(20))
+    assert len(got_grads) == len(want_grads) == 4 // grad_accum
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert float((g - w).norm() / w.norm()) < 1e-5  # float rounding, elementwise near 0
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-6)
+    for key in ("loss_total", "loss_pg", "loss_kl", "loss_entropy", "kl", "entropy"):
+        if key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    assert got["num_tokens"] == want["num_tokens"]
+
+
+def test_lora_reference_runs_packed_with_the_adapter_off(tiny_model_dir: Path) -> None:
+    """Under LoRA the KL reference is the same modules with the adapter disabled; the packed
+    path reaches the body and the output layer through peft and disables it too."""
+    from grail.config import LoraConfig
+
+    torch.manual_seed(0)
+    model = with_new_adapter(load_model(tiny_model_dir), LoraConfig(enabled=True, r=4))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # a nonzero adapter, so that on and off differ
+            torch.nn.init.normal_(p, std=0.5)
+    items = microbatches(_batch(groups=2, replicas=2, seed=5), batch_size=64)[0]
+    padded = microbatch_pieces(items, 0, torch.device("cpu"), micro_batch_tokens=0)[0]
+    packed = microbatch_pieces(items, 0, torch.device("cpu"), micro_batch_tokens=10_000)[0]
+    mask = padded.completion_mask
+    with torch.no_grad():
+        for m in (model, AdapterOff(model)):
+            want = policy_logprobs(m, padded, 1.0)[0] * mask
+            got = policy_logprobs(m, packed, 1.0)[0]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        on, off = (policy_logprobs(m, packed, 1.0)[0] for m in (model, AdapterOff(model)))
+    assert not torch.allclose(on, off)
+
+
+def test_micro_batch_tokens_default_is_on_for_cuda_only() -> None:
+    assert resolve_micro_batch_tokens(None, torch.device("cpu")) == 0
+    assert resolve_micro_batch_tokens(None, torch.device("cuda")) == DEFAULT_CUDA_MICRO_BATCH_TOKENS
+    assert resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
