@@ -21,6 +21,12 @@ from other processes:
    (max |difference| <= tolerance) and be further than that from the weights before the sync,
    so a sync that silently kept the old weights fails (`compare_logprobs`).
 
+Two more steps per repetition time the routes of grail/inference/transfer.py in the steady
+state: "in_place_served" writes the weights in the server's dtype (`--dtype`; the steps above
+write the trainer's float32 master copy, as runs did before) and "shared" fills the trainer-side
+buffers (timed as "save/fill") and hands the server their handles (POST
+/update_weights_from_tensor, timed as "sync"): no file at all.
+
 Printed per model: median seconds [min-max] of save and sync for each kind of step, and the
 ratio in-place / restart of the sync medians (target on 2 CPU cores: <= 0.1; the first update
 after a start is reported beside it, not in it: a run pays it once). For in-place the
@@ -34,6 +40,7 @@ Results: benchmarks/results/weight_sync.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import shutil
 import statistics
@@ -48,12 +55,17 @@ import httpx
 import torch
 from common import print_table, spread, write_results
 
+from grail.inference.transfer import FlatWeights, PolicyWeights
+
 MODELS = ("tiny", "mid")
 TARGET_RATIO = 0.1
 # One repetition, in this order: a restart, the first in-place update after it (which also pays
 # for the parameters still being copy-on-write views of the file the server loaded, see
 # `profile_read_copy`), then an in-place update in the steady state of a run.
-STEPS = ("restart", "in_place_first", "in_place")
+# Then the routes of grail/inference/transfer.py in the steady state: the disk route writing the
+# server's dtype (what a run does now; the steps above write the float32 master as it is, what
+# runs did before), and the shared route (the trainer's buffers handed over, no file).
+STEPS = ("restart", "in_place_first", "in_place", "in_place_served", "shared")
 # How far the served log-probabilities may be from this process's forward pass: float32 differs
 # only by kernel choice (batch-invariant row-wise attention on the server); bfloat16 rounds
 # activations at every layer, differently on the two sides.
@@ -62,7 +74,8 @@ TOP = 5
 PROMPT_TEXT = "Repeat: 7"
 
 _UPDATE_LINE = re.compile(
-    r"loaded (?P<tensors>\d+) tensors from (?P<path>.+?) in (?P<seconds>[0-9.]+) s; "
+    r"loaded (?P<tensors>\d+) (?:shared )?tensors(?: from (?P<path>.+?))? "
+    r"in (?P<seconds>[0-9.]+) s; "
     r"weight_version=(?P<version>\S+)"
 )
 
@@ -151,6 +164,11 @@ def _served_top(root_url: str, prompt: list[int]) -> dict[int, float]:
     return {int(name.removeprefix("token_id:")): float(lp) for name, lp in top.items()}
 
 
+def _as_served(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model in the server's dtype, as the server computes with it (a copy if converted)."""
+    return model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+
+
 def _local_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(torch.tensor([prompt])).logits[0, -1].float()
@@ -188,8 +206,9 @@ def bench_model(
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     tol = TOLERANCE[dtype_name]
-    source = _source_dir(name, work, dtype)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+    source = _source_dir(name, work, torch.float32)
+    # The trainer's master copy is float32 whatever the server serves (`dtype`).
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     params = sum(p.numel() for p in model.parameters())
     prompt = tokenizer.apply_chat_template(
@@ -205,7 +224,7 @@ def bench_model(
     print(f"{name}: {params / 1e6:.1f} M parameters, {size / 2**20:.0f} MiB of safetensors")
 
     times: dict[str, list[float]] = {f"{step}_s": [] for step in STEPS}
-    times["save_s"] = []
+    times.update({f"{step}_save_s": [] for step in STEPS})
     checks: list[dict[str, Any]] = []
     server = BuiltinServer(
         weights,
@@ -216,6 +235,7 @@ def bench_model(
         start_timeout=900.0,
         weight_sync_timeout=900.0,
     )
+    flat = FlatWeights(torch.device("cpu"))
     t0 = time.perf_counter()
     with server:
         print(f"{name}: server ready in {time.perf_counter() - t0:.1f} s")
@@ -225,17 +245,30 @@ def bench_model(
             for step in STEPS:
                 mode = "restart" if step == "restart" else "in_place"
                 count += 1
-                old_row = _local_logprobs(model, prompt_ids)
+                old_row = _local_logprobs(_as_served(model, dtype), prompt_ids)
                 perturb_(model, seed=1000 + count, scale=scale)
-                t0 = time.perf_counter()
-                model.save_pretrained(weights)
-                save_s = time.perf_counter() - t0
                 version = f"{name}-{count}"
-                result = server.sync_weights(weights, mode, fallback=False, weight_version=version)
-                if result.mode_used != mode or result.fell_back:
-                    raise RuntimeError(f"{mode} sync ran as {result.mode_used}")
+                t0 = time.perf_counter()
+                if step == "shared":  # what WeightTransfer does: fill the buffers, POST handles
+                    flat.fill(PolicyWeights(model).named_tensors(), dtype)
+                    save_s = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    server.update_weights_from_tensor(flat, version)
+                    sync_s = time.perf_counter() - t1
+                else:
+                    # the master copy (float32) as it is, or converted to the server's dtype
+                    served_dtype = dtype if step == "in_place_served" else None
+                    PolicyWeights(model).save(weights, served_dtype)
+                    save_s = time.perf_counter() - t0
+                    result = server.sync_weights(
+                        weights, mode, fallback=False, weight_version=version
+                    )
+                    if result.mode_used != mode or result.fell_back:
+                        raise RuntimeError(f"{mode} sync ran as {result.mode_used}")
+                    sync_s = result.seconds
                 served = _served_top(server.root_url, prompt_ids)
-                check = compare_logprobs(served, _local_logprobs(model, prompt_ids), old_row, tol)
+                new_row = _local_logprobs(_as_served(model, dtype), prompt_ids)
+                check = compare_logprobs(served, new_row, old_row, tol)
                 check.update(step=step, rep=rep, warmup=not timed)
                 checks.append(check)
                 if not check["ok"]:
@@ -249,17 +282,18 @@ def bench_model(
                     server_s = engine_update_seconds(server.log_tail(400), version)
                 line = f"{name} rep {rep}{' (warm-up)' if not timed else ''}: {step}"
                 print(
-                    f"{line}: save {save_s:.3f} s, sync {result.seconds:.3f} s"
+                    f"{line}: save {save_s:.3f} s, sync {sync_s:.3f} s"
                     + (f" (server-side {server_s:.3f} s)" if server_s is not None else "")
                     + f"; served logprobs off new {check['off_new']:.1e}, off old "
                     f"{check['off_old']:.1e}"
                 )
                 if not timed:
                     continue
-                times["save_s"].append(save_s)
-                times[f"{step}_s"].append(result.seconds)
+                times[f"{step}_save_s"].append(save_s)
+                times[f"{step}_s"].append(sync_s)
                 if server_s is not None:
                     times.setdefault(f"{step}_server_s", []).append(server_s)
+    times["save_s"] = times["in_place_save_s"]
     ratio = sync_ratio(times["in_place_s"], times["restart_s"])
     save_median = statistics.median(times["save_s"])
     return {
@@ -359,13 +393,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = []
     labels = {
-        "restart": "restart",
-        "in_place_first": "in-place, 1st after start",
-        "in_place": "in-place",
+        "restart": "restart (float32 file)",
+        "in_place_first": "disk float32, 1st after start",
+        "in_place": "disk float32 (before)",
+        "in_place_served": f"disk {args.dtype} (server's dtype)",
+        "shared": "shared (no file)",
     }
     for name, r in results.items():
         for step in STEPS:
             stats = r[f"{step}_s"]
+            save = r[f"{step}_save_s"]["median"]
             server_side = r.get(f"{step}_server_s", {}).get("median", "")
             ratio = r["ratio_in_place_over_restart"] if step == "in_place" else None
             if step == "in_place_first":
@@ -373,18 +410,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(
                 [
                     f"{name} {labels[step]}",
-                    r["save_s"]["median"],
+                    save,
                     stats["median"],
                     f"{stats['min']:.3g}-{stats['max']:.3g}",
                     server_side,
+                    save + stats["median"],
                     f"{ratio:.4f}" if ratio is not None else "",
                 ]
             )
     print_table(
-        f"weight sync, {args.dtype}, {threads} server thread(s), median of {args.reps}",
-        ["model, step", "save s", "sync s", "sync min-max", "server-side s", "ratio to restart"],
+        f"weight sync, server {args.dtype}, trainer float32, {threads} server thread(s), "
+        f"median of {args.reps}",
+        [
+            "model, route", "save/fill s", "sync s", "sync min-max", "server-side s",
+            "total s", "ratio to restart",
+        ],
         rows,
-    )
+    )  # fmt: skip
     failed = False
     for name, r in results.items():
         verdict = "met" if r["target_met"] else "NOT met"

@@ -23,6 +23,12 @@ Backend = Literal["builtin", "vllm", "sglang"]  # the rollout servers (grail/inf
 BACKENDS: tuple[str, ...] = get_args(Backend)
 GpuStrategy = Literal["single", "multi"]
 WeightSyncMode = Literal["in_place", "restart"]
+# How a weight sync hands the server the new weights (grail/inference/transfer.py, docs/gpu.md):
+# disk: safetensors in the server's dtype, reloaded from disk; shared: the built-in server reads
+# the trainer's tensors in place (CUDA IPC, or shared memory on CPU); nccl: vLLM/SGLang receive
+# a broadcast from the trainer over NCCL (server on its own GPU); auto: shared for the built-in
+# server on the trainer's device, nccl for vLLM/SGLang with gpu.strategy=multi, else disk.
+WeightTransfer = Literal["auto", "disk", "shared", "nccl"]
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -129,6 +135,7 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     weight_sync: str = "in_place"  # in_place | restart
+    weight_transfer: str = "auto"  # auto | disk | shared | nccl (WeightTransfer above)
     server_threads: int | None = None  # None: half the cores (see split_cores)
     start_timeout_s: float | None = None  # None: the backend's default (built-in 120, else 900)
     request_timeout_s: float = 120.0
@@ -157,7 +164,7 @@ class TrainConfig:
     # runs in pieces of at most this many prompt + completion tokens, packed into one row. Speed
     # and memory only: the update is the same up to float rounding. 0: off (padded micro-batches
     # that share each prompt's forward pass among its completions, fastest for short
-    # completions); null: 16384 on CUDA, 0 on CPU.
+    # completions); null: 4096 on CUDA, 0 on CPU.
     micro_batch_tokens: int | None = None
     compile: bool = False  # torch.compile the transformer body of the policy (CUDA: ~1.4x)
     warmup_steps: int = 0
@@ -360,6 +367,8 @@ def validate(cfg: Config) -> None:
     _one_of("gpu.strategy", cfg.gpu.strategy, GpuStrategy)
     _one_of("generation.backend", cfg.generation.backend, Backend)
     _one_of("generation.weight_sync", cfg.generation.weight_sync, WeightSyncMode)
+    _one_of("generation.weight_transfer", cfg.generation.weight_transfer, WeightTransfer)
+    validate_weight_transfer(cfg)
     _one_of("train.loss_type", cfg.train.loss_type, LossType)
     _one_of(
         "train.importance_sampling_level",
@@ -427,7 +436,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(cfg.train, key)}")
     if cfg.train.micro_batch_tokens is not None and cfg.train.micro_batch_tokens < 0:
         raise ConfigError(
-            "train.micro_batch_tokens must be >= 0 (0: off) or null (16384 on CUDA, 0 on CPU), "
+            "train.micro_batch_tokens must be >= 0 (0: off) or null (4096 on CUDA, 0 on CPU), "
             f"got {cfg.train.micro_batch_tokens}"
         )
     for key in ("kl_coef", "entropy_coef", "warmup_steps"):
@@ -488,6 +497,45 @@ def validate(cfg: Config) -> None:
     validate_prune(cfg)
     validate_service(cfg)
     validate_lora(cfg)
+
+
+def validate_weight_transfer(cfg: Config) -> None:
+    """An explicit generation.weight_transfer must be possible with this backend and placement
+    (`auto` always is: it picks what is; grail/inference/transfer.py)."""
+    gen, route = cfg.generation, cfg.generation.weight_transfer
+    key = f"generation.weight_transfer={route}"
+    if route in ("auto", "disk"):
+        return
+    if gen.weight_sync == "restart":
+        raise ConfigError(
+            f"{key} with generation.weight_sync=restart: a restart loads the weights from disk; "
+            "use weight_transfer=disk (or auto), or weight_sync=in_place"
+        )
+    if cfg.model.lora.enabled:
+        raise ConfigError(
+            f"{key} with model.lora.enabled: the LoRA adapter (a few MB) always syncs from "
+            "disk; use weight_transfer=disk (or auto)"
+        )
+    if route == "shared" and gen.backend != "builtin":
+        raise ConfigError(
+            f"{key} needs generation.backend=builtin (got {gen.backend}); vLLM and SGLang take "
+            "weight_transfer=nccl (gpu.strategy=multi) or disk"
+        )
+    if route == "shared" and cfg.gpu.strategy != "single":
+        raise ConfigError(
+            f"{key} needs the server on the trainer's device (gpu.strategy=single, got "
+            f"{cfg.gpu.strategy}); with its own GPU the built-in server syncs from disk"
+        )
+    if route == "nccl" and gen.backend == "builtin":
+        raise ConfigError(
+            f"{key} is for generation.backend=vllm or sglang; the built-in server takes "
+            "weight_transfer=shared or disk"
+        )
+    if route == "nccl" and cfg.gpu.strategy != "multi":
+        raise ConfigError(
+            f"{key} needs gpu.strategy=multi: NCCL cannot connect two processes on one GPU "
+            "(the server must have its own)"
+        )
 
 
 def validate_lora(cfg: Config) -> None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.process import ServerManager, call_with_recovery
+from grail.inference.transfer import PolicyWeights, WeightTransfer
 from grail.records import iteration_name
 from grail.rollouts import (
     GeneratedBatch,
@@ -199,6 +200,8 @@ class ServerRollouts:
     ) -> None:
         self.cfg = cfg
         self.server = server
+        # How each sync hands over the weights: server.weight_transfer, disk as the fallback.
+        self._transfer = WeightTransfer(server, server.weight_transfer, server.weight_transfer_why)
         # Iteration 0's batch, shared by the runs of a study (grail/shared_rollouts.py).
         self._shared = shared
         self._env, self._eval_env = env, eval_env
@@ -255,6 +258,7 @@ class ServerRollouts:
             self._events.close()
             self._events = None
         self._client = None
+        self._transfer.close()
         self.server.stop()
 
     # -- the RolloutSource interface ------------------------------------------------------------
@@ -273,17 +277,21 @@ class ServerRollouts:
             self._start_prefetch(iteration + 1, policy_version)
         return batch
 
-    def sync_weights(self, save: Callable[[Path], None], policy_version: int) -> WeightSync:
+    def sync_weights(
+        self, save: PolicyWeights | Callable[[Path], None], policy_version: int
+    ) -> WeightSync:
+        """`save` is the trainer's `PolicyWeights` (the run's weight transfer route, disk as the
+        fallback), or any callable that writes the weights into a directory (disk)."""
         t0 = time.perf_counter()
         prefetched = None
         if self._prefetch is not None:  # the server's weights must not change under a batch
             self._ready = self._collect()
             prefetched = (self._ready.started, self._ready.finished)
         t_sync = time.perf_counter()
-        save(self._weights_dir)
-        result = self.server.sync_weights(
+        result = self._transfer.sync(
+            save,
             self._weights_dir,
-            self.cfg.generation.weight_sync,  # type: ignore[arg-type]
+            self.cfg.generation.weight_sync,
             weight_version=iteration_name(policy_version - 1),
         )
         return WeightSync(result, time.perf_counter() - t_sync, t_sync - t0, prefetched)

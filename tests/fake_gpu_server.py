@@ -9,6 +9,7 @@ harness uses, with the shapes recorded in tests/fixtures/:
                                          was asked, so parsing is tested against the real shape
     POST /pause /collective_rpc /reset_prefix_cache /resume          (vLLM dev-mode routes)
     POST /update_weights_from_disk                                    (SGLang)
+    POST the NCCL weight-transfer routes of each (fixtures/weight_transfer/; no NCCL behind them)
     GET  /debug/calls                    every request so far: method, path, query, JSON body
     GET  /debug/info                     pid, argv, model and selected environment variables
     POST /debug/plan                     {"ROUTE": [ACTION, ...]}: the next requests to ROUTE get
@@ -60,6 +61,10 @@ def main() -> None:
     print(f"fake {args.flavour}: model={model} pid={os.getpid()}", flush=True)
 
     controls = json.loads((FIXTURES / "control_routes.json").read_text())[args.flavour]
+    # The NCCL weight-transfer routes, as recorded from the real packages (their failure cases
+    # are plan fixtures too: "ROUTE failed").
+    nccl = json.loads((FIXTURES / "weight_transfer" / f"{args.flavour}_nccl.json").read_text())
+    controls.update({k: v for k, v in nccl.items() if not k.startswith("_")})
     completion = json.loads((FIXTURES / f"{args.flavour}_completion_n2.json").read_text())
     calls: list[dict] = []
     plan: dict[str, list[dict]] = {}

@@ -403,3 +403,130 @@ def test_vs_trl_gives_ours_the_threads_grail_train_picks_by_default() -> None:
     # The arm process runs ours' trainer; TRL gets all the cores, or half
     assert vs_trl.arm_threads("sync", 5) == 5 and vs_trl.arm_threads("pipelined", 5) == 2
     assert vs_trl.arm_threads("trl", 5) == 5 and vs_trl.arm_threads("trl_half", 5) == 2
+
+
+# --------------------------------------------------------------------------- train_step_gpu
+# Its pure parts, the layout counts checked against the forward passes an update really runs,
+# and a CPU run of the whole script on the tiny shape.
+
+import json  # noqa: E402
+
+import train_step_gpu  # noqa: E402
+
+
+def test_train_step_completion_lengths_are_seeded_and_spread_around_the_mean() -> None:
+    def draw(seed: int, spread: str) -> list[int]:
+        return train_step_gpu.completion_lengths(
+            4000, 50, spread, torch.Generator().manual_seed(seed)
+        )
+
+    lengths = draw(0, "uniform")
+    assert lengths == draw(0, "uniform") and lengths != draw(1, "uniform")
+    assert min(lengths) == 1 and max(lengths) == 99 == train_step_gpu.max_completion_len(
+        50, "uniform"
+    )
+    assert sum(lengths) / len(lengths) == pytest.approx(50, abs=1.5)
+    assert draw(0, "none") == [50] * 4000 and train_step_gpu.max_completion_len(50, "none") == 50
+    assert train_step_gpu.completion_lengths(3, 1, "uniform", torch.Generator()) == [1, 1, 1]
+    with pytest.raises(ValueError, match="spread"):
+        draw(0, "normal")
+
+
+def test_train_step_flops_count_the_output_layer_on_completion_positions() -> None:
+    # 2 samples: (prompt 3, completion 2) and (3, 5); N_body 100, head 10, L 2, d 4.
+    flops, every = train_step_gpu.model_flops([(3, 2), (3, 5)], 100, 10, 2, 4)
+    body = 6 * 100 * (5 + 8) + 12 * 2 * 4 * (5**2 + 8**2)
+    assert flops == body + 6 * 10 * (2 + 5)
+    assert every == body + 6 * 10 * (5 + 8)
+    # The Qwen2.5-0.5B shape as the script builds it: 494.0 M parameters, 136.1 M of them the
+    # tied embedding / output layer.
+    assert train_step_gpu.SHAPES["qwen2.5-0.5b"] == {
+        "hidden_size": 896,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "intermediate_size": 4864,
+    }
+
+
+@pytest.mark.parametrize("mode", ["shared", "full", "packed"])
+def test_train_step_layout_counts_the_slots_the_update_runs(
+    tiny_model_dir: Path, mode: str
+) -> None:
+    """padded_layout / packed_layout against the transformer body's inputs in a real update:
+    shared prompts (padded), every row in full (gradient checkpointing), packed pieces."""
+    from grail.algo.grpo import GRPOLossConfig
+    from grail.models.loading import load_model
+    from grail.train.packing import decoder_and_head
+    from grail.train.update import UpdateSettings, microbatches, policy_update
+
+    torch.manual_seed(0)
+    model = load_model(str(tiny_model_dir))
+    if mode == "full":
+        model.gradient_checkpointing_enable()
+    gen = torch.Generator().manual_seed(0)
+    lengths = train_step_gpu.completion_lengths(9, 4, "uniform", gen)
+    batch = train_step_gpu.synthetic_batch(3, 3, 5, lengths, 512, gen)
+    batch.groups[1].prompt_ids = batch.groups[1].prompt_ids[:2]  # prompts of unequal length
+    budget = 20 if mode == "packed" else 0
+    calls: list[tuple[int, int]] = []  # (slots, real tokens) per body forward
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+        tokens = ids.numel() if mask is None else int(mask[:, -ids.shape[1] :].sum())
+        calls.append((ids.numel(), tokens))
+
+    decoder_and_head(model)[0].register_forward_pre_hook(record, with_kwargs=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    settings = UpdateSettings(GRPOLossConfig(), 1.0, 4, 3, 1.0, micro_batch_tokens=budget)
+    policy_update(
+        model,
+        None,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        batch,
+        settings,
+        pad_token_id=0,
+        device=torch.device("cpu"),
+        backward=lambda loss: loss.backward(),
+        clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c),
+    )
+    mbs = microbatches(batch, 4)
+    layout = (
+        train_step_gpu.packed_layout(mbs, budget)
+        if budget
+        else train_step_gpu.padded_layout(mbs, shared=mode == "shared")
+    )
+    assert (layout.slots, layout.tokens) == tuple(map(sum, zip(*calls, strict=True)))
+    assert (layout.passes, layout.largest) == (len(calls), max(s for s, _ in calls))
+    assert layout.padding_frac == 0 if budget else layout.padding_frac > 0.1
+
+
+def test_train_step_runs_on_cpu_and_prints_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    # One thread: two spin-wait on each other on a busy 2-core machine (seconds, not 0.1 s).
+    common_args = "--device cpu --shape tiny --vocab-size 300 --groups 2 --group-size 3 --threads 1"
+    common_args += " --prompt-len 8 --completion-len 6 --warmup 0 --steps 1 --batch-size 4 --json"
+    runs = {}
+    threads = torch.get_num_threads()
+    try:
+        for tokens in (0, 24):
+            argv = [*common_args.split(), "--micro-batch-tokens", str(tokens)]
+            assert train_step_gpu.main(argv) == 0
+            runs[tokens] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        # The same fields as text, one line each
+        assert train_step_gpu.main([*common_args.split()[:-1], "--peak-tflops", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    padded, packed = runs[0], runs[24]
+    assert padded["layout"] == "padded" and packed["layout"] == "packed"
+    assert padded["padding_frac"] > 0 and packed["padding_frac"] == 0
+    assert packed["largest_forward_tokens"] <= 24 < packed["forward_passes_per_update"] * 24
+    for r in (padded, packed):
+        assert r["vocab_size"] == 300 and r["head_params"] == 300 * 64 and r["tied_embeddings"]
+        assert r["tokens_per_update"] == pytest.approx(6 * (8 + r["completion_len_mean"]))
+        assert r["tokens_per_s"] > 0 and r["model_tflops"] > 0 and r["grad_accum_steps"] == 2
+        assert r["mfu"] is None  # no peak known on CPU
+    for name in ("device", "model", "batch", "layout", "padding", "throughput", "MFU"):
+        assert any(line.startswith(f"{name} ") for line in out.splitlines()), name
+    assert "n/a" not in out

@@ -210,7 +210,12 @@ def test_iteration_record_is_pure_and_reports_staleness_and_bad_norms() -> None:
     assert record == iteration_record(5, batch, train, sync, 1e-3, timings, pipelined=True)
     assert record["policy"] == {"version": 4, "staleness": 1, "pipelined": True}
     assert record["grad_norm"] is None  # a skipped (non-finite) step, not a number
-    assert record["weight_sync"] == {"mode": "restart", "fell_back": True}
+    assert record["weight_sync"] == {
+        "mode": "restart",
+        "fell_back": True,
+        "transfer": "disk",
+        "transfer_fallbacks": 0,
+    }
     completion = sum(len(s.completion_ids) for s in batch.batch.samples)
     assert record["tokens"]["completion"] == completion
     assert record["tokens_per_s"] == completion / 2.0

@@ -145,7 +145,13 @@ def test_run_writes_every_file_valid_against_its_schema(full_run: Path) -> None:
     record = read_metrics(metrics / "train_iter_002.json")
     assert record["iteration"] == 2 and record["tokens"]["completion"] > 0
     assert set(record["timings"]) >= {"generation_s", "train_s", "weight_sync_s", "iteration_s"}
-    assert record["weight_sync"] == {"mode": "in_place", "fell_back": False}
+    # the default job on CPU: the built-in server reads the trainer's shared-memory weights
+    assert record["weight_sync"] == {
+        "mode": "in_place",
+        "fell_back": False,
+        "transfer": "shared",
+        "transfer_fallbacks": 0,
+    }
     # newest keep_last_k checkpoints, each a directory transformers can load
     assert sorted(p.name for p in (full_run / "checkpoints").iterdir()) == ["iter_002", "iter_003"]
     assert (full_run / "checkpoints" / "iter_003" / "model.safetensors").exists()

@@ -78,6 +78,12 @@ class SyncResult:
     mode_used: WeightSyncMode
     fell_back: bool
     fallback_reason: str | None = None
+    #: the weight transfer route that carried the weights: disk | shared | nccl
+    #: (grail/inference/transfer.py); why a fast route failed and disk was used instead, and
+    #: how many times that has happened so far in the run
+    transfer: str = "disk"
+    transfer_fallback_reason: str | None = None
+    transfer_fallbacks: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,6 +176,13 @@ class ServerManager(ABC):
         self._command: list[str] = []
         #: restarts done by `recover()` (a dead server brought back), for metrics
         self.recoveries = 0
+        #: set while `model_path` holds older weights than the server serves (a fast weight
+        #: transfer, grail/inference/transfer.py): writes the served ones there; `restart()`
+        #: calls it first, so a restarted server never comes back with old weights
+        self.write_weights: Callable[[], None] | None = None
+        #: the route weight syncs take, and why (grail/inference/transfer.py)
+        self.weight_transfer = "disk"
+        self.weight_transfer_why = ""
 
     # -- what a backend supplies -------------------------------------------------------------
 
@@ -185,6 +198,12 @@ class ServerManager(ABC):
         """Whether a sync of `checkpoint_dir` is of the LoRA adapter (`lora_dir`), not of the
         whole model."""
         return self.lora_dir is not None and Path(checkpoint_dir).absolute() == self.lora_dir
+
+    def served_dtype(self) -> str | None:
+        """The dtype the server computes in ("float32", "bfloat16", "float16"), which a weight
+        sync sends; None when the server picks it from the checkpoint (`auto`): the sync then
+        keeps the trainer's dtype, as the server's first load saw it."""
+        return None if self.dtype in (None, "auto") else self.dtype
 
     def update_weights(
         self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None
@@ -516,6 +535,15 @@ class ServerManager(ABC):
         if not model_path.is_dir():
             raise ServerStartError(f"cannot restart on {model_path}: not a directory")
         t0 = time.perf_counter()
+        if self.write_weights is not None and model_path == self.model_path:
+            write, self.write_weights = self.write_weights, None
+            try:
+                write()
+            except Exception as exc:
+                raise ServerStartError(
+                    f"cannot restart the {self.kind} server: writing the weights it served to "
+                    f"{model_path} failed: {exc}"
+                ) from exc
         self.stop()
         self.model_path = model_path
         # Keep the port: clients hold base_url. It was ours a moment ago, so it is free again.

@@ -177,7 +177,7 @@ def run_iterations(
             train_metrics = trainer.update(batch, advance)
             train_s = time.perf_counter() - t_train
 
-            sync = source.sync_weights(trainer.save_weights, policy_version=iteration + 1)
+            sync = source.sync_weights(trainer.weights, policy_version=iteration + 1)
 
             last = iteration == cfg.train.iterations - 1
             eval_s, pruned = 0.0, False
@@ -400,6 +400,22 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
     }
 
 
+def weight_sync_record(sync: WeightSync) -> dict[str, Any]:
+    """The iteration record's `weight_sync`: the server's in-place or restart sync, and the
+    route that carried the weights (grail/inference/transfer.py), with why a fast route fell
+    back to disk this time and how often that happened so far."""
+    result = sync.result
+    record: dict[str, Any] = {
+        "mode": result.mode_used,
+        "fell_back": result.fell_back,
+        "transfer": result.transfer,
+        "transfer_fallbacks": result.transfer_fallbacks,
+    }
+    if result.transfer_fallback_reason is not None:
+        record["transfer_fallback_reason"] = result.transfer_fallback_reason[:500]
+    return record
+
+
 def iteration_record(
     iteration: int,
     rollouts: GeneratedBatch,
@@ -426,7 +442,7 @@ def iteration_record(
             if rollouts.reused is not None
             else rollout["tokens"]["completion"] / rollouts.generation_s
         ),
-        "weight_sync": {"mode": sync.result.mode_used, "fell_back": sync.result.fell_back},
+        "weight_sync": weight_sync_record(sync),
         **(
             {} if rollouts.resampling is None else {"dynamic_sampling": asdict(rollouts.resampling)}
         ),

@@ -43,14 +43,18 @@ from grail.rollouts import Sample
 # logits are 4096 x 152k x 2 B = 1.2 GB in bf16 (chunks of 4096 measured in docs/gpu.md).
 DEFAULT_HEAD_CHUNK_TOKENS = 4096
 
-# train.micro_batch_tokens=null on CUDA: the piece size a 0.5B-1.5B model's update fills an
-# 80 GB GPU with (docs/gpu.md). On CPU null means 0 (unpacked micro-batches, which share each
+# train.micro_batch_tokens=null on CUDA. Bounded by attention, not memory: with sdpa the packed
+# row gets a dense [T, T] block-diagonal mask, so sdpa cannot use its flash kernel and computes
+# every score of the row. At the 0.5B shape that masked work is ~T/25,000 of the linear layers'
+# (24 layers x 4 x 896 x T against 6 x 0.36B per token): ~16% at 4096 tokens, ~65% at 16384
+# (measured on CPU: 4096-token pieces 5x slower per token than 512-token pieces at the tiny
+# shape; docs/benchmarks.md). On CPU null means 0 (unpacked micro-batches, which share each
 # prompt's forward pass among its completions: faster for short completions).
-DEFAULT_CUDA_MICRO_BATCH_TOKENS = 16384
+DEFAULT_CUDA_MICRO_BATCH_TOKENS = 4096
 
 
 def resolve_micro_batch_tokens(value: int | None, device: torch.device) -> int:
-    """`train.micro_batch_tokens` as used on `device`: null is 16384 on CUDA and 0 (off) else."""
+    """`train.micro_batch_tokens` as used on `device`: null is 4096 on CUDA and 0 (off) else."""
     if value is None:
         return DEFAULT_CUDA_MICRO_BATCH_TOKENS if device.type == "cuda" else 0
     return value

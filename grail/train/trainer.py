@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from grail.algo.kl_control import AdaptiveKL
 from grail.config import Config, cpu_threads, gpu_placement
+from grail.inference.transfer import PolicyWeights
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.lora import (
     AdapterOff,
@@ -227,6 +228,12 @@ class Trainer:
         if self.no_signal_streak >= NO_SIGNAL_WARN_ITERATIONS and not self._warned_no_signal:
             self._warned_no_signal = True
             log.warning(no_signal_message(batch, self.no_signal_streak))
+
+    @property
+    def weights(self) -> PolicyWeights:
+        """The weights a sync sends (grail/inference/transfer.py): written to disk in the
+        server's dtype, or handed over in memory; callable as `save_weights`."""
+        return PolicyWeights(self.accelerator.unwrap_model(self.model), lora=self.lora)
 
     def save_weights(self, directory: Path) -> None:
         """What a weight sync sends the inference server, as a `save_pretrained` directory: the

@@ -21,6 +21,7 @@ from grail.inference.backends.gpu import default_memory_fraction
 from grail.inference.backends.sglang import SGLangServer
 from grail.inference.backends.vllm import VLLMServer
 from grail.inference.process import ServerManager, ServerStartError
+from grail.inference.transfer import route_from_config
 
 
 def make_server_manager(
@@ -44,8 +45,12 @@ def make_server_manager(
     env: Mapping[str, str] | None = None,
     lora_dir: str | os.PathLike[str] | None = None,
     lora_rank: int | None = None,
+    weight_transfer: str = "disk",
 ) -> ServerManager:
     """The `ServerManager` for `backend` ("builtin", "vllm" or "sglang").
+
+    `weight_transfer` is the route its weight syncs take (grail/inference/transfer.py): vLLM
+    needs `--weight-transfer-config` on its command line for "nccl".
 
     gpu_memory_fraction None picks `default_memory_fraction(shares_gpu_with_trainer)`;
     start_timeout None picks the backend's `default_start_timeout_s` (120 s for the built-in
@@ -76,7 +81,11 @@ def make_server_manager(
         # "sk-" first: a URL-safe token starts with "-" one time in 64, and the server's argument
         # parser then reads `--api-key -xyz` as a missing value and exits.
         common["api_key"] = api_key or "sk-" + secrets.token_urlsafe(32)
-        return BuiltinServer(model_path, served_model_name, threads=threads, dtype=dtype, **common)
+        server: ServerManager = BuiltinServer(
+            model_path, served_model_name, threads=threads, dtype=dtype, **common
+        )
+        server.weight_transfer = weight_transfer
+        return server
     cls = VLLMServer if backend == "vllm" else SGLangServer
     if gpu_memory_fraction is None:
         gpu_memory_fraction = default_memory_fraction(shares_gpu_with_trainer)
@@ -88,6 +97,7 @@ def make_server_manager(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         seed=seed,
+        weight_transfer=weight_transfer,
         **common,
     )
 
@@ -123,7 +133,8 @@ def server_manager_from_config(
     if not cuda_available:
         threads = cpu_threads(cfg)[1]
     model_dtype = cfg.model.dtype
-    return make_server_manager(
+    route, why = route_from_config(cfg, cuda_available)
+    server = make_server_manager(
         gen.backend,
         model_dir,
         served_model_name,
@@ -140,4 +151,7 @@ def server_manager_from_config(
         extra_args=list(gen.extra_args),
         lora_dir=lora_dir,
         lora_rank=cfg.model.lora.r if lora_dir is not None else None,
+        weight_transfer=route,
     )
+    server.weight_transfer_why = why
+    return server

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from grail.inference.process import ServerError, ServerManager, WeightSyncError
+from grail.inference.transfer import FlatWeights, payload_for
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,41 @@ class BuiltinServer(ServerManager):
     def build_command(self) -> list[str]:
         return [sys.executable, "-m", self.server_module, *self.server_args()]
 
+    def served_dtype(self) -> str:
+        """`dtype`, or what the engine picks without one: float32 on CPU, bfloat16 on CUDA
+        (grail/inference/builtin/engine.py `resolve_dtype`)."""
+        return self.dtype or ("bfloat16" if self.gpu_ids else "float32")
+
+    def update_weights_from_tensor(self, flat: FlatWeights, weight_version: str) -> float:
+        """POST /update_weights_from_tensor with handles to `flat`'s buffers (the shared route,
+        grail/inference/transfer.py); return seconds. Any failure is a `WeightSyncError`."""
+        self._check_running()
+        t0 = time.perf_counter()
+        body = payload_for(flat, weight_version)
+        status, answer = self._control("/update_weights_from_tensor", body=body)
+        self._check_answer("/update_weights_from_tensor", status, answer, "the trainer's tensors")
+        self.weight_version = weight_version
+        seconds = time.perf_counter() - t0
+        logger.info("gave the builtin server weights %s in %.3f s", weight_version, seconds)
+        return seconds
+
+    def _check_running(self) -> None:
+        if not self.is_alive():
+            try:
+                self.check_alive()
+            except ServerError as exc:
+                raise WeightSyncError(f"cannot update weights: {exc}") from exc
+
+    @staticmethod
+    def _check_answer(route: str, status: int, body: object, what: str) -> None:
+        if not isinstance(body, dict):
+            raise WeightSyncError(
+                f"POST {route} answered HTTP {status} with a non-JSON-object body: {body!r}"
+            )
+        if status != 200 or body.get("success") is not True:
+            message = body.get("message") or body.get("detail") or body
+            raise WeightSyncError(f"server refused {what} (HTTP {status}): {message}")
+
     def update_weights(
         self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None
     ) -> float:
@@ -65,24 +101,13 @@ class BuiltinServer(ServerManager):
         path = Path(checkpoint_dir).absolute()
         if not path.is_dir():
             raise WeightSyncError(f"checkpoint directory {path} does not exist")
-        if not self.is_alive():
-            try:
-                self.check_alive()
-            except ServerError as exc:
-                raise WeightSyncError(f"cannot update weights: {exc}") from exc
+        self._check_running()
         version = weight_version or path.name
         t0 = time.perf_counter()
         status, body = self._control(
             "/update_weights_from_disk", body={"model_path": str(path), "weight_version": version}
         )
-        if not isinstance(body, dict):
-            raise WeightSyncError(
-                f"POST /update_weights_from_disk answered HTTP {status} with a non-JSON-object "
-                f"body: {body!r}"
-            )
-        if status != 200 or body.get("success") is not True:
-            message = body.get("message") or body.get("detail") or body
-            raise WeightSyncError(f"server refused weights from {path} (HTTP {status}): {message}")
+        self._check_answer("/update_weights_from_disk", status, body, f"weights from {path}")
         if not self.is_adapter_sync(path):  # an adapter leaves the base being served as it is
             self.model_path = path
         self.weight_version = version

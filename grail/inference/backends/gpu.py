@@ -29,6 +29,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from grail.inference.backends.nccl import DEFAULT_TIMEOUT_S as DEFAULT_NCCL_TIMEOUT_S
+from grail.inference.backends.nccl import NcclSender
 from grail.inference.client import error_message
 from grail.inference.process import ServerError, ServerManager, ServerStartError, WeightSyncError
 
@@ -88,6 +92,7 @@ class GpuServer(ServerManager):
         max_num_seqs: int | None = None,
         seed: int | None = None,
         extra_args: Sequence[str] = (),
+        weight_transfer: str = "disk",
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -140,9 +145,20 @@ class GpuServer(ServerManager):
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.seed = seed
+        if weight_transfer not in ("disk", "nccl"):
+            raise ValueError(
+                f"{name} takes weight_transfer 'disk' or 'nccl', got {weight_transfer!r}"
+            )
+        self.weight_transfer = weight_transfer
         self.weight_version: str | None = None
         #: seconds per step of the last in-place update, for metrics and diagnosis
         self.last_sync_timings: dict[str, float] = {}
+        # The NCCL group of weight_transfer=nccl (nccl.py), made at the first sync of each
+        # server process (`_sender_pid`): a restarted server has left the old one.
+        self._sender: NcclSender | None = None
+        self._sender_pid: int | None = None
+        #: how long a join, a broadcast or the server's side of either may take
+        self.nccl_timeout_s = min(self.weight_sync_timeout, DEFAULT_NCCL_TIMEOUT_S)
 
     # -- LoRA ---------------------------------------------------------------------------------
 
@@ -215,6 +231,52 @@ class GpuServer(ServerManager):
         except ServerError as exc:
             raise WeightSyncError(f"cannot update weights: {exc}") from exc
         return path
+
+    # -- NCCL weight transfer -----------------------------------------------------------------
+
+    def _prepare_nccl(self) -> None:
+        try:
+            self.check_alive()
+        except ServerError as exc:
+            raise WeightSyncError(f"cannot update weights: {exc}") from exc
+        sender = self._sender
+        if sender is not None and sender.broken is not None and self._sender_pid == self.pid:
+            raise WeightSyncError(f"the NCCL group was given up: {sender.broken}")
+
+    def _post_elsewhere(self, route: str, body: Mapping[str, Any]) -> Any:
+        """POST `route` from a thread other than the control client's (the NCCL requests run
+        beside the trainer's side of the same collective), with its own bounded client. Raises
+        `WeightSyncError` unless the answer is 200 (and, with a `success` field, true)."""
+        timeout = httpx.Timeout(self.nccl_timeout_s, connect=5.0)
+        try:
+            with httpx.Client(timeout=timeout, headers=self._headers()) as http:
+                response = http.post(f"{self.root_url}{route}", json=dict(body))
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(f"POST {route} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            answer = response.json() if response.content else None
+        except ValueError:
+            answer = response.text[:500]
+        refused = isinstance(answer, dict) and answer.get("success") is False
+        if response.status_code != 200 or refused:
+            raise WeightSyncError(
+                f"{self.kind} POST {route} failed (HTTP {response.status_code}): "
+                f"{server_error(answer)}"
+            )
+        return answer
+
+    def close_weight_transfer(self) -> None:
+        """Leave the NCCL group (this side), if one was made."""
+        sender, self._sender, self._sender_pid = self._sender, None, None
+        if sender is not None:
+            try:
+                sender.close()
+            except Exception as exc:  # the group may be broken already: nothing more to free
+                logger.warning("closing the NCCL weight-transfer group failed: %s", exc)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.close_weight_transfer()
+        super().stop(timeout)
 
     def _updated(self, path: Path, version: str, t0: float) -> float:
         adapter = self.is_adapter_sync(path)

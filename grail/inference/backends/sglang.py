@@ -29,7 +29,9 @@ import time
 from typing import Any
 
 from grail.inference.backends.gpu import GpuServer, server_error
+from grail.inference.backends.nccl import SGLANG_GROUP_NAME, SGLangSender, dtype_name
 from grail.inference.process import WeightSyncError
+from grail.inference.transfer import FlatWeights
 
 #: adapter slots: the adapter's, and the one SGLang counts for base-only requests
 LORA_SLOTS = 2
@@ -189,3 +191,69 @@ class SGLangServer(GpuServer):
     def lora_load_body(self, path: os.PathLike[str]) -> dict[str, Any]:
         """The JSON of `POST /load_lora_adapter` that loads `path` under the adapter's name."""
         return {"lora_name": self.lora_name, "lora_path": str(path), "pinned": False}
+
+    # -- NCCL (weight_transfer=nccl, grail/inference/backends/nccl.py) ---------------------------
+
+    def distributed_update_body(self, flat: FlatWeights, weight_version: str) -> dict[str, Any]:
+        """The JSON of POST /update_weights_from_distributed (`UpdateWeightsFromDistributed
+        ReqInput`): the weights in broadcast order; SGLang flushes its cache after loading."""
+        views = flat.named_views()
+        return {
+            "names": [name for name, _ in views],
+            "dtypes": [dtype_name(view.dtype) for _, view in views],
+            "shapes": [list(view.shape) for _, view in views],
+            "group_name": SGLANG_GROUP_NAME,
+            "flush_cache": True,
+            "weight_version": weight_version,
+        }
+
+    def update_weights_nccl(self, flat: FlatWeights, weight_version: str) -> float:
+        """The weights in `flat` over NCCL: joins the group once per server process
+        (POST /init_weights_update_group beside the trainer's join), then begin_weight_update →
+        update_weights_from_distributed (its workers receive, load, flush the cache) beside the
+        broadcasts → end_weight_update. SGLang waits for running requests itself, as its disk
+        reload does. Seconds; any failure is a `WeightSyncError` (the caller syncs from disk)."""
+        self._prepare_nccl()
+        if self._sender is None or self._sender_pid != self.pid:
+            self.close_weight_transfer()  # a restarted server left the old group
+            sender = SGLangSender(1 + len(self.gpu_ids), timeout_s=self.nccl_timeout_s)
+            sender.join(
+                lambda: self._post_elsewhere("/init_weights_update_group", sender.init_body())
+            )
+            self._sender, self._sender_pid = sender, self.pid
+        sender = self._sender
+        self.last_sync_timings = {}
+        t0 = time.perf_counter()
+        body = self.distributed_update_body(flat, weight_version)
+        self._session("begin", "/begin_weight_update", {"selector": "all"})
+        failure: BaseException | None = None
+        try:
+            receive = lambda: self._post_elsewhere("/update_weights_from_distributed", body)  # noqa: E731
+            tensors = [view for _, view in flat.named_views()]
+            self.last_sync_timings["broadcast"] = sender.send(tensors, receive)
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            try:
+                self._session("end", "/end_weight_update", {})
+            except WeightSyncError:
+                if failure is None:
+                    raise
+        self.weight_version = weight_version
+        seconds = time.perf_counter() - t0
+        self.last_sync_timings["total"] = seconds
+        return seconds
+
+    def _session(self, name: str, route: str, body: dict[str, Any]) -> None:
+        """begin/end_weight_update (required around a distributed update since SGLang 0.5.23;
+        an older server without them answers 404, which is let pass)."""
+        t = time.perf_counter()
+        status, answer = self._control(route, body=body)
+        self.last_sync_timings[name] = time.perf_counter() - t
+        if status == 404:
+            return
+        if status != 200 or not isinstance(answer, dict) or answer.get("success") is not True:
+            raise WeightSyncError(
+                f"SGLang POST {route} failed (HTTP {status}): {server_error(answer)}"
+            )

@@ -26,10 +26,13 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grail.inference.backends.gpu import GpuServer, server_error
+from grail.inference.backends.nccl import VLLMSender, dtype_name
 from grail.inference.process import ServerStartError, WeightSyncError
+from grail.inference.transfer import FlatWeights
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class VLLMServer(GpuServer):
         "--logprobs-mode": "always processed_logprobs, what the trainer computes",
         "--tensor-parallel-size": "the number of GPUs in the server's device",
         "--api-key": "the api_key argument",
+        "--weight-transfer-config": "generation.weight_transfer (nccl)",
     }
     lora_flags = {
         "--enable-lora": "model.lora.enabled",
@@ -151,6 +155,9 @@ class VLLMServer(GpuServer):
             args += ["--tensor-parallel-size", str(len(self.gpu_ids))]
         if self.api_key:
             args += ["--api-key", self.api_key]
+        if self.weight_transfer == "nccl":
+            # registers the NCCL weight-transfer engine behind /init_weight_transfer_engine
+            args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
         return args + self.lora_args() + self.extra_args
 
     def build_command(self) -> list[str]:
@@ -175,47 +182,57 @@ class VLLMServer(GpuServer):
         """
         path = self._prepare_update(checkpoint_dir)
         version = weight_version or path.name
-        adapter = self.is_adapter_sync(path)
-        timings: dict[str, float] = {}
-        self.last_sync_timings = timings
         t0 = time.perf_counter()
+        adapter = self.is_adapter_sync(path)
 
-        def step(name: str, route: str, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            status, body = self._control(route, **kwargs)
-            timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
-            # vLLM answers 404 for an adapter it cannot find too, with an OpenAI error body.
-            if status == 404 and route == LOAD_LORA_ROUTE and body == {"detail": "Not Found"}:
-                raise WeightSyncError(
-                    f"vLLM has no route POST {route} (HTTP 404): it needs "
-                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in the server's environment"
-                )
-            if status == 404 and route != LOAD_LORA_ROUTE:
-                raise WeightSyncError(
-                    f"vLLM has no route POST {route} (HTTP 404): the reload routes need "
-                    "VLLM_SERVER_DEV_MODE=1 in the server's environment and vLLM >= 0.11"
-                )
-            if status != 200:
-                raise WeightSyncError(
-                    f"vLLM POST {route} failed with HTTP {status}: {server_error(body)}"
-                )
-            return body
-
-        step("pause", "/pause", params={"mode": "wait"})
-        failure: BaseException | None = None
-        try:
+        def load() -> None:
             if adapter:
                 # Same name, same lora_int_id, re-read from lora_dir; vLLM loads the new adapter
                 # before dropping the old one, so a refused adapter leaves the old one serving.
-                step("load_adapter", LOAD_LORA_ROUTE, body=self.lora_load_body(path))
+                self._step("load_adapter", LOAD_LORA_ROUTE, body=self.lora_load_body(path))
             else:
-                step(
-                    "reload",
-                    "/collective_rpc",
-                    body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-                )
+                body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+                self._step("reload", "/collective_rpc", body=body)
+
+        self._paused(load)
+        return self._updated(path, version, t0)
+
+    def _step(self, name: str, route: str, **kwargs: Any) -> Any:
+        """POST a control route, timed into `last_sync_timings`; the decoded answer. Anything but
+        200 is a `WeightSyncError` naming the route and vLLM's message."""
+        t = time.perf_counter()
+        status, body = self._control(route, **kwargs)
+        timings = self.last_sync_timings
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t
+        # vLLM answers 404 for an adapter it cannot find too, with an OpenAI error body.
+        if status == 404 and route == LOAD_LORA_ROUTE and body == {"detail": "Not Found"}:
+            raise WeightSyncError(
+                f"vLLM has no route POST {route} (HTTP 404): it needs "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in the server's environment"
+            )
+        if status == 404 and route != LOAD_LORA_ROUTE:
+            raise WeightSyncError(
+                f"vLLM has no route POST {route} (HTTP 404): the reload routes need "
+                "VLLM_SERVER_DEV_MODE=1 in the server's environment and vLLM >= 0.11"
+            )
+        if status != 200:
+            raise WeightSyncError(
+                f"vLLM POST {route} failed with HTTP {status}: {server_error(body)}"
+            )
+        return body
+
+    def _paused(self, load: Callable[[], None]) -> None:
+        """pause?mode=wait → `load()` → reset_prefix_cache (retried while requests hold blocks)
+        → resume, the last whatever happened after the pause: in-flight requests finish on the
+        old weights, none starts until the new ones are in, and no cached block of the old
+        weights is reused."""
+        self.last_sync_timings = {}
+        self._step("pause", "/pause", params={"mode": "wait"})
+        failure: BaseException | None = None
+        try:
+            load()
             for attempt in range(1, self.reset_attempts + 1):
-                body = step("reset_prefix_cache", "/reset_prefix_cache")
+                body = self._step("reset_prefix_cache", "/reset_prefix_cache")
                 if isinstance(body, dict) and body.get("success") is True:
                     break
                 if attempt == self.reset_attempts:
@@ -229,9 +246,61 @@ class VLLMServer(GpuServer):
             raise
         finally:
             try:
-                step("resume", "/resume")
+                self._step("resume", "/resume")
             except WeightSyncError as exc:
                 if failure is None:
                     raise
                 logger.error("could not resume vLLM after a failed reload: %s", exc)
-        return self._updated(path, version, t0)
+
+    # -- NCCL (weight_transfer=nccl, grail/inference/backends/nccl.py) ---------------------------
+
+    def update_info(self, flat: FlatWeights) -> dict[str, Any]:
+        """`update_info` of POST /update_weights (vLLM's `NCCLWeightTransferUpdateInfo`): the
+        weights in the order they are broadcast, with their HF checkpoint names."""
+        views = flat.named_views()
+        return {
+            "names": [name for name, _ in views],
+            "dtype_names": [dtype_name(view.dtype) for _, view in views],
+            "shapes": [list(view.shape) for _, view in views],
+        }
+
+    def update_weights_nccl(self, flat: FlatWeights, weight_version: str) -> float:
+        """The weights in `flat` over NCCL: joins the group once per server process
+        (POST /init_weight_transfer_engine beside the trainer's join), then pause →
+        start_weight_update → update_weights (its workers receive) beside the broadcasts →
+        finish_weight_update {weight_version} → reset_prefix_cache → resume. Seconds taken;
+        any failure is a `WeightSyncError` (the caller syncs from disk instead)."""
+        sender = self._nccl_sender()
+        t0 = time.perf_counter()
+        update_info = self.update_info(flat)
+        tensors = [view for _, view in flat.named_views()]
+
+        def load() -> None:
+            self._step("start", "/start_weight_update")
+            receive = lambda: self._post_elsewhere("/update_weights", {"update_info": update_info})  # noqa: E731
+            self.last_sync_timings["broadcast"] = sender.send(tensors, receive)
+            self._step("finish", "/finish_weight_update", body={"weight_version": weight_version})
+
+        self._paused(load)
+        self.weight_version = weight_version
+        seconds = time.perf_counter() - t0
+        logger.info("sent weights %s to vLLM over NCCL in %.2f s", weight_version, seconds)
+        return seconds
+
+    def _nccl_sender(self) -> VLLMSender:
+        if self.weight_transfer != "nccl":
+            raise WeightSyncError(
+                "this vLLM server was started without --weight-transfer-config (its weight "
+                "transfer is not nccl)"
+            )
+        self._prepare_nccl()
+        if self._sender is None or self._sender_pid != self.pid:
+            self.close_weight_transfer()  # a restarted server left the old group
+            sender = VLLMSender(1 + len(self.gpu_ids), timeout_s=self.nccl_timeout_s)
+            sender.join(
+                lambda: self._post_elsewhere(
+                    "/init_weight_transfer_engine", {"init_info": sender.init_info()}
+                )
+            )
+            self._sender, self._sender_pid = sender, self.pid
+        return self._sender

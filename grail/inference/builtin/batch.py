@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 if TYPE_CHECKING:
-    from grail.inference.builtin.engine import _Sequence
+    from grail.inference.builtin.sequences import _Sequence
 
 
 @dataclass

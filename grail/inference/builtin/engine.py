@@ -26,6 +26,10 @@ Batch invariance (default on CPU, see `invariance`): attention runs row by row o
 own tokens, and batches always hold a multiple of the measured row quantum, so a request's tokens
 and logprobs are bitwise identical whether it runs alone or batched with others.
 
+Decode modes (``decode``): "eager" (the above; default on CPU), and "graph" (default on CUDA) or
+"static": a preallocated KV cache, fixed-shape steps that keep their state on the device, host
+reads every few steps, and with "graph" on CUDA each step a CUDA graph replay (see `static`).
+
 Weight updates load the new safetensors on the caller's thread (serving continues), then the
 worker copies them into the live parameters once the running batch has drained (sequences queued
 after the update are not admitted before it): a batch never mixes weights.
@@ -35,13 +39,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,50 +64,19 @@ from grail.inference.builtin.lora import (
     read_adapter,
 )
 from grail.inference.builtin.sampling import SamplingParams, draw
+from grail.inference.builtin.sequences import (
+    EngineStopped,
+    SequenceOutput,
+    _Control,
+    _running,
+    _Sequence,
+    maybe_finish,
+)
+from grail.inference.builtin.slots import SLOT_ATTENTION
+from grail.inference.builtin.static import StaticDecoder, resolve_decode
 from grail.inference.builtin.weights import read_checkpoint
 
 logger = logging.getLogger(__name__)
-
-
-class EngineStopped(RuntimeError):
-    """The engine stopped before the sequence finished."""
-
-
-@dataclass
-class SequenceOutput:
-    """One finished sample. ``top_logprobs[t]`` lists (token id, logprob), best first."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None
-    text: str
-    finish_reason: str  # "stop" | "length"
-    stop_reason: int | str | None  # the stop string or stop token id, None for EOS or length
-
-
-@dataclass
-class _Sequence:
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    generator: torch.Generator
-    future: concurrent.futures.Future[SequenceOutput]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    text_len: int = 0  # length of the decoded text at the last stop-string check
-
-
-@dataclass
-class _Control:
-    """A job the worker runs with no batch in flight (weight copies): queued sequences are not
-    admitted past it, so it waits for the running batch and precedes the requests after it."""
-
-    fn: Any
-    future: concurrent.futures.Future[Any]
-
-
-def _running(seq: _Sequence | None) -> bool:
-    return seq is not None and not seq.future.done()
 
 
 def _eos_ids(tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
@@ -130,12 +101,6 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return table[name]
 
 
-def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
-    """Set a result unless the waiter already gave up (a cancelled future)."""
-    with contextlib.suppress(concurrent.futures.InvalidStateError):
-        future.set_result(value)
-
-
 class Engine:
     """Loads an HF causal LM and serves generation requests from one worker thread."""
 
@@ -148,6 +113,7 @@ class Engine:
         batch_invariant: bool | None = None,
         max_model_len: int | None = None,
         lora_dir: str | Path | None = None,
+        decode: str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
@@ -185,6 +151,9 @@ class Engine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
 
+        self.decode_mode = resolve_decode(decode, self.device, batch_invariant, config)
+        if self.decode_mode != "eager":
+            batch_invariant = False
         if batch_invariant is None:
             batch_invariant = self.device.type == "cpu"
         sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
@@ -210,6 +179,11 @@ class Engine:
                 self.row_quantum = quantum
                 self.batch_invariant = True
                 self.group_attention = group_attention_ok(self.model, self.device, self.dtype)
+
+        self._static: StaticDecoder | None = None
+        if self.decode_mode != "eager":
+            self.model.set_attn_implementation(SLOT_ATTENTION)
+            self._static = StaticDecoder(self, graphs=self.decode_mode == "graph")
 
         self.weight_version = "default"
         self._token_text: dict[int, str] = {}
@@ -342,6 +316,23 @@ class Engine:
         path = Path(model_path)
         adapter = is_adapter_dir(path)  # a LoRA adapter (lora.py), or the whole model
         tensors = read_adapter(path, self.model) if adapter else read_checkpoint(path, self.model)
+        what = f"{'adapter ' if adapter else ''}tensors from {model_path}"
+        return self.copy_weights(tensors, weight_version, what, adapter=adapter, start=start)
+
+    def copy_weights(
+        self,
+        tensors: dict[str, torch.Tensor],
+        weight_version: str | None,
+        what: str,
+        *,
+        adapter: bool = False,
+        start: float | None = None,
+    ) -> str:
+        """Copy checked `tensors` ({state-dict name: tensor}, or an adapter's {parameter name:
+        tensor}) into the live model on the worker, between batches, and wait until done (on
+        CUDA, synchronized: the tensors may be another process's memory, reused once we
+        answer). Returns the summary the server logs."""
+        start = time.perf_counter() if start is None else start
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def copy() -> None:
@@ -352,6 +343,8 @@ class Engine:
                 with torch.no_grad():
                     for name, tensor in tensors.items():
                         state[name].copy_(tensor)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
             if weight_version is not None:
                 self.weight_version = weight_version
 
@@ -363,9 +356,7 @@ class Engine:
         future.result()
         seconds = time.perf_counter() - start
         return (
-            f"loaded {len(tensors)} {'adapter ' if adapter else ''}tensors from {model_path} in "
-            f"{seconds:.2f} s; "
-            f"weight_version={self.weight_version}"
+            f"loaded {len(tensors)} {what} in {seconds:.2f} s; weight_version={self.weight_version}"
         )
 
     # ---------------------------------------------------------------- worker
@@ -408,6 +399,8 @@ class Engine:
                     work.future.set_result(work.fn())
                 except Exception as exc:
                     work.future.set_exception(exc)
+                if self._static is not None:
+                    self._static.weights_changed()
                 continue
             admitted: list[_Sequence] = []
             try:
@@ -452,6 +445,9 @@ class Engine:
         forward raises). Admission stops at a queued control job, so a weight update waits for
         this batch to drain and the batch never mixes weights.
         """
+        if self._static is not None:
+            self._static.run(seqs, admitted)
+            return
         batch: Batch | None = None
         new = seqs
         while True:
@@ -576,39 +572,5 @@ class Engine:
         return tokens
 
     def _maybe_finish(self, seq: _Sequence) -> None:
-        """Resolve ``seq.future`` if its last token ends it (EOS, stop id, stop string, length)."""
-        params = seq.params
-        token = seq.token_ids[-1]
-        reason: str | None = None
-        stop_reason: int | str | None = None
-        text: str | None = None
-        if token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif token in self.eos_ids and not params.ignore_eos:
-            reason = "stop"
-        elif params.stop:
-            full = self.decode(seq.token_ids)
-            # Only text new since the last step can complete a stop string.
-            since = max(0, seq.text_len - max(len(s) for s in params.stop))
-            seq.text_len = len(full)
-            hits = [(full.find(s, since), s) for s in params.stop if full.find(s, since) >= 0]
-            if hits:
-                cut, stop_reason = min(hits)
-                reason, text = "stop", full[:cut]
-        if reason is None and len(seq.token_ids) >= params.max_tokens:
-            reason = "length"
-        if reason is None:
-            return
-        if text is None:
-            text = self.decode(seq.token_ids)
-        _resolve(
-            seq.future,
-            SequenceOutput(
-                token_ids=list(seq.token_ids),
-                logprobs=list(seq.logprobs),
-                top_logprobs=list(seq.top_logprobs) if params.logprobs else None,
-                text=text,
-                finish_reason=reason,
-                stop_reason=stop_reason,
-            ),
-        )
+        """Resolve ``seq.future`` if its last token ends it (`sequences.maybe_finish`)."""
+        maybe_finish(seq, self.eos_ids, self.decode)

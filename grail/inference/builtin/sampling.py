@@ -95,3 +95,55 @@ def draw(
             for ids, values in zip(best.indices.tolist(), best.values.tolist(), strict=True)
         ]
     return token.tolist(), chosen.tolist(), top
+
+
+def draw_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    *,
+    filtered: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw` for rows with settings of their own, as tensors, with no host synchronisation (the
+    static decode path runs it inside a CUDA graph). Row r uses ``temperature[r]`` (below
+    ``GREEDY_EPS``: greedy), ``top_k[r]`` (0 or >= the vocabulary: off), ``top_p[r]`` (1: off)
+    and the uniform ``uniforms[r]`` (float64; None: every row is greedy). ``filtered=False``
+    promises that no sampled row uses top-k or top-p, and skips the sorts they need.
+
+    Returns the tokens [R] and ``log_softmax(logits / T)`` [R, V]. On CPU every row's token and
+    logprobs are bitwise those `draw` gives it with its settings and uniform (tested): the same
+    ops in the same order, the per-row settings selected with masks instead of Python branches.
+    """
+    greedy = temperature < GREEDY_EPS
+    best = torch.argmax(logits, dim=-1)
+    if uniforms is None:
+        return best, torch.log_softmax(logits, dim=-1)
+    # Greedy rows divide by 1, which is exact: their logprobs stay log_softmax(logits).
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    logp = torch.log_softmax(scaled, dim=-1)
+    vocab = scaled.shape[-1]
+    filt = scaled
+    if filtered:
+        # The k-th largest value, as `topk(...).values[:, -1]` finds it; k off -> the smallest
+        # value, which masks nothing.
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        ordered = torch.sort(filt, dim=-1, descending=True).values
+        kth = ordered.gather(-1, (k - 1).unsqueeze(-1))
+        filt = filt.masked_fill(filt < kth, -math.inf)
+        probs_sorted, order = torch.sort(torch.softmax(filt, dim=-1), dim=-1, descending=True)
+        drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= top_p.unsqueeze(-1)
+        # top_p = 1 is off, as in `draw`: float rounding can take the cumulative sum past 1
+        # before the last token, which would drop tokens `draw` keeps.
+        drop_sorted &= (top_p < 1.0).unsqueeze(-1)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filt = filt.masked_fill(drop, -math.inf)
+    probs = torch.softmax(filt.double(), dim=-1)
+    cdf = probs.cumsum(-1)
+    token = torch.searchsorted(cdf, uniforms.unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)
+    # As in `draw`, without asking the host whether any row needs it.
+    hit = probs.gather(-1, token.clamp(max=vocab - 1).unsqueeze(-1)).squeeze(-1)
+    bad = (token >= vocab) | (hit == 0.0)
+    token = torch.where(bad, torch.argmax(probs, dim=-1), token)
+    return torch.where(greedy, best, token), logp

@@ -20,6 +20,9 @@ client path serves the built-in server, vLLM and SGLang:
   ``logprobs: true`` (+ ``top_logprobs: k``) gives ``logprobs.content``.
 - ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}`` (SGLang's shape):
   in-place weight reload, ``{"success", "message"}``, HTTP 400 when refused.
+- ``POST /update_weights_from_tensor`` ``{"serialized_named_tensors", "weight_version"?,
+  "device_uuid"?}`` (SGLang's shape): the same, from the trainer's tensors in shared memory or
+  CUDA IPC rather than from disk (``tensor_update.py``).
 
 Security and availability (``Limits``, docs/protocols.md): with ``--api-key`` every route but
 ``GET /health`` needs ``Authorization: Bearer <key>`` (401 otherwise), the weight reload included;
@@ -67,6 +70,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from grail.http_api import APIError, Gate, describe_validation_errors, error_response
 from grail.inference.builtin.engine import Engine, EngineStopped, SequenceOutput
 from grail.inference.builtin.sampling import SamplingParams
+from grail.inference.builtin.tensor_update import add_tensor_route
 from grail.inference.builtin.weights import WeightUpdateError
 
 logger = logging.getLogger("grail.serve")
@@ -669,6 +673,7 @@ def create_app(
         logger.info("weights updated: %s", message)
         return JSONResponse({"success": True, "message": message})
 
+    add_tensor_route(app, engine, lambda message: logger.info("weights updated: %s", message))
     return app
 
 
@@ -815,6 +820,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="results independent of batch composition (default: on for CPU, off for CUDA)",
     )
     parser.add_argument(
+        "--decode",
+        choices=["eager", "static", "graph"],
+        help="decode path: graph (static KV cache + CUDA graphs; default on CUDA), static (the "
+        "same without graphs), eager (default on CPU; the only batch-invariant one)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     limits = parser.add_argument_group("limits (see docs/protocols.md)")
@@ -873,6 +884,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             batch_invariant=args.batch_invariant,
             max_model_len=args.max_model_len,
             lora_dir=args.lora_dir,
+            decode=args.decode,
         )
     except (OSError, ValueError, RuntimeError) as exc:
         hint = " (--model takes an HF model directory or 'tiny')" if not model_dir.is_dir() else ""

@@ -41,6 +41,31 @@ def read_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, torch.Tenso
             raise WeightUpdateError(f"{file} is listed in the index but missing")
         read_checked(file, state, tensors, "a weight of the served model")
 
+    _check_covered(tensors, model, str(path))
+    return tensors
+
+
+def check_tensors(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, what: str) -> None:
+    """The same checks as a checkpoint's, for tensors handed over in memory (the shared route,
+    tensor_update.py): every tensor a weight of `model` with its shape and a floating dtype
+    (the copy converts it to the model's), every parameter covered."""
+    state = model.state_dict()
+    for name, tensor in tensors.items():
+        if name not in state:
+            raise WeightUpdateError(f"tensor {name} of {what} is not a weight of the served model")
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            raise WeightUpdateError(
+                f"tensor {name}: shape {list(tensor.shape)} in {what}, model has "
+                f"{list(state[name].shape)}"
+            )
+        if tensor.is_floating_point() != state[name].is_floating_point():
+            raise WeightUpdateError(
+                f"tensor {name}: dtype {tensor.dtype} in {what}, model has {state[name].dtype}"
+            )
+    _check_covered(tensors, model, what)
+
+
+def _check_covered(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, what: str) -> None:
     # Every parameter must be covered by at least one of its names (tied weights share one).
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -48,8 +73,7 @@ def read_checkpoint(path: Path, model: torch.nn.Module) -> dict[str, torch.Tenso
     missing = [names[0] for names in aliases.values() if not any(n in tensors for n in names)]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise WeightUpdateError(f"{path} lacks {len(missing)} model weights: {shown}")
-    return tensors
+        raise WeightUpdateError(f"{what} lacks {len(missing)} model weights: {shown}")
 
 
 def read_checked(
