@@ -188,7 +188,8 @@ def synthetic_batch(
     """A scored rollout batch of random tokens with 0/1 rewards and their group advantages: an
     update's real shape without generating anything."""
     from grail.envs.base import Problem
-    from grail.rollouts import Group, RolloutBatch, Sample, assign_advantages
+    from grail.rollouts.batch import Group, RolloutBatch, Sample
+    from grail.rollouts.generation import assign_advantages
 
     gen = torch.Generator().manual_seed(seed)
     made = []

@@ -34,7 +34,14 @@ from typing import Any
 import torch
 from common import peak_rss_mb, print_table, synthetic_batch, write_results
 
-from grail.config import CheckpointConfig, Config, DataConfig, LoraConfig, ModelConfig, TrainConfig
+from grail.core.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from grail.models.lora import with_new_adapter
 
 

@@ -220,9 +220,9 @@ def worker(spec_path: Path) -> int:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import grail.server_rollouts as rollout_source
+    import grail.rollouts.server as rollout_source
     import grail.train.loop as loop
-    from grail.config import validate
+    from grail.core.config import validate
     from grail.train.cli import CONF_DIR, exit_on_sigterm
 
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # stop_worker's SIGTERM: run() cleans up
@@ -230,7 +230,7 @@ def worker(spec_path: Path) -> int:
     transformers.utils.logging.disable_progress_bar()
     if spec["ignore_eos"]:
         if not hasattr(rollout_source, "CompletionClient"):
-            raise RuntimeError("grail.server_rollouts no longer builds a CompletionClient to patch")
+            raise RuntimeError("grail.rollouts.server no longer builds a CompletionClient to patch")
         rollout_source.CompletionClient = partial(  # type: ignore[misc]
             rollout_source.CompletionClient, extra_body={"ignore_eos": True}
         )

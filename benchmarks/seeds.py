@@ -27,9 +27,9 @@ from typing import Any
 
 from common import print_table, run_worker, write_results
 
-from grail.records import SUMMARY, read_json
-from grail.report_stats import DEFAULT_SEED, seed_of
-from grail.runs import find_runs, read_overrides
+from grail.core.records import SUMMARY, read_json
+from grail.study.runs import find_runs, read_overrides
+from grail.study.stats import DEFAULT_SEED, seed_of
 
 
 def run_seed(run_dir: Path) -> int:

@@ -28,9 +28,10 @@ from typing import Any
 from common import print_table, run_worker, write_results
 from rich.console import Console
 
-from grail.records import METRICS_DIR
-from grail.report import load_runs, seed_stats
-from grail.report_stats import METRICS, SettingStats
+from grail.core.records import METRICS_DIR
+from grail.report.load import load_runs
+from grail.report.seeds import seed_stats
+from grail.study.stats import METRICS, SettingStats
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def run_study(sweep_dir: Path, grid: list[str], extra: list[str], timeout_s: flo
 
 
 def show(o: StudyOutcome, metric: str) -> None:
-    from grail.report import build_stats_table
+    from grail.report.seeds import build_stats_table
 
     Console(width=None if sys.stdout.isatty() else 160).print(
         build_stats_table(o.stats, metric, f"{o.name}: statistics over seeds — {metric}")

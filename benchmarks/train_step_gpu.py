@@ -151,7 +151,7 @@ def synthetic_batch(
     import torch
 
     from grail.envs.base import Problem
-    from grail.rollouts import Group, RolloutBatch, Sample
+    from grail.rollouts.batch import Group, RolloutBatch, Sample
 
     if len(lengths) != groups * group_size:
         raise ValueError(f"{len(lengths)} lengths for {groups} x {group_size} samples")

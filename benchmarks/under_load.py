@@ -13,7 +13,7 @@ The fair share: the run computes on every core (c threads), each hog on one, so 
 want c cores; shared evenly the run keeps c / (c + h) of its cores and its fair slowdown is
 (c + h) / c (2x with one hog per core). Near that is graceful; far above it means threads that
 wait at barriers for a core another process holds (OpenMP threads spinning instead of sleeping:
-grail.config.prefer_passive_openmp).
+grail.core.placement.prefer_passive_openmp).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ How the workloads were made equal (TRL's name in brackets where it differs):
   [gradient_checkpointing=False; TRL defaults to True], on CPU [use_cpu=True;
   CUDA_VISIBLE_DEVICES is emptied for every arm].
 - Prompts: iteration i trains on exactly the problem seeds
-  `grail.server_rollouts.iteration_seeds(cfg, i)` of the copy_digits task. TRL's dataset holds
+  `grail.rollouts.server.iteration_seeds(cfg, i)` of the copy_digits task. TRL's dataset holds
   those seeds' `prompt_messages` in that order (iteration 0's problems, then iteration 1's, ...)
   with shuffling off [shuffle_dataset=False],
   so TRL's generation batch i holds the same problems as our iteration i; the TRL arm fails
@@ -123,7 +123,8 @@ from common import (
     write_results,
 )
 
-from grail.config import LossType, split_cores
+from grail.core.config import LossType
+from grail.core.placement import split_cores
 
 ARMS = ("sync", "pipelined", "trl", "trl_half")
 OURS_ARMS = ("sync", "pipelined")
@@ -299,7 +300,7 @@ def trl_config_kwargs(w: Workload, output_dir: str) -> dict[str, Any]:
 
 def train_seeds(w: Workload) -> list[list[int]]:
     """The problem seeds of every iteration, exactly as the harness picks them."""
-    from grail.server_rollouts import iteration_seeds
+    from grail.rollouts.server import iteration_seeds
 
     cfg = _compose(ours_overrides(w, "sync", "tiny"))
     return [iteration_seeds(cfg, i) for i in range(w.iterations)]

@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import transformers
 
-    from grail.config import available_cores, split_cores
+    from grail.core.placement import available_cores, split_cores
 
     transformers.utils.logging.disable_progress_bar()
     threads = args.threads or split_cores(available_cores(), pipelined=False)[1]

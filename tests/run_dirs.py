@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from grail.records import write_metrics
+from grail.core.records import write_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 # The smallest real workload: a few problems and evaluation seeds, so a real run of the tiny model

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grail.config import available_cores, split_cores
+from grail.core.placement import available_cores, split_cores
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # The scripts import their shared module as `common` (their own folder is on sys.path when run).
@@ -108,7 +108,7 @@ def test_overrides_fix_the_micro_batch_and_compose_into_a_valid_config() -> None
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from grail.config import validate
+    from grail.core.config import validate
     from grail.train.cli import CONF_DIR
 
     point = scaling.Point("rollouts", 4, 40, 8, 8)  # 320 rollouts
@@ -227,7 +227,7 @@ def _compose_ours(overrides: list[str]):  # type: ignore[no-untyped-def]
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from grail.config import validate
+    from grail.core.config import validate
     from grail.train.cli import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -301,7 +301,7 @@ def test_vs_trl_measures_the_default_jobs_iteration_by_default() -> None:
 
 def test_vs_trl_dataset_is_the_harness_seeds_in_order() -> None:
     from grail.envs import make_env
-    from grail.server_rollouts import iteration_seeds
+    from grail.rollouts.server import iteration_seeds
 
     w = vs_trl.Workload(problems=5, group_size=2, iterations=3, micro_batch=5)
     rows = vs_trl.trl_rows(w)
@@ -324,7 +324,7 @@ def test_vs_trl_prompts_render_to_the_same_token_ids(tiny_model_dir: Path) -> No
     harness one problem at a time. Both must give the ids the model is trained on."""
     from grail.envs import make_env
     from grail.models.loading import load_tokenizer
-    from grail.rollouts import render_prompt_ids
+    from grail.rollouts.generation import render_prompt_ids
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     env = make_env("copy_digits")

@@ -355,7 +355,7 @@ def test_graph_decode_follows_weight_updates(
 def test_graph_decode_serves_a_lora_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from grail.config import LoraConfig
+    from grail.core.config import LoraConfig
     from grail.models.lora import with_new_adapter
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

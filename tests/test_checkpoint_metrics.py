@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import torch
 
-from grail.records import atomic_write_text, validate_metrics, write_metrics
+from grail.core.records import atomic_write_text, validate_metrics, write_metrics
 from grail.train.checkpoint import (
     checkpoint_problems,
     commit_checkpoint,

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from run_dirs import grail_train
 
-from grail.config import UserError
+from grail.core.errors import UserError
 from grail.train import cli
 
 REPO = Path(__file__).resolve().parents[1]

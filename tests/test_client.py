@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grail.config import GenerationConfig
+from grail.core.config import GenerationConfig
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import (
     VLLM_NEG_INF,

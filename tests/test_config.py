@@ -10,8 +10,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grail import config as config_module
-from grail.config import Config, ConfigError, cpu_threads, gpu_placement, split_cores, validate
+from grail.core import placement as placement_module
+from grail.core.config import Config, validate
+from grail.core.errors import ConfigError
+from grail.core.placement import cpu_threads, gpu_placement, split_cores
 from grail.train.cli import CONF_DIR
 
 
@@ -34,12 +36,19 @@ def test_cpu_threads_trainer_takes_all_cores_only_when_the_server_waits(
     assert split_cores(8, pipelined=False) == (8, 4)  # sync: generation and training take turns
     assert split_cores(8, pipelined=True) == (4, 4)  # pipelined: both compute at once
     assert split_cores(1, pipelined=True) == split_cores(1, pipelined=False) == (1, 1)
-    monkeypatch.setattr(config_module, "available_cores", lambda: 6)
-    assert cpu_threads(_compose()) == (6, 3)
-    assert cpu_threads(_compose("train.pipeline=true")) == (3, 3)
+    monkeypatch.setattr(placement_module, "available_cores", lambda: 6)
+    assert _threads() == (6, 3)
+    assert _threads("train.pipeline=true") == (3, 3)
     # an explicit choice wins, each side on its own
-    assert cpu_threads(_compose("train.threads=2")) == (2, 3)
-    assert cpu_threads(_compose("generation.server_threads=5", "train.pipeline=true")) == (3, 5)
+    assert _threads("train.threads=2") == (2, 3)
+    assert _threads("generation.server_threads=5", "train.pipeline=true") == (3, 5)
+
+
+def _threads(*overrides: str) -> tuple[int, int]:
+    cfg = _compose(*overrides)
+    return cpu_threads(
+        cfg.train.threads, cfg.generation.server_threads, pipelined=cfg.train.pipeline
+    )
 
 
 @pytest.mark.parametrize(
@@ -137,7 +146,7 @@ def test_unset_gpus_are_placed_by_the_strategy(
 ) -> None:
     cfg = _compose(*overrides)
     validate(cfg)
-    assert gpu_placement(cfg) == placement
+    assert gpu_placement(cfg.gpu) == placement
 
 
 def test_logging_backends_are_accepted() -> None:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from grail.config import ConfigError, UserError
+from grail.core.errors import ConfigError, UserError
 from grail.envs import ENVIRONMENTS, Environment, Problem, env_arguments, make_env
 from grail.envs.gsm8k import (
     GSM8KDataError,
@@ -28,7 +28,7 @@ from grail.envs.gsm8k import (
     load_records,
     parse_number,
 )
-from grail.envs.rewards import correctness, strict_format
+from grail.envs.rewards.builtins import correctness, strict_format
 from grail.envs.sat import SATEnv, clauses_satisfied
 from grail.envs.tags import last_block
 

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from grail.envs.base import Problem
-from grail.rollouts import Group, RolloutBatch, Sample
+from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train.evaluate import best_at_k, eval_metrics, pass_at_k
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from grail.config import ConfigError, LoggingConfig
+from grail.core.config import LoggingConfig
+from grail.core.errors import ConfigError
 from grail.train.loggers import WANDB_ID_FILE, MetricLoggers, flatten_scalars, tensorboard_tag
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grail.algo.grpo import compute_advantages
-from grail.config import (
+from grail.core.config import (
     CheckpointConfig,
     Config,
     DataConfig,
@@ -23,17 +23,11 @@ from grail.config import (
     GenerationConfig,
     TrainConfig,
 )
+from grail.core.records import read_metrics, train_metrics_path, validate_metrics
 from grail.envs import make_env
 from grail.inference.process import SyncResult
-from grail.records import read_metrics, train_metrics_path, validate_metrics
-from grail.rollouts import (
-    GeneratedBatch,
-    Group,
-    RolloutBatch,
-    Sample,
-    WeightSync,
-    render_prompt_ids,
-)
+from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
+from grail.rollouts.generation import render_prompt_ids
 from grail.train.checkpoint import list_checkpoints, load_trainer_state
 from grail.train.display import Display
 from grail.train.loggers import MetricLoggers

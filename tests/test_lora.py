@@ -21,10 +21,9 @@ from safetensors import safe_open
 from test_trainer import _batch
 from transformers import AutoModelForCausalLM
 
-from grail.config import (
+from grail.core.config import (
     CheckpointConfig,
     Config,
-    ConfigError,
     DataConfig,
     GenerationConfig,
     LoraConfig,
@@ -32,12 +31,14 @@ from grail.config import (
     TrainConfig,
     validate,
 )
+from grail.core.errors import ConfigError
+from grail.core.records import read_metrics, train_metrics_path
 from grail.inference.builtin.engine import Engine
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.weights import WeightUpdateError
-from grail.models.lora import AdapterOff, export_merged, with_new_adapter
-from grail.records import read_metrics, train_metrics_path
-from grail.report import main as report_main
+from grail.models.lora import AdapterOff, with_new_adapter
+from grail.report.cli import main as report_main
+from grail.train.export_merged import export_merged
 from grail.train.trainer import Trainer, setup_torch
 
 PROMPT = [3, 17, 42, 9, 11]

@@ -15,7 +15,7 @@ from grail.algo.logprobs import token_entropy
 from grail.envs.base import Problem
 from grail.models.loading import load_model
 from grail.models.lora import AdapterOff, with_new_adapter
-from grail.rollouts import Group, RolloutBatch, Sample
+from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train.packing import (
     DEFAULT_CUDA_MICRO_BATCH_TOKENS,
     packed_logprobs,
@@ -205,7 +205,7 @@ def test_packed_update_equals_the_padded_update(
 def test_lora_reference_runs_packed_with_the_adapter_off(tiny_model_dir: Path) -> None:
     """Under LoRA the KL reference is the same modules with the adapter disabled; the packed
     path reaches the body and the output layer through peft and disables it too."""
-    from grail.config import LoraConfig
+    from grail.core.config import LoraConfig
 
     torch.manual_seed(0)
     model = with_new_adapter(load_model(tiny_model_dir), LoraConfig(enabled=True, r=4))

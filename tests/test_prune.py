@@ -1,4 +1,4 @@
-"""Early pruning of hopeless runs (grail/prune.py): Optuna's pruners with their real journal
+"""Early pruning of hopeless runs (grail/study/prune.py): Optuna's pruners with their real journal
 storage decide; a pruned run's status everywhere (summary schema, sweep reruns, run status, the
 report, the end of a sweep); and once end to end through the real `grail-train -m`."""
 
@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 from run_dirs import TINY_RUN, eval_record, make_run
 
-from grail.config import Config, ConfigError, DataConfig, EvalConfig, PruneConfig, validate
-from grail.prune import NoPruning, RunTrial, open_study, open_trial, storage_path, study_name
-from grail.records import (
+from grail.core.config import Config, DataConfig, EvalConfig, PruneConfig, validate
+from grail.core.errors import ConfigError
+from grail.core.records import (
     PRUNE_TRIAL,
     read_metrics,
     read_pruned,
@@ -31,9 +31,10 @@ from grail.records import (
     write_metrics,
     write_summary,
 )
-from grail.report import main as report_main
-from grail.runs import run_status
-from grail.sweep import Action, RunRecord, decide
+from grail.report.cli import main as report_main
+from grail.study.prune import NoPruning, RunTrial, open_study, open_trial, storage_path, study_name
+from grail.study.runs import run_status
+from grail.study.sweep import Action, RunRecord, decide
 from grail.train.cli import CONF_DIR, SweepOutcome
 
 

@@ -1,4 +1,4 @@
-"""Remote reward scorers (grail/envs/remote_rewards.py) over real HTTP against local servers: a
+"""Remote reward scorers (grail/envs/rewards/remote.py) over real HTTP against local servers: a
 scripted http.server scorer for each behaviour (chunks, concurrency, retries, errors), and the
 example FastAPI scorer (examples/reward_server.py) in-process and as a real subprocess."""
 
@@ -21,18 +21,18 @@ from typing import Any
 import pytest
 import uvicorn
 
-from grail.config import ConfigError
+from grail.core.errors import ConfigError
 from grail.envs import make_env
-from grail.envs.remote_rewards import RemoteOptions, RemoteReward
-from grail.envs.rewards import (
-    RewardError,
+from grail.envs.rewards.base import RewardError
+from grail.envs.rewards.plugins import (
     RewardFunctions,
     WeightedReward,
     load_reward_fn,
     score_completions,
 )
+from grail.envs.rewards.remote import RemoteOptions, RemoteReward
 from grail.inference.client import Completion, SamplingParams
-from grail.rollouts import RolloutGenerator
+from grail.rollouts.generation import RolloutGenerator
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from run_dirs import make_run, train_record, write_hydra
 
-from grail.records import write_metrics, write_summary
-from grail.report import load_runs, main, sort_runs, sparkline
+from grail.core.records import write_metrics, write_summary
+from grail.report.cli import main
+from grail.report.load import load_runs
+from grail.report.table import sort_runs, sparkline
 
 
 @pytest.fixture
@@ -204,6 +206,6 @@ def test_sparkline() -> None:
 
 def test_train_record_helper_matches_the_schema() -> None:
     # The fixtures above are only meaningful if they are what the loop writes.
-    from grail.records import validate_metrics
+    from grail.core.records import validate_metrics
 
     validate_metrics(train_record(0, 0.5), "train_iteration")

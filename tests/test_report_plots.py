@@ -1,4 +1,4 @@
-"""The heat map of grail-report (grail/report_plots.py): which studies form an lr × kl_coef grid,
+"""The heat map of grail-report (grail/report/plots.py): which studies form an lr × kl_coef grid,
 how it is laid out and labelled, and that the PNG is written."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from grail.report_plots import cell_text, grid_of, heatmap_path, plot_heatmap
-from grail.report_stats import SeedRun, group_by_setting, summarize
+from grail.report.plots import cell_text, grid_of, heatmap_path, plot_heatmap
+from grail.study.stats import SeedRun, group_by_setting, summarize
 
 
 def _runs(settings: dict[tuple[str, ...], list[float]]) -> list[SeedRun]:

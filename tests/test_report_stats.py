@@ -12,8 +12,8 @@ import pytest
 from run_dirs import eval_record, make_run
 from scipy import stats as scipy_stats
 
-from grail.report import main
-from grail.report_stats import (
+from grail.report.cli import main
+from grail.study.stats import (
     Interval,
     SeedRun,
     group_by_setting,

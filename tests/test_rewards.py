@@ -6,17 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from grail.config import UserError
+from grail.core.errors import UserError
 from grail.envs import CopyDigitsEnv, SATEnv
-from grail.envs.rewards import (
-    RewardError,
-    RewardFunctions,
-    correctness,
-    keyword_match,
-    load_reward_fn,
-    score_completions,
-    strict_format,
-)
+from grail.envs.rewards.base import RewardError
+from grail.envs.rewards.builtins import correctness, keyword_match, strict_format
+from grail.envs.rewards.plugins import RewardFunctions, load_reward_fn, score_completions
 
 TESTS_DIR = Path(__file__).parent
 P = "reward_plugins"  # module in tests/, importable once TESTS_DIR is on sys.path
@@ -172,7 +166,7 @@ def test_numpy_result_is_rejected_with_a_hint() -> None:
     def as_array(prompts: list[str], completions: list[str], **kwargs: object) -> object:
         return np.zeros(len(completions))
 
-    from grail.envs.rewards import call_reward_fn
+    from grail.envs.rewards.plugins import call_reward_fn
 
     with pytest.raises(RewardError, match=r"returned ndarray, expected a list \(convert with"):
         call_reward_fn("arr", as_array, [""], ["x"])

@@ -1,4 +1,4 @@
-"""Iteration 0's rollouts shared by the runs of a study (grail/shared_rollouts.py): what the key
+"""Iteration 0's rollouts shared by the runs of a study (grail/rollouts/shared.py): what the key
 covers, the store's round trip and its recovery from a bad file, and, end to end, a run that
 loads the stored batch recording the same metrics, bit for bit, as one that generated it."""
 
@@ -16,19 +16,13 @@ from typing import Any
 import pytest
 from test_train_loop import _finish, _train
 
-from grail.config import Config, DataConfig, GenerationConfig, TrainConfig
+from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
+from grail.core.records import read_metrics, validate_metrics
 from grail.envs import make_env
-from grail.records import read_metrics, validate_metrics
-from grail.rollouts import (
-    GeneratedBatch,
-    Group,
-    Resampling,
-    RolloutBatch,
-    Sample,
-    assign_advantages,
-)
-from grail.server_rollouts import iteration_seeds
-from grail.shared_rollouts import SharedRollouts, identity, rollout_key, weights_digest
+from grail.rollouts.batch import GeneratedBatch, Group, Resampling, RolloutBatch, Sample
+from grail.rollouts.generation import assign_advantages
+from grail.rollouts.server import iteration_seeds
+from grail.rollouts.shared import SharedRollouts, identity, rollout_key, weights_digest
 
 # ---- the key --------------------------------------------------------------------------------
 
@@ -223,7 +217,7 @@ def test_a_bad_store_file_is_ignored_and_generated_again(
         calls.append(1)
         return original
 
-    with caplog.at_level(logging.WARNING, logger="grail.shared_rollouts"):
+    with caplog.at_level(logging.WARNING, logger="grail.rollouts.shared"):
         batch = _store(cfg, tmp_path).get(generate, env, tok, seeds)
     assert calls == [1] and batch is original
     assert "ignoring stored rollouts" in caplog.text

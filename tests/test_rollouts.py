@@ -8,24 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from grail.config import Config, DataConfig
+from grail.core.config import Config, DataConfig
 from grail.envs import make_env
 from grail.envs.base import Problem
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.models.loading import load_tokenizer
 from grail.models.tiny import ensure_tiny_model
-from grail.rollouts import (
-    Group,
-    Resampling,
+from grail.rollouts.batch import Group, Resampling, Sample, informative
+from grail.rollouts.generation import (
     RolloutGenerator,
-    Sample,
     fill_informative,
-    informative,
     render_prompt_ids,
     request_seed,
 )
-from grail.server_rollouts import resample_seeds
+from grail.rollouts.server import resample_seeds
 
 
 @pytest.fixture(scope="module")

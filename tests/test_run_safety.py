@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 from test_train_loop import _alive, _finish, _servers_of, _train, _wait_for
 
-from grail.records import (
+from grail.core.records import (
     RunDirLocked,
     RunPart,
     read_metrics,
@@ -27,7 +27,7 @@ from grail.train.display import Display
 
 # --- one run per directory ------------------------------------------------------------------------
 
-_HOLD = "import sys, time; from grail.records import run_lock\nwith run_lock(sys.argv[1]):\n"
+_HOLD = "import sys, time; from grail.core.records import run_lock\nwith run_lock(sys.argv[1]):\n"
 _HOLD += "    print('locked', flush=True)\n    time.sleep(120)\n"
 
 

@@ -1,4 +1,4 @@
-"""The search sweeper (hydra/sweeper=grail_optuna, grail/search.py): its parameter grammar and
+"""The search sweeper (hydra/sweeper=grail_optuna, grail/study/search.py): its parameter grammar and
 errors, how trials become jobs and batches, a trial's value and state from its runs, resuming an
 interrupted study, and one real search through `grail-train -m`.
 
@@ -27,11 +27,17 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 from run_dirs import TINY_RUN, grail_train, make_run
 
-from grail.records import atomic_write_text, metric_records
-from grail.report_stats import metric_of, t_interval
-from grail.search import BEST, JOURNAL, SEARCH_DIR, OptunaSearchSweeper, trial_outcome
-from grail.search_space import job_numbers, launch_blocks, parse_space, seed_list, trials_per_batch
-from grail.sweep import SweepError
+from grail.core.records import atomic_write_text, metric_records
+from grail.study.search import BEST, JOURNAL, SEARCH_DIR, OptunaSearchSweeper, trial_outcome
+from grail.study.search_space import (
+    job_numbers,
+    launch_blocks,
+    parse_space,
+    seed_list,
+    trials_per_batch,
+)
+from grail.study.stats import metric_of, t_interval
+from grail.study.sweep import SweepError
 from grail.train.cli import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +132,7 @@ def test_trials_become_consecutive_jobs_in_blocks_that_keep_slots_unique() -> No
     assert launch_blocks([3, 4, 5], 2) == [[3, 4], [5]]
     assert launch_blocks([0, 1, 2, 5], None) == [[0, 1, 2], [5]]
     for block in launch_blocks(list(range(3, 40)), 4):
-        assert len({job % 4 for job in block}) == len(block)  # grail.sweep's slot = job mod P
+        assert len({job % 4 for job in block}) == len(block)  # grail.study.sweep's slot = job mod P
 
 
 # ---- the fake launcher --------------------------------------------------------------------------
@@ -321,7 +327,7 @@ def test_failed_and_pruned_runs_fail_and_prune_their_trial(
     # trial 0: seed 1 fails; trial 1: seed 0 is pruned; trials 2, 3 complete
     ends = {1: failed, 2: pruned}
     sweeper, _ = _sweeper(tmp_path, ends.get, n_trials=4)
-    with caplog.at_level(logging.INFO, logger="grail.search"):
+    with caplog.at_level(logging.INFO, logger="grail.study.search"):
         sweeper.sweep(SEARCH)
     trials = _by_trial(_study(tmp_path))
     assert [trials[n].state for n in range(4)] == [

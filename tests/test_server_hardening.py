@@ -30,7 +30,7 @@ from test_builtin_server import (
     side_by_side,
 )
 
-from grail.config import Config, GenerationConfig
+from grail.core.config import Config, GenerationConfig
 from grail.inference.backends import server_manager_from_config
 from grail.models.tiny import ensure_tiny_model, resolve_model
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from grail.config import Config, DataConfig, EvalConfig, GenerationConfig, TrainConfig
+from grail.core.config import Config, DataConfig, EvalConfig, GenerationConfig, TrainConfig
 from grail.envs import make_env
-from grail.envs.rewards import RewardFunctions
+from grail.envs.rewards.plugins import RewardFunctions
 from grail.inference.backends import server_manager_from_config
 from grail.models.loading import load_tokenizer
-from grail.rollouts import GeneratedBatch
-from grail.server_rollouts import ServerRollouts, iteration_seeds
+from grail.rollouts.batch import GeneratedBatch
+from grail.rollouts.server import ServerRollouts, iteration_seeds
 
 
 def _config(pipeline: bool = False, iterations: int = 3) -> Config:

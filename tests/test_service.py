@@ -21,11 +21,11 @@ from fastapi.testclient import TestClient
 from run_dirs import REPO, TINY_RUN
 from transformers import AutoTokenizer
 
+from grail.core.http_api import APIError
+from grail.core.records import eval_metrics_path, read_json, train_metrics_path
 from grail.envs import make_env
-from grail.http_api import APIError
 from grail.inference.client import Completion, SamplingParams
-from grail.records import eval_metrics_path, read_json, train_metrics_path
-from grail.rollouts import render_prompt_ids
+from grail.rollouts.generation import render_prompt_ids
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
 from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceSample
@@ -567,7 +567,7 @@ def test_a_killed_trainer_resumes_with_every_reward_it_accepted(
 def test_records_of_a_run_carry_no_secrets() -> None:
     """summary.json and the metric loggers get the config without the service's key and the
     remote scorers' headers (a key given as ${oc.env:VAR} is resolved by then)."""
-    from grail.records import REDACTED, without_secrets
+    from grail.core.records import REDACTED, without_secrets
 
     config = {
         "service": {"api_key": "sk-secret", "port": 1},

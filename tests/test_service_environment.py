@@ -12,7 +12,7 @@ import pytest
 from run_dirs import REPO, TINY_RUN
 from test_service import Trainer
 
-from grail.records import read_json, train_metrics_path
+from grail.core.records import read_json, train_metrics_path
 
 ITERATIONS = 3
 PROBLEMS = 4  # data.problems_per_iteration in TINY_RUN

@@ -23,10 +23,10 @@ from fake_server import FakeBuiltinServer
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grail.config import validate
+from grail.core.config import validate
 from grail.inference import os_process
-from grail.runs import append_attempt, run_record
-from grail.sweep import (
+from grail.study.runs import append_attempt, run_record
+from grail.study.sweep import (
     SUBMITIT_LOCAL,
     SUBMITIT_SLURM,
     Action,
@@ -305,7 +305,7 @@ DRIVER = textwrap.dedent(
         sys.path.insert(0, TESTS_DIR)
         from fake_server import FakeBuiltinServer
         from run_dirs import eval_record, summary_record, train_record
-        from grail.records import write_metrics
+        from grail.core.records import write_metrics
 
         start = time.time()
         fail_lr = os.environ.get("FAKE_FAIL_LR")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from run_dirs import TINY_RUN
 
-from grail.records import read_metrics, validate_metrics
+from grail.core.records import read_metrics, validate_metrics
 
 SMALL = [
     *TINY_RUN,

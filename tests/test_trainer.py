@@ -14,11 +14,11 @@ import torch
 import transformers
 
 from grail.algo.grpo import compute_advantages
-from grail.config import Config, DataConfig, GenerationConfig, TrainConfig
+from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
+from grail.core.records import validate_metrics
 from grail.envs import make_env
 from grail.inference.process import SyncResult
-from grail.records import validate_metrics
-from grail.rollouts import GeneratedBatch, Group, Resampling, RolloutBatch, Sample, WeightSync
+from grail.rollouts.batch import GeneratedBatch, Group, Resampling, RolloutBatch, Sample, WeightSync
 from grail.train import trainer as trainer_module
 from grail.train.checkpoint import CheckpointRef
 from grail.train.loop import iteration_record

@@ -13,7 +13,7 @@ from torch import Tensor
 from grail.algo.grpo import GRPOLossConfig, token_logprobs
 from grail.envs.base import Problem
 from grail.models.loading import load_model
-from grail.rollouts import Group, RolloutBatch, Sample
+from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train import update
 from grail.train.update import (
     UpdateSettings,

@@ -19,7 +19,9 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from grail.config import Config, ConfigError, validate
+from grail.core.config import Config, validate
+from grail.core.errors import ConfigError
+from grail.core.records import load_schema
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.process import SyncResult, WeightSyncError
 from grail.inference.transfer import (
@@ -30,8 +32,7 @@ from grail.inference.transfer import (
     resolve_route,
 )
 from grail.models.loading import load_model
-from grail.records import load_schema
-from grail.rollouts import WeightSync
+from grail.rollouts.batch import WeightSync
 from grail.train.loop import weight_sync_record
 
 pytestmark = pytest.mark.timeout(120)

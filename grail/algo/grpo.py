@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from grail.algo.logprobs import DEFAULT_CHUNK_SIZE, token_entropy, token_logprobs
-from grail.config import (
+from grail.core.config import (
     ImportanceSamplingLevel,
     ISCorrection,
     KLEstimator,
@@ -71,7 +71,7 @@ from grail.config import (
 )
 
 if TYPE_CHECKING:
-    from grail.config import Config
+    from grail.core.config import Config
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",

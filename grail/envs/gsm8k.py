@@ -49,7 +49,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
-from grail.config import UserError
+from grail.core.errors import UserError
 from grail.envs.base import Problem, Score
 from grail.envs.tags import last_block
 

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 
-from grail.config import BACKENDS, Backend
+from grail.core.config import BACKENDS, Backend
 
 if TYPE_CHECKING:
-    from grail.config import GenerationConfig
+    from grail.core.config import GenerationConfig
 
 logger = logging.getLogger(__name__)
 

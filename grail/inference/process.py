@@ -42,7 +42,8 @@ from typing import Any, ClassVar, Self, TypeVar, get_args
 
 import httpx
 
-from grail.config import WeightSyncMode, prefer_passive_openmp
+from grail.core.config import WeightSyncMode
+from grail.core.placement import prefer_passive_openmp
 from grail.inference import os_process
 
 logger = logging.getLogger(__name__)

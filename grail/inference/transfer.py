@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 from grail.inference.process import ServerManager, SyncResult, WeightSyncError
 
 if TYPE_CHECKING:
-    from grail.config import Config
+    from grail.core.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,9 @@ def resolve_route(
 def route_from_config(cfg: Config, cuda_available: bool) -> tuple[str, str]:
     """`resolve_route` for a run: the server is on the trainer's device when both are on CPU,
     or on one CUDA index (`gpu.strategy=single`, `gpu_placement`)."""
-    from grail.config import gpu_placement
+    from grail.core.placement import gpu_placement
 
-    server_gpu, trainer_gpu = gpu_placement(cfg)
+    server_gpu, trainer_gpu = gpu_placement(cfg.gpu)
     return resolve_route(
         cfg.generation.weight_transfer,
         backend=cfg.generation.backend,

@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from grail.config import UserError
+from grail.core.errors import UserError
 
 # "org/name" with the characters the hub allows (a revision is not part of the id).
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from grail.http_api import APIError, Gate, describe_validation_errors, error_response
+from grail.core.http_api import APIError, Gate, describe_validation_errors, error_response
 from grail.service.ledger import PushedGroup, RewardEntry, ServiceSample
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, astuple
 from typing import Any
 
-from grail.http_api import APIError
+from grail.core.http_api import APIError
 from grail.inference.client import CompletionClient, GenerationError, SamplingParams
-from grail.rollouts import request_seed
+from grail.rollouts.generation import request_seed
 from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceGroup
 from grail.service.store import LedgerStore
 

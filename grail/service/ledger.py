@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from grail.http_api import APIError
+from grail.core.http_api import APIError
 
 SOURCES = ("completions", "groups")  # where a group came from: which route
 _SAMPLE_ID = re.compile(r"v(\d+)-g(\d+)-s(\d+)")

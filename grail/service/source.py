@@ -33,27 +33,21 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import uvicorn
 
-from grail.config import UserError
+from grail.core.errors import UserError
+from grail.core.records import atomic_write_text
 from grail.envs.base import Problem
 from grail.inference.client import SamplingParams
-from grail.records import atomic_write_text
-from grail.rollouts import (
-    GeneratedBatch,
-    Group,
-    RolloutBatch,
-    Sample,
-    WeightSync,
-    assign_advantages,
-)
-from grail.server_rollouts import ServerRollouts, completion_client, wait
+from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
+from grail.rollouts.generation import assign_advantages
+from grail.rollouts.server import ServerRollouts, completion_client, wait
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
 from grail.service.ledger import Ledger, ServiceGroup
 from grail.service.store import SNAPSHOT, LedgerStore
 
 if TYPE_CHECKING:
-    from grail.config import Config
-    from grail.server_rollouts import ProgressFactory
+    from grail.core.config import Config
+    from grail.rollouts.server import ProgressFactory
 
 log = logging.getLogger("grail.service")
 

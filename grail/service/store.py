@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grail.records import atomic_write_text, read_json
+from grail.core.records import atomic_write_text, read_json
 from grail.service.ledger import Counters, Ledger, PushedGroup, RewardEntry, ServiceSample
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from grail.manifest import file_entry, file_problem
+from grail.core.manifest import file_entry, file_problem
+from grail.core.records import atomic_write_text, checkpoint_iteration, iteration_name
 from grail.models.loading import model_dir_problems
-from grail.records import atomic_write_text, checkpoint_iteration, iteration_name
 
 log = logging.getLogger("grail.train")
 

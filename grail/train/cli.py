@@ -1,17 +1,17 @@
 """`grail-train`: the Hydra entrypoint (also `scripts/offline_trainer/run_offline_grpo.py`).
 
-The typed schema (`grail.config.Config`) is registered with Hydra's ConfigStore and named first in
-`conf/offline_grpo.yaml`'s defaults, so an unknown key or a wrong type fails at composition time
-naming the key; `preflight` then rejects what composition lets through (keys added with `+`),
-impossible combinations, environment arguments, reward plugins and model paths before anything
-loads or starts.
+The typed schema (`grail.core.config.Config`) is registered with Hydra's ConfigStore and named
+first in `conf/offline_grpo.yaml`'s defaults, so an unknown key or a wrong type fails at
+composition time naming the key; `preflight` then rejects what composition lets through (keys added
+with `+`), impossible combinations, environment arguments, reward plugins and model paths before
+anything loads or starts.
 
-A single run reports a known user error (`grail.config.UserError`: a bad config, a missing data
+A single run reports a known user error (`grail.core.errors.UserError`: a bad config, a missing data
 file, a plugin that cannot load, a run directory in use, ...) as one line and keeps the traceback
 in the run's log file (Hydra's `RUN_DIR/<job>.log`); Ctrl-C prints the command that resumes the
 run. Any other exception keeps its traceback.
 
-Sweeps (`-m`) add three things around `run()` (see grail/sweep.py and docs/sweeps.md):
+Sweeps (`-m`) add three things around `run()` (see grail/study/sweep.py and docs/sweeps.md):
 - a run that raises does not stop the sweep: its `summary.json` says "failed" and why, and
   `SweepOutcome` (a Hydra callback) lists the failed runs at the end and exits non-zero;
 - runs that share this machine (hydra/launcher=local) get disjoint GPUs and a share of the cores;
@@ -38,15 +38,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grail.config import (
-    Config,
-    ConfigError,
-    UserError,
-    available_cores,
-    prefer_passive_openmp,
-    validate,
-)
-from grail.records import (
+from grail.core.config import Config, validate
+from grail.core.errors import ConfigError, UserError
+from grail.core.placement import available_cores, prefer_passive_openmp
+from grail.core.records import (
     LAUNCH_KEYS,
     SUMMARY,
     RunDirLocked,
@@ -55,7 +50,7 @@ from grail.records import (
     run_lock,
     write_summary,
 )
-from grail.sweep import (
+from grail.study.sweep import (
     Action,
     assign_resources,
     decide,
@@ -120,7 +115,7 @@ def exit_on_sigterm(signum: int, _frame: object) -> None:
 
 
 def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
-    """Config values that give this sweep job its share of the machine (see grail/sweep.py),
+    """Config values that give this sweep job its share of the machine (see grail/study/sweep.py),
     leaving out every field the user set."""
     target = OmegaConf.select(hydra_cfg, "launcher._target_", default=None)
     gpus = visible_gpus()
@@ -160,7 +155,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     the reward plugins (imported) and their names against the environment's score components,
     and that model paths exist. `env_group`: the `env=` choice the config was composed with."""
     from grail.envs import ENVIRONMENTS, check_env_kwargs, env_factory
-    from grail.envs.rewards import RewardFunctions
+    from grail.envs.rewards.plugins import RewardFunctions
     from grail.models.tiny import TINY_MODEL_NAME
 
     validate(config)
@@ -238,7 +233,7 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
     """One run of a sweep. Never raises for a failed run (that would stop the sweep): the failure
     goes into summary.json. KeyboardInterrupt and SIGTERM still stop everything, leaving the run
     incomplete for `resume=true` to continue."""
-    from grail.runs import append_attempt, run_record
+    from grail.study.runs import append_attempt, run_record
 
     overrides = [str(o) for o in hydra_cfg.overrides.task]
     job_num = int(hydra_cfg.job.num)
@@ -344,7 +339,7 @@ def main(cfg: DictConfig) -> None:
 class SweepOutcome(Callback):
     """At the end of a sweep: list the runs that failed (and why) or never finished, and exit
     non-zero if there are any, so scripts and CI see a partly failed sweep as a failure. Runs the
-    pruner stopped early (grail/prune.py) ended as asked: counted, never failures.
+    pruner stopped early (grail/study/prune.py) ended as asked: counted, never failures.
 
     Reads the run directories rather than Hydra's job returns, so it sees the same thing for every
     launcher, runs on SLURM nodes and runs skipped by a `resume=true` rerun included.
@@ -354,7 +349,7 @@ class SweepOutcome(Callback):
         from rich.console import Console
         from rich.markup import escape
 
-        from grail.runs import distinguishing_overrides, find_runs, read_overrides, run_status
+        from grail.study.runs import distinguishing_overrides, find_runs, read_overrides, run_status
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
         runs = find_runs(sweep_dir) if sweep_dir.is_dir() else []

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from grail.records import CHECKPOINTS_DIR, LOGS_DIR, METRICS_DIR, SUMMARY
+from grail.core.records import CHECKPOINTS_DIR, LOGS_DIR, METRICS_DIR, SUMMARY
 
 log = logging.getLogger("grail.train")
 

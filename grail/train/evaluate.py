@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from math import comb
 
-from grail.rollouts import RolloutBatch
+from grail.rollouts.batch import RolloutBatch
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -42,8 +42,9 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any, Literal, Protocol
 
-from grail.config import ConfigError, LoggingConfig
-from grail.records import atomic_write_text
+from grail.core.config import LoggingConfig
+from grail.core.errors import ConfigError
+from grail.core.records import atomic_write_text
 
 KINDS = ("train", "eval")
 # Fields every record carries that are not metrics: the step says which iteration it is.

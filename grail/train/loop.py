@@ -1,8 +1,8 @@
 """The training recipe: set up, then per iteration get rollouts → update → sync weights →
 evaluate → checkpoint → record, one JSON file per iteration.
 
-What a run writes, and where, is described in grail/records.py. A run holds its directory's lock
-from start to end, so a second run into the same directory fails at once. Order inside an
+What a run writes, and where, is described in grail/core/records.py. A run holds its directory's
+lock from start to end, so a second run into the same directory fails at once. Order inside an
 iteration, chosen so a run killed at any moment resumes cleanly: the checkpoint is staged first,
 the iteration's metrics file is written, and only then the checkpoint is committed (renamed into
 place). A resumed run restarts after the newest intact checkpoint (grail/train/checkpoint.py), and
@@ -23,14 +23,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from grail.config import Config, UserError, validate
-from grail.envs import Environment, env_arguments, make_env
-from grail.envs.rewards import RewardFunctions
-from grail.inference.backends import server_manager_from_config
-from grail.models.loading import check_model_source
-from grail.models.tiny import resolve_model
-from grail.prune import open_trial
-from grail.records import (
+from grail.core.config import Config, validate
+from grail.core.errors import UserError
+from grail.core.records import (
     CHECKPOINTS_DIR,
     METRICS_DIR,
     PARTS,
@@ -47,10 +42,16 @@ from grail.records import (
     write_metrics,
     write_summary,
 )
-from grail.rollouts import GeneratedBatch, RolloutBatch, RolloutSource, WeightSync
-from grail.server_rollouts import ServerRollouts
+from grail.envs import Environment, env_arguments, make_env
+from grail.envs.rewards.plugins import RewardFunctions
+from grail.inference.backends import server_manager_from_config
+from grail.models.loading import check_model_source
+from grail.models.tiny import resolve_model
+from grail.rollouts.batch import GeneratedBatch, RolloutBatch, RolloutSource, WeightSync
+from grail.rollouts.server import ServerRollouts
+from grail.rollouts.shared import SharedRollouts
 from grail.service.source import ServiceRollouts
-from grail.shared_rollouts import SharedRollouts
+from grail.study.prune import open_trial
 from grail.train.checkpoint import (
     CheckpointRef,
     commit_checkpoint,
@@ -155,7 +156,7 @@ def run_iterations(
     cfg: Config, run_dir: Path, trainer: Trainer, source: RolloutSource, recorder: Recorder
 ) -> None:
     """The loop. The trainer holds policy version `iteration` (updates applied so far) while it
-    trains iteration `iteration`. A run the pruner stops (grail/prune.py) ends after the
+    trains iteration `iteration`. A run the pruner stops (grail/study/prune.py) ends after the
     iteration whose evaluation decided it, with that iteration's checkpoint committed."""
     checkpoints_dir = run_dir / CHECKPOINTS_DIR
     if cfg.eval.enabled and not eval_metrics_path(run_dir, -1).exists():
@@ -315,7 +316,7 @@ def check_models(cfg: Config, resume_from: CheckpointRef | None) -> None:
 
 
 def summarize(cfg: Config, run_dir: Path, wall_time_s: float, display: Display) -> dict[str, Any]:
-    """Write summary.json (see grail/records.py for `wall_time_s`) and show it; returns it.
+    """Write summary.json (see grail/core/records.py for `wall_time_s`) and show it; returns it.
     "pruned" when the run's prune_trial.json says the pruner stopped it."""
     summary = write_summary(
         run_dir,

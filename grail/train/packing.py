@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grail.algo.logprobs import token_entropy, token_logprobs
 from grail.models.lora import AdapterOff
-from grail.rollouts import Sample
+from grail.rollouts.batch import Sample
 
 # Completion-predicting positions per output-layer chunk: at a 152k vocabulary one chunk's
 # logits are 4096 x 152k x 2 B = 1.2 GB in bf16 (chunks of 4096 measured in docs/gpu.md).

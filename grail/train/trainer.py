@@ -16,7 +16,8 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from grail.algo.kl_control import AdaptiveKL
-from grail.config import Config, cpu_threads, gpu_placement
+from grail.core.config import Config
+from grail.core.placement import cpu_threads, gpu_placement
 from grail.inference.transfer import PolicyWeights
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.lora import (
@@ -27,7 +28,7 @@ from grail.models.lora import (
     with_saved_adapter,
 )
 from grail.models.tiny import resolve_model
-from grail.rollouts import GeneratedBatch, RolloutBatch
+from grail.rollouts.batch import GeneratedBatch, RolloutBatch
 from grail.train.checkpoint import (
     CheckpointRef,
     load_trainer_state,
@@ -96,9 +97,13 @@ def setup_torch(cfg: Config) -> Accelerator:
     torch.manual_seed(cfg.seed)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
-        torch.cuda.set_device(gpu_placement(cfg)[1])
+        torch.cuda.set_device(gpu_placement(cfg.gpu)[1])
     else:
-        torch.set_num_threads(cpu_threads(cfg)[0])
+        torch.set_num_threads(
+            cpu_threads(
+                cfg.train.threads, cfg.generation.server_threads, pipelined=cfg.train.pipeline
+            )[0]
+        )
     accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")
     torch.use_deterministic_algorithms(not on_cuda, warn_only=True)
     return accelerator

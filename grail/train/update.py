@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from grail.algo.grpo import GRPOLossConfig, grpo_loss
 from grail.algo.kl_control import AdaptiveKL
 from grail.algo.logprobs import token_entropy, token_logprobs
-from grail.rollouts import RolloutBatch, Sample
+from grail.rollouts.batch import RolloutBatch, Sample
 from grail.train.packing import (
     PackedRow,
     packed_logprobs,
@@ -59,7 +59,7 @@ from grail.train.packing import (
 )
 
 if TYPE_CHECKING:
-    from grail.config import Config
+    from grail.core.config import Config
 
 
 @dataclass

@@ -20,8 +20,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grail.config import Config
-from grail.records import read_metrics, validate_metrics
+from grail.core.config import Config
+from grail.core.records import read_metrics, validate_metrics
 from grail.train.checkpoint import latest_checkpoint
 from grail.train.cli import CONF_DIR
 

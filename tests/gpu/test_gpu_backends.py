@@ -30,7 +30,8 @@ from grail.envs import make_env
 from grail.inference.backends import make_server_manager
 from grail.inference.client import FINISH_REASONS, Completion, CompletionClient, SamplingParams
 from grail.models.loading import load_model, load_tokenizer
-from grail.rollouts import Sample, render_prompt_ids
+from grail.rollouts.batch import Sample
+from grail.rollouts.generation import render_prompt_ids
 from grail.train.update import completion_logits, pack_microbatch, token_logprobs
 
 LOGIT_STD = 4.0
@@ -185,7 +186,7 @@ def test_one_training_iteration_through_the_backend(backend: str, tmp_path: Path
     if "is not available yet" in out:
         pytest.skip(f"grail/train/loop.py does not start generation.backend={backend} yet")
     assert result.returncode == 0, out[-4000:]
-    from grail.records import read_metrics
+    from grail.core.records import read_metrics
 
     record = read_metrics(tmp_path / "metrics" / "train_iter_000.json")
     assert record["weight_sync"] == {"mode": "in_place", "fell_back": False}

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from grail.records import read_metrics, validate_metrics
+from grail.core.records import read_metrics, validate_metrics
 
 SMALL = [
     "data.problems_per_iteration=4",

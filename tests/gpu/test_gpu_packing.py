@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from grail.algo.grpo import GRPOLossConfig
 from grail.envs.base import Problem
 from grail.models.loading import load_model
-from grail.rollouts import Group, RolloutBatch, Sample
+from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train.update import UpdateSettings, policy_update
 
 

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grail.config import BACKENDS, Config, cpu_threads, gpu_placement
+from grail.core.config import BACKENDS, Config
+from grail.core.placement import cpu_threads, gpu_placement
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.backends.gpu import default_memory_fraction
 from grail.inference.backends.sglang import SGLangServer
@@ -131,7 +132,9 @@ def server_manager_from_config(
         )
     threads = None
     if not cuda_available:
-        threads = cpu_threads(cfg)[1]
+        threads = cpu_threads(cfg.train.threads, gen.server_threads, pipelined=cfg.train.pipeline)[
+            1
+        ]
     model_dtype = cfg.model.dtype
     route, why = route_from_config(cfg, cuda_available)
     server = make_server_manager(
@@ -139,7 +142,7 @@ def server_manager_from_config(
         model_dir,
         served_model_name,
         log_dir=Path(run_dir) / "logs",
-        device=f"cuda:{gpu_placement(cfg)[0]}" if cuda_available else "cpu",
+        device=f"cuda:{gpu_placement(cfg.gpu)[0]}" if cuda_available else "cpu",
         threads=threads,
         start_timeout=gen.start_timeout_s,
         dtype=None if model_dtype == "auto" else model_dtype,

@@ -67,7 +67,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from grail.http_api import APIError, Gate, describe_validation_errors, error_response
+from grail.core.http_api import APIError, Gate, describe_validation_errors, error_response
 from grail.inference.builtin.engine import Engine, EngineStopped, SequenceOutput
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.tensor_update import add_tensor_route

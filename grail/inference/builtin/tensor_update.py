@@ -15,7 +15,7 @@ server maps them and copies into its parameters, between batches, exactly as the
   may overwrite its buffers;
 - the pickles are read by an unpickler that resolves only the few globals a tensor handle needs
   (as SGLang's ``SafeUnpickler``), so a body cannot name any other callable; the API key gate
-  (grail/http_api.py) is in front of it like every route;
+  (grail/core/http_api.py) is in front of it like every route;
 - on CUDA the handle carries the trainer's device index as the trainer numbers its GPUs, while
   this server sees its GPU as cuda:0 (CUDA_VISIBLE_DEVICES): the index is replaced by ours, after
   checking that the trainer's GPU (``device_uuid``) is this server's.

@@ -16,18 +16,18 @@ seed: job number = trial number × n_seeds + seed index, run directory `<sweep d
 as in a grid sweep, with `seed=<s>` among its overrides, so `grail-report` groups a trial's runs
 as one setting and shows its statistics over seeds. Jobs go to the launcher in consecutive blocks
 of at most `max_batch_size` (several trials at once when their seeds fit), which is what keeps
-`slot = job number mod max_batch_size` unique among the runs alive together (grail/sweep.py).
+`slot = job number mod max_batch_size` unique among the runs alive together (grail/study/sweep.py).
 
-A trial's value is the mean over its seeds of `metric` (grail.report_stats.metric_of on each run's
+A trial's value is the mean over its seeds of `metric` (grail.study.stats.metric_of on each run's
 eval records); its state comes from the runs' summary.json: a failed run fails the trial, a pruned
 one prunes it, a run without a summary (killed) leaves it RUNNING.
 
 The study lives in Optuna's journal storage at `<sweep dir>/optuna/search.journal`. A rerun of the
 same command with `resume=true` and the same `hydra.sweep.dir` reloads it: finished trials stay,
 trials left RUNNING are launched again with the same settings and job numbers (their runs then
-resume from their newest checkpoint, grail.sweep.decide), and the search goes on until `n_trials`
-trials are finished. At the end: the best setting with its mean and 95% CI over seeds, the top
-trials, and `<sweep dir>/optuna/best.yaml`.
+resume from their newest checkpoint, grail.study.sweep.decide), and the search goes on until
+`n_trials` trials are finished. At the end: the best setting with its mean and 95% CI over seeds,
+the top trials, and `<sweep dir>/optuna/best.yaml`.
 
 Optuna is imported inside the sweeper only: Hydra imports this module (through
 hydra_plugins/grail_search) whenever it starts, `grail-train --help` included.
@@ -51,10 +51,9 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from grail.records import LAUNCH_KEYS, atomic_write_text, metric_records
-from grail.report_stats import METRICS, metric_of, t_interval, trained_curve
-from grail.runs import run_status
-from grail.search_space import (
+from grail.core.records import LAUNCH_KEYS, atomic_write_text, metric_records
+from grail.study.runs import run_status
+from grail.study.search_space import (
     Space,
     job_numbers,
     job_overrides,
@@ -64,13 +63,14 @@ from grail.search_space import (
     setting_overrides,
     trials_per_batch,
 )
-from grail.sweep import SweepError
+from grail.study.stats import METRICS, metric_of, t_interval, trained_curve
+from grail.study.sweep import SweepError
 
 if TYPE_CHECKING:
     import optuna
     from optuna.distributions import BaseDistribution
 
-log = logging.getLogger("grail.search")
+log = logging.getLogger("grail.study.search")
 
 SEARCH_DIR = "optuna"  # below the sweep directory
 JOURNAL = "search.journal"
@@ -93,7 +93,7 @@ class SearchSweeperConf:
     params: dict[str, Any] = field(default_factory=dict)
     n_trials: int = 20  # finished trials the study should hold
     seeds: Any = 3  # k: seeds 0..k-1; or a list of seeds
-    metric: str = "auc"  # auc | final | best (grail.report_stats)
+    metric: str = "auc"  # auc | final | best (grail.study.stats)
     direction: str = "maximize"
     study_name: str = "search"
     sampler_seed: int | None = 0

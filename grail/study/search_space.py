@@ -1,6 +1,6 @@
-"""The search space and job layout of the search sweeper (grail/search.py): Hydra's sweep grammar
-read into Optuna distributions, the seeds a trial runs on, and how a trial's jobs are numbered and
-handed to the launcher.
+"""The search space and job layout of the search sweeper (grail/study/search.py): Hydra's sweep
+grammar read into Optuna distributions, the seeds a trial runs on, and how a trial's jobs are
+numbered and handed to the launcher.
 
     interval(a, b)            float in [a, b]        tag(log, interval(a, b)): log scale
     range(a, b[, step])       int (or float) a, a+step, ... < b     tag(log, range(a, b)): log
@@ -8,7 +8,7 @@ handed to the launcher.
 
 Job numbers: trial number × number of seeds + seed index, consecutive within a trial, and handed
 to the launcher in blocks of consecutive numbers no longer than `max_batch_size`, which keeps
-`slot = job number mod max_batch_size` unique among the runs alive together (grail/sweep.py).
+`slot = job number mod max_batch_size` unique among the runs alive together (grail/study/sweep.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from hydra.core.override_parser.types import Override, Transformer
 from hydra.errors import HydraException
 from omegaconf import ListConfig, OmegaConf
 
-from grail.report_stats import SEED_KEY
-from grail.sweep import SweepError
+from grail.study.stats import SEED_KEY
+from grail.study.sweep import SweepError
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution

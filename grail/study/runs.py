@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from grail.records import (
+from grail.core.records import (
     CHECKPOINTS_DIR,
     LAUNCH_KEYS,
     METRICS_DIR,
@@ -29,7 +29,7 @@ from grail.records import (
     override_key,
     read_json,
 )
-from grail.sweep import RunRecord
+from grail.study.sweep import RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def append_attempt(run_dir: Path, action: str, overrides: list[str], job_num: in
 
 
 def run_record(run_dir: Path) -> RunRecord:
-    """The facts `grail.sweep.decide` needs about an earlier attempt in `run_dir`."""
+    """The facts `grail.study.sweep.decide` needs about an earlier attempt in `run_dir`."""
     summary = read_json(run_dir / SUMMARY)
     attempts = read_attempts(run_dir)
     overrides = attempts[-1].get("overrides") if attempts else None
@@ -144,8 +144,9 @@ def run_record(run_dir: Path) -> RunRecord:
 
 @dataclass(frozen=True)
 class RunStatus:
-    """How a run stands: "done", "failed", "pruned" (stopped early by the pruner, grail/prune.py:
-    finished, not failed) or "incomplete" (no summary yet: running or killed)."""
+    """How a run stands: "done", "failed", "pruned" (stopped early by the pruner,
+    grail/study/prune.py: finished, not failed) or "incomplete" (no summary yet: running or
+    killed)."""
 
     path: Path
     status: str

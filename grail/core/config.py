@@ -9,12 +9,14 @@ cannot express (for example evaluation seeds that overlap the training pool).
 from __future__ import annotations
 
 import difflib
-import os
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args
 
 from omegaconf import MISSING
+
+from grail.core.errors import ConfigError
+from grail.core.placement import GpuConfig, gpu_placement
 
 # Every choice a config key offers, defined once: `validate` checks against these, and the
 # components that take the values (grail/algo/grpo.py, grail/inference/) use the same types.
@@ -36,58 +38,11 @@ KLEstimator = Literal["k1", "k2", "k3"]
 # Importance-sampling correction between the trainer's and the server's log-probabilities: TRL's
 # vllm_importance_sampling_mode values, and "none" (vllm_importance_sampling_correction=False).
 ISCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-PrunerName = Literal["asha", "median"]  # grail/prune.py; null (None) switches pruning off
+PrunerName = Literal["asha", "median"]  # grail/study/prune.py; null (None) switches pruning off
 PruneMetric = Literal["auc", "success"]
 # train: the loop owns the prompts and the scoring | service: clients send prompts and rewards over
 # HTTP (grail/service/)
 Mode = Literal["train", "service"]
-
-
-def available_cores() -> int:
-    """Cores this process may run on: its CPU affinity (what SLURM or taskset grant), which can
-    be far fewer than `os.cpu_count()` (the whole node)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def split_cores(cores: int, *, pipelined: bool) -> tuple[int, int]:
-    """(trainer, server) torch threads on CPU for a run that has `cores` cores to itself.
-
-    The trainer gets all of them in sync mode, where generation and training take turns, and half
-    in pipelined mode, where both compute at once (both on all cores was measured up to 15x
-    slower: each side's OpenMP threads wait at barriers for a core the other side holds). The
-    server gets half either way, because while it generates its HTTP thread and the trainer's
-    client are busy too. Measured on 2 cores with `benchmarks/under_load.py --hogs 0` (sync mode,
-    OMP_WAIT_POLICY=PASSIVE, median iteration): 2 server threads instead of 1 took 0.86 s
-    instead of 0.52 s with the tiny model and 5.28 s instead of 5.08 s with a 6-layer
-    hidden-384 one (`model.train_id=` a `build_random_qwen2` directory)."""
-    half = max(1, cores // 2)
-    return (half if pipelined else cores), half
-
-
-def prefer_passive_openmp(env: MutableMapping[str, str]) -> None:
-    """OMP_WAIT_POLICY=PASSIVE in `env` unless it says otherwise; it must be set before torch
-    (its OpenMP runtime) loads, so for the trainer at the entrypoint and for the server in its
-    environment. OpenMP threads otherwise spin at every barrier, waiting for a thread that lost
-    its core: beside one busy process per core the default job's iteration went from 0.64 s to
-    2.99 s (4.6x); passive, 0.49 s to 1.12 s (2.3x), idle no slower
-    (`benchmarks/under_load.py --rounds 2`, 2 cores; docs/benchmarks.md)."""
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-class UserError(Exception):
-    """An error the user fixes from its message alone: a bad config value, a missing data file or
-    model path, a reward plugin that cannot load, a run directory another run holds. `grail-train`
-    prints the message as one line (the run's log file keeps the traceback) and exits non-zero;
-    any other exception keeps its traceback. Raise a subclass (also deriving from the built-in
-    type callers may catch, e.g. `class X(UserError, FileNotFoundError)`) whose message names the
-    bad thing and what to do."""
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value that cannot work; the message names the key."""
 
 
 @dataclass
@@ -117,14 +72,6 @@ class ModelConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
-
-
-@dataclass
-class GpuConfig:
-    strategy: str = "single"  # single: server and trainer share a device | multi: one GPU each
-    # CUDA indices as this process sees them; None: see `gpu_placement` (0, or 0 and 1 for multi)
-    server_gpu: int | None = None
-    training_gpu: int | None = None
 
 
 @dataclass
@@ -217,13 +164,14 @@ class DataConfig:
     num_train_seeds: int = 100_000
     # DAPO's dynamic sampling: leave out groups whose rewards are all equal (no learning signal)
     # and generate more problems until the batch holds problems_per_iteration informative
-    # groups, in at most max_resample_rounds extra rounds per iteration (grail/rollouts.py).
+    # groups, in at most max_resample_rounds extra rounds per iteration
+    # (grail/rollouts/generation.py).
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
     # With study_dir set: iteration 0's rollouts are stored in <study_dir>/rollouts/ by the first
     # run that generates them, and loaded by every run of the study that would generate the same
     # ones (same initial weights, seed, data.* and generation settings; train.* may differ), with
-    # the same metrics as generating them (grail/shared_rollouts.py, docs/sweeps.md).
+    # the same metrics as generating them (grail/rollouts/shared.py, docs/sweeps.md).
     reuse_initial_rollouts: bool = True
 
 
@@ -253,7 +201,8 @@ class LoggingConfig:
 @dataclass
 class PruneConfig:
     """Early stopping of runs clearly worse than the others of their study, by Optuna's pruners
-    (grail/prune.py, docs/sweeps.md). Off by default; `+prune=asha` or `+prune=median` sets it."""
+    (grail/study/prune.py, docs/sweeps.md). Off by default; `+prune=asha` or `+prune=median` sets
+    it."""
 
     pruner: str | None = None  # null: off | asha (successive halving) | median
     # No run is pruned before it has trained this many iterations (ASHA: its min_resource, the
@@ -356,7 +305,7 @@ def check_known_keys(cfg: Config) -> None:
         )
         raise ConfigError(
             f"unknown config key {key} ({hint}); a key added with + or ++ must still be one of "
-            "the schema's (grail/config.py)"
+            "the schema's (grail/core/config.py)"
         )
 
 
@@ -464,7 +413,7 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.gpu, key)
         if value is not None and value < 0:
             raise ConfigError(f"gpu.{key} must be >= 0 or null, got {value}")
-    server_gpu, training_gpu = gpu_placement(cfg)
+    server_gpu, training_gpu = gpu_placement(cfg.gpu)
     if cfg.gpu.strategy == "multi" and server_gpu == training_gpu:
         raise ConfigError(
             f"gpu.strategy=multi needs gpu.server_gpu ({server_gpu}) != gpu.training_gpu "
@@ -606,23 +555,3 @@ def validate_prune(cfg: Config) -> None:
             "their Optuna storage: a sweep (-m) sets it to its hydra.sweep.dir; for a single run "
             "set study_dir=PATH (the same for every run of the study)"
         )
-
-
-def gpu_placement(cfg: Config) -> tuple[int, int]:
-    """(server, trainer) CUDA indices: `gpu.server_gpu` and `gpu.training_gpu` where set. Unset,
-    `single` puts both on the other's GPU (GPU 0 when neither is set), `multi` gives them GPUs 0
-    and 1 (whichever the other does not have)."""
-    server, trainer = cfg.gpu.server_gpu, cfg.gpu.training_gpu
-    if cfg.gpu.strategy == "single":
-        shared = next((g for g in (server, trainer) if g is not None), 0)
-        return (shared if server is None else server), (shared if trainer is None else trainer)
-    if server is None:
-        server = 1 if trainer == 0 else 0
-    return server, (1 if server == 0 else 0) if trainer is None else trainer
-
-
-def cpu_threads(cfg: Config) -> tuple[int, int]:
-    """The run's (trainer, server) threads on CPU: `train.threads` and
-    `generation.server_threads` where set, else `split_cores` of this process's cores."""
-    trainer, server = split_cores(available_cores(), pipelined=cfg.train.pipeline)
-    return cfg.train.threads or trainer, cfg.generation.server_threads or server

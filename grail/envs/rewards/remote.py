@@ -42,8 +42,8 @@ from typing import Any, Self
 
 import httpx
 
-from grail.config import ConfigError
-from grail.envs.rewards import RewardError, check_reward_values
+from grail.core.errors import ConfigError
+from grail.envs.rewards.base import RewardError, check_reward_values
 
 # Entry keys a URL spec may carry besides fn, weight and name (in the order docs list them).
 REMOTE_OPTIONS = ("timeout_s", "max_retries", "max_concurrency", "batch_size", "headers")

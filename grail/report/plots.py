@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grail.records import override_key
-from grail.report_stats import CI_METHOD, CONFIDENCE, SettingStats, mean_curve, setting_of
-from grail.runs import natural_key
+from grail.core.records import override_key
+from grail.report.load import PLOT_PANELS
+from grail.study.runs import natural_key
+from grail.study.stats import CI_METHOD, CONFIDENCE, SettingStats, mean_curve, setting_of
 
 if TYPE_CHECKING:
-    from grail.report import RunReport
+    from grail.report.load import RunReport
 
 
 @dataclass(frozen=True)
@@ -135,13 +136,6 @@ def heatmap_path(plot_path: Path) -> Path:
 
 # ---- runs and settings over training ----------------------------------------------------------
 
-PLOT_PANELS = (
-    ("eval_success", "eval success rate"),
-    ("eval_reward", "eval mean reward"),
-    ("train_reward", "train reward (mean)"),
-    ("kl", "KL to reference"),
-    ("entropy", "entropy"),
-)
 # What an empty panel says: why there may be nothing to draw.
 _EMPTY = {"kl": "no KL recorded\n(it needs train.kl_coef > 0)"}
 

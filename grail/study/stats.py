@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from grail.records import LAUNCH_KEYS, override_key
-from grail.runs import distinguishing_overrides, natural_key
+from grail.core.records import LAUNCH_KEYS, override_key
+from grail.study.runs import distinguishing_overrides, natural_key
 
 METRICS = ("final", "best", "auc")
 SEED_KEY = "seed"
@@ -148,8 +148,8 @@ def group_by_setting(
     runs: Sequence[R], overrides: Callable[[R], Sequence[str]]
 ) -> dict[str, list[R]]:
     """Runs grouped by their overrides minus `seed`, labelled by the overrides that tell the
-    settings apart (`grail.runs.distinguishing_overrides`; "(defaults)" when none). Settings in
-    first-seen order, runs within one in the order given."""
+    settings apart (`grail.study.runs.distinguishing_overrides`; "(defaults)" when none). Settings
+    in first-seen order, runs within one in the order given."""
     groups: dict[tuple[str, ...], list[R]] = {}
     for run in runs:
         groups.setdefault(setting_of(overrides(run)), []).append(run)

@@ -38,26 +38,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from grail.core.records import iteration_name
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.process import ServerManager, call_with_recovery
 from grail.inference.transfer import PolicyWeights, WeightTransfer
-from grail.records import iteration_name
-from grail.rollouts import (
-    GeneratedBatch,
-    Group,
-    RolloutBatch,
+from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
+from grail.rollouts.generation import (
     RolloutGenerator,
-    WeightSync,
     assign_advantages,
     fill_informative,
     stable_hash,
 )
 
 if TYPE_CHECKING:
-    from grail.config import Config
+    from grail.core.config import Config
     from grail.envs.base import Environment
-    from grail.envs.rewards import RewardFunctions
-    from grail.shared_rollouts import SharedRollouts
+    from grail.envs.rewards.plugins import RewardFunctions
+    from grail.rollouts.shared import SharedRollouts
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +199,7 @@ class ServerRollouts:
         self.server = server
         # How each sync hands over the weights: server.weight_transfer, disk as the fallback.
         self._transfer = WeightTransfer(server, server.weight_transfer, server.weight_transfer_why)
-        # Iteration 0's batch, shared by the runs of a study (grail/shared_rollouts.py).
+        # Iteration 0's batch, shared by the runs of a study (grail/rollouts/shared.py).
         self._shared = shared
         self._env, self._eval_env = env, eval_env
         self._tokenizer = tokenizer

@@ -39,9 +39,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grail.config import Config, ConfigError, PruneConfig
-from grail.records import PRUNE_TRIAL, atomic_write_text, metric_records, read_json
-from grail.report_stats import metric_of
+from grail.core.config import Config, PruneConfig
+from grail.core.errors import ConfigError
+from grail.core.records import PRUNE_TRIAL, atomic_write_text, metric_records, read_json
+from grail.study.stats import metric_of
 
 if TYPE_CHECKING:  # optuna (half a second to import) loads only when pruning is on
     import optuna
@@ -49,7 +50,7 @@ if TYPE_CHECKING:  # optuna (half a second to import) loads only when pruning is
 log = logging.getLogger(__name__)
 
 STORAGE = Path("optuna") / "prune.journal"  # inside the study directory
-# prune.metric -> the report's name for the same number (grail/report_stats.py)
+# prune.metric -> the report's name for the same number (grail/study/stats.py)
 _REPORT_METRIC = {"auc": "auc", "success": "final"}
 
 
@@ -135,7 +136,7 @@ class RunTrial:
 
         self.run_dir, self.cfg, self.study, self.number = run_dir, cfg, study, number
         self.journal = journal  # the storage's file, named in prune_trial.json
-        self.pruned = pruned  # set once the pruner said stop (grail.records.read_pruned)
+        self.pruned = pruned  # set once the pruner said stop (grail.core.records.read_pruned)
         # The public way to a trial by its number: the storage's ids (the storage is the study's,
         # which Study keeps as `_storage`; ask() hands out Trial objects the same way).
         self._storage = study._storage

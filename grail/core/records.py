@@ -1,6 +1,7 @@
 """What a run leaves behind, and how it is named: metrics files, the summary, checkpoint names and
-the override keys Hydra records. Below both `grail.train` (which writes these) and `grail.runs` /
-`grail.report` (which read them), so no import runs back up a layer; no torch import here.
+the override keys Hydra records. Below both `grail.train` (which writes these) and
+`grail.study.runs` / `grail.report.cli` (which read them), so no import runs back up a layer; no
+torch import here.
 
 A run directory (Hydra's `outputs/DATE/TIME` or `multirun/DATE/TIME/N`):
 
@@ -41,7 +42,7 @@ from typing import Any
 
 import jsonschema
 
-from grail.config import UserError
+from grail.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"
 SUMMARY = "summary.json"
 PARTS = "parts.json"
-PRUNE_TRIAL = "prune_trial.json"  # written by grail/prune.py
+PRUNE_TRIAL = "prune_trial.json"  # written by grail/study/prune.py
 LOCK_FILE = ".grail.lock"
 _CHECKPOINT_NAME = re.compile(r"^iter_(\d+)$")
 _MAX_MESSAGE = 4000  # characters of an error message kept in summary.json

@@ -1,5 +1,5 @@
 """Reward functions beyond an environment's own score: built-ins, `module:function` plugins and
-remote HTTP scorers (an `http://` or `https://` URL; grail/envs/remote_rewards.py, docs/rewards.md).
+remote HTTP scorers (an `http://` or `https://` URL; grail/envs/rewards/remote.py, docs/rewards.md).
 
 A reward function has the TRL signature
 
@@ -36,108 +36,17 @@ import importlib
 import inspect
 import math
 import numbers
-import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from grail.config import ConfigError, UserError
+from grail.core.errors import ConfigError
 from grail.envs.base import Environment, Problem, Score
-from grail.envs.tags import last_block
-
-RewardFn = Callable[..., list[float]]
-
-# Where a plugin module may live. `uv run grail-train` runs the console script, so the working
-# directory is not on sys.path; the project's root is (its editable install adds it), as are the
-# environment's installed packages and PYTHONPATH.
-IMPORTABLE = (
-    "put it in the project's root directory (on the path of `uv run grail-train`; the working "
-    "directory is not), or add its directory with PYTHONPATH=DIR, or install its package into "
-    "the environment (`uv pip install -e DIR`)"
-)
-
-
-class RewardError(UserError):
-    """A reward function is unusable or misbehaved. `spec` names it; `index` is the sample."""
-
-    def __init__(self, spec: str, message: str, index: int | None = None) -> None:
-        where = f" (sample {index})" if index is not None else ""
-        super().__init__(f"reward {spec!r}{where}: {message}")
-        self.spec = spec
-        self.index = index
-
+from grail.envs.rewards.base import IMPORTABLE, RewardError, RewardFn, check_reward_values
+from grail.envs.rewards.builtins import correctness, keyword_match, strict_format
 
 # ---------------------------------------------------------------------------------------------
 # Built-ins
-
-_STRICT_RE = re.compile(r"<reasoning>\n(.*)\n</reasoning>\n<answer>\n(.*)\n</answer>\n?", re.DOTALL)
-_TAG_RE = re.compile(r"</?(?:reasoning|answer)>")
-
-
-def _per_sample(kwargs: Mapping[str, Any], key: str, n: int) -> list[Any]:
-    if key not in kwargs:
-        raise ValueError(f"needs per-sample `{key}`; the batch has {sorted(kwargs)}")
-    values = kwargs[key]
-    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
-        raise ValueError(f"`{key}` must be a list with one entry per sample, got {values!r:.80}")
-    if len(values) != n:
-        raise ValueError(f"`{key}` has {len(values)} entries for {n} completions")
-    return list(values)
-
-
-def extract_answer_text(completion: str) -> str:
-    """The stripped content of the last <answer>…</answer> block, else the stripped completion."""
-    block = last_block(completion, "answer")
-    return (completion if block is None else block).strip()
-
-
-def correctness(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
-    """1.0 where `extract_answer_text(completion)` equals the stripped reference in `answers`.
-
-    Exact string comparison: "1,000" and "1000" differ. Environments with numeric answers grade
-    numbers themselves (gsm8k's `correct` component); this is for exact-match tasks.
-    """
-    answers = _per_sample(kwargs, "answers", len(completions))
-    return [
-        1.0 if extract_answer_text(c) == str(a).strip() else 0.0
-        for c, a in zip(completions, answers, strict=True)
-    ]
-
-
-def keyword_match(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
-    """Fraction of the sample's `keywords` found in the completion (case-insensitive substrings).
-
-    A sample's keywords may be one string or a list of strings; an empty list is an error
-    (the fraction 0/0 has no meaning, and a silent 0 or 1 would bias the group).
-    """
-    keywords = _per_sample(kwargs, "keywords", len(completions))
-    out = []
-    for i, (c, kws) in enumerate(zip(completions, keywords, strict=True)):
-        words = [kws] if isinstance(kws, str) else kws
-        if not isinstance(words, Sequence) or not all(isinstance(w, str) for w in words):
-            raise ValueError(f"sample {i}: keywords must be a string or a list of strings")
-        if not words:
-            raise ValueError(f"sample {i}: empty keyword list")
-        text = c.casefold()
-        out.append(sum(w.casefold() in text for w in words) / len(words))
-    return out
-
-
-def strict_format(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
-    """1.0 iff the completion is exactly the GRPO-recipe layout, else 0.0:
-
-        <reasoning>\\n…\\n</reasoning>\\n<answer>\\n…\\n</answer>   (one optional trailing \\n)
-
-    with non-blank block contents that contain no <reasoning>/<answer> tags themselves.
-    """
-    # Block contents are checked in Python rather than in the pattern: a pattern that excludes
-    # tags and requires a non-space character backtracks quadratically on long completions.
-    out = []
-    for c in completions:
-        m = _STRICT_RE.fullmatch(c)
-        ok = m is not None and all(g.strip() and not _TAG_RE.search(g) for g in m.groups())
-        out.append(1.0 if ok else 0.0)
-    return out
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
@@ -183,7 +92,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     # Imported here: remote_rewards builds on RewardError and check_reward_values from this module.
-    from grail.envs.remote_rewards import RemoteReward, is_remote_spec
+    from grail.envs.rewards.remote import RemoteReward, is_remote_spec
 
     if is_remote_spec(spec):
         return RemoteReward(spec)
@@ -240,31 +149,6 @@ def call_reward_fn(
     return check_reward_values(spec, values, len(completions))
 
 
-def check_reward_values(
-    spec: str, values: object, count: int, *, offset: int = 0, where: str = ""
-) -> list[float]:
-    """`values` as floats if it is a list of `count` finite real numbers, else a RewardError.
-
-    The one check of what a reward function returned, for plugins and remote scorers alike.
-    `offset` is the batch index of `values[0]` (a remote scorer's chunk), so that a bad value is
-    named by its sample in the batch; `where` is appended to a wrong-length message.
-    """
-    if not isinstance(values, list):
-        hint = " (convert with .tolist())" if hasattr(values, "tolist") else ""
-        raise RewardError(spec, f"returned {type(values).__name__}, expected a list{hint}")
-    if len(values) != count:
-        raise RewardError(spec, f"returned {len(values)} values for {count} completions{where}")
-    out = []
-    for i, v in enumerate(values):
-        if not isinstance(v, numbers.Real):
-            raise RewardError(spec, f"value {v!r} is not a number", index=offset + i)
-        f = float(v)
-        if not math.isfinite(f):
-            raise RewardError(spec, f"value {f} is not finite", index=offset + i)
-        out.append(f)
-    return out
-
-
 def _safe_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
     # An entry as shown in an error message: header values may be credentials, so never shown.
     shown = dict(entry)
@@ -310,7 +194,7 @@ class RewardFunctions:
         entries may not. Nothing is contacted here: URLs are only parsed.
         """
         # Imported here: remote_rewards builds on RewardError and check_reward_values from here.
-        from grail.envs.remote_rewards import REMOTE_OPTIONS, RemoteReward, is_remote_spec
+        from grail.envs.rewards.remote import REMOTE_OPTIONS, RemoteReward, is_remote_spec
 
         if specs is None:
             return cls()
@@ -357,7 +241,7 @@ class RewardFunctions:
 
     def close(self) -> None:
         """Release the remote scorers' HTTP connections (idempotent); plugins are left alone."""
-        from grail.envs.remote_rewards import RemoteReward
+        from grail.envs.rewards.remote import RemoteReward
 
         for r in self.rewards:
             if isinstance(r.fn, RemoteReward):

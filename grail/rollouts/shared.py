@@ -3,9 +3,10 @@
 Every run of a study (`study_dir`: a sweep's directory, or one the user names) that starts from the
 same weights, with the same task, seed and generation settings, generates exactly the same
 iteration-0 batch: the server holds the initial weights and every request carries a seed derived
-from (`seed`, round, problem seed) (grail/rollouts.py `request_seed`). Runs that differ only in
-`train.*` (learning rate, KL coefficient, loss, pipelining) therefore share it: the first run that
-needs it generates and stores it under `<study_dir>/rollouts/<key>.json`, later ones load it.
+from (`seed`, round, problem seed) (grail/rollouts/generation.py `request_seed`). Runs that differ
+only in `train.*` (learning rate, KL coefficient, loss, pipelining) therefore share it: the first
+run that needs it generates and stores it under `<study_dir>/rollouts/<key>.json`, later ones load
+it.
 
 The key is a sha256 over everything that determines that batch and nothing else (`identity`):
 - the files the server starts from (`weights/`: weights, model config, tokenizer, chat template),
@@ -45,20 +46,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grail.records import atomic_write_text
-from grail.rollouts import (
-    GeneratedBatch,
-    Group,
-    Resampling,
-    Reused,
-    RolloutBatch,
-    Sample,
-    assign_advantages,
-    render_prompt_ids,
-)
+from grail.core.records import atomic_write_text
+from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch, Sample
+from grail.rollouts.generation import assign_advantages, render_prompt_ids
 
 if TYPE_CHECKING:
-    from grail.config import Config
+    from grail.core.config import Config
     from grail.envs.base import Environment
     from grail.inference.process import ServerManager
 

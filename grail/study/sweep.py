@@ -9,7 +9,7 @@ P = max_batch_size, and `slot = job_num mod P` is unique among the runs alive at
 
     GPUs:  run in slot s takes GPUs [s·k, s·k + k), k = 1 (gpu.strategy=single) or 2 (multi)
     CPU:   the run's share is max(1, cores // P) cores, split between its trainer and its server
-           as a lone run splits the whole machine (`grail.config.split_cores`)
+           as a lone run splits the whole machine (`grail.core.placement.split_cores`)
 
 Launchers differ in who shares the machine: the basic launcher runs one job at a time (P = 1); the
 submitit local launcher starts a whole batch at once on this machine (P = batch size); the SLURM
@@ -18,9 +18,9 @@ process's CPU affinity, not `os.cpu_count()`).
 
 Reruns. A sweep's run directories are its record: rerunning the same command with `resume=true`
 and the same `hydra.sweep.dir` skips runs whose summary says completed or pruned (stopped early by
-the pruner, grail/prune.py: finished, not to be continued), resumes runs that have progress but no
-summary (killed, or still being written when the sweep stopped) from their newest checkpoint, and
-reruns failed ones.
+the pruner, grail/study/prune.py: finished, not to be continued), resumes runs that have progress
+but no summary (killed, or still being written when the sweep stopped) from their newest
+checkpoint, and reruns failed ones.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from grail.config import split_cores
-from grail.records import LAUNCH_KEYS, override_key
+from grail.core.placement import split_cores
+from grail.core.records import LAUNCH_KEYS, override_key
 
 SUBMITIT_LOCAL = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
 SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -162,7 +162,7 @@ class Action(enum.Enum):
 
 @dataclass(frozen=True)
 class RunRecord:
-    """What a run directory says about an earlier attempt (gathered by `grail.runs`)."""
+    """What a run directory says about an earlier attempt (gathered by `grail.study.runs`)."""
 
     status: str | None  # summary.json's status ("completed" | "failed" | "pruned"); None: none
     has_progress: bool  # any metrics or checkpoints written

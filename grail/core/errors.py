@@ -1,0 +1,16 @@
+"""Errors a user can act on: shown as one line, never as a traceback."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """An error the user fixes from its message alone: a bad config value, a missing data file or
+    model path, a reward plugin that cannot load, a run directory another run holds. `grail-train`
+    prints the message as one line (the run's log file keeps the traceback) and exits non-zero;
+    any other exception keeps its traceback. Raise a subclass (also deriving from the built-in
+    type callers may catch, e.g. `class X(UserError, FileNotFoundError)`) whose message names the
+    bad thing and what to do."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value that cannot work; the message names the key."""

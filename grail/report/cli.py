@@ -1,0 +1,157 @@
+"""`grail-report <sweep or run dir>`: compare the runs of a sweep at a glance.
+
+    uv run grail-report multirun/2026-11-21/10-30-45 [--sort-by best_success] [--out DIR]
+
+prints a table of every run (its distinguishing overrides, status, final and best eval, the train
+reward's trend, time), and writes `summary.csv` (the same table, full precision) and `report.png`
+(one panel per key metric over training, one line per run) into DIR (default: the directory given).
+
+It reads only what runs write (`.hydra/overrides.yaml`, `metrics/*.json`, `summary.json`), each
+file atomically, so it works on a sweep that is still running and on runs that failed or were
+killed: a run is "done" (summary says completed), "failed" (summary says failed, with the error),
+"pruned" (stopped early by the pruner, grail/study/prune.py: its metrics up to there are shown, and
+it is left out of the statistics over seeds, listed apart), or "incomplete" (no summary yet: still
+running, or killed; `resume=true` continues it).
+
+The x axis of every panel is the policy version, i.e. the number of updates applied: train metrics
+of iteration i were measured on rollouts of version i, the eval after iteration i is version i + 1,
+and the baseline eval is version 0. So a point always sits at the weights it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from grail.core.records import atomic_write_text
+from grail.report.load import SORT_KEYS, RunReport, load_runs
+from grail.report.plots import grid_of, heatmap_path, plot, plot_heatmap, plot_seeds
+from grail.report.seeds import (
+    METRIC_HELP,
+    print_seed_stats,
+    runs_csv_text,
+    seed_stats,
+    stats_csv_text,
+)
+from grail.report.table import CSV_NAME, build_table, sort_runs, write_csv
+from grail.study.stats import (
+    DEFAULT_SEED,
+    DEFAULT_TEST,
+    METRICS,
+    TESTS,
+    seed_of,
+)
+
+PNG_NAME = "report.png"
+
+
+def _counts(runs: Sequence[RunReport]) -> str:
+    parts = [f"{sum(r.status == s for r in runs)} {s}" for s in ("done", "failed", "incomplete")]
+    if pruned := sum(r.status == "pruned" for r in runs):  # only in sweeps with pruning on
+        parts.append(f"{pruned} pruned")
+    return f"{len(runs)} runs: " + ", ".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="grail-report",
+        description="Compare the runs of a sweep (or look at one run): a table, summary.csv "
+        "and report.png.",
+    )
+    parser.add_argument("path", type=Path, help="a sweep directory (multirun/DATE/TIME) or a run")
+    parser.add_argument(
+        "--sort-by",
+        default="final_success",
+        choices=["name", *SORT_KEYS],
+        help="order of the table and CSV, best first (default: final_success)",
+    )
+    parser.add_argument("--reverse", action="store_true", help="worst first")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where summary.csv and report.png go (default: PATH)"
+    )
+    parser.add_argument(
+        "--metric",
+        choices=METRICS,
+        default=None,
+        help="statistics over seeds of this metric, per setting (overrides minus seed): "
+        + "; ".join(f"{k}: {v}" for k, v in METRIC_HELP.items())
+        + " (default: auc; shown whenever a run has a seed override or a statistics option "
+        "is given)",
+    )
+    parser.add_argument(
+        "--csv", type=Path, default=None, help="write the statistics over seeds, one row a setting"
+    )
+    parser.add_argument(
+        "--runs-csv",
+        type=Path,
+        default=None,
+        help="write one row a run: setting, seed, status, final, best, auc",
+    )
+    parser.add_argument(
+        "--test",
+        choices=list(TESTS),
+        default=DEFAULT_TEST,
+        help="the paired test over shared seeds that marks settings tied with the best: "
+        + "; ".join(f"{k}: {v}" for k, v in TESTS.items())
+        + f" (default: {DEFAULT_TEST}; Wilcoxon cannot separate anything below 6 seeds)",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write learning curves per setting (mean over seeds, 95%% CI band) to this PNG; "
+        "when exactly two keys are swept (e.g. train.lr x train.kl_coef), also a heat map of "
+        "the metric's mean and CI per setting to PLOT_heatmap.png",
+    )
+    args = parser.parse_args(argv)
+
+    root: Path = args.path
+    if not root.is_dir():
+        parser.error(f"{root} is not a directory")
+    runs = load_runs(root)
+    if not runs:
+        parser.error(f"no runs under {root}: a run directory has .hydra/, metrics/ or summary.json")
+    runs = sort_runs(runs, args.sort_by, args.reverse)
+    out: Path = args.out if args.out is not None else root
+    title = f"{root} — {_counts(runs)}"
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(build_table(runs, title))
+    for r in runs:
+        if r.error:
+            console.print(f"[red]{escape(r.name)} failed:[/] {escape(r.error.splitlines()[0])}")
+    write_csv(runs, out / CSV_NAME)
+    plot(runs, out / PNG_NAME, title)
+    console.print(f"wrote {out / CSV_NAME} and {out / PNG_NAME}")
+
+    wanted = any(x is not None for x in (args.metric, args.csv, args.runs_csv, args.plot))
+    if wanted or any(seed_of(r.overrides) != DEFAULT_SEED for r in runs):
+        metric: str = args.metric or "auc"
+        groups, stats = seed_stats(runs, metric, args.test)
+        console.print()
+        print_seed_stats(console, groups, stats, metric)
+        written = []
+        if args.csv is not None:
+            atomic_write_text(args.csv, stats_csv_text(stats))
+            written.append(args.csv)
+        if args.runs_csv is not None:
+            atomic_write_text(args.runs_csv, runs_csv_text(groups))
+            written.append(args.runs_csv)
+        if args.plot is not None:
+            plot_seeds(stats, args.plot, f"{root} — {metric} over seeds")
+            written.append(args.plot)
+            if (grid := grid_of(stats)) is not None:  # a 2-D study, e.g. train.lr x train.kl_coef
+                plot_heatmap(grid, heatmap_path(args.plot), f"{root} — {metric} over seeds")
+                written.append(heatmap_path(args.plot))
+        if written:
+            console.print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
