@@ -334,8 +334,8 @@ def validate(cfg: Config) -> None:
             f"train.is_clip_max={cfg.train.tis_cap} (train.is_clip_min bounds it below; "
             "sequence_truncate, token_mask and sequence_mask are the other modes)"
         )
-    if cfg.train.kl_target is not None:
-        t = cfg.train
+    t = cfg.train
+    if t.kl_target is not None:
         if t.kl_target <= 0:
             raise ConfigError(f"train.kl_target must be > 0 or null, got {t.kl_target}")
         if t.kl_coef <= 0:

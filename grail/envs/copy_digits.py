@@ -69,7 +69,7 @@ class CopyDigitsEnv:
     """Repeat the digits in the prompt; see the module docstring for prompt and reward."""
 
     name = "copy_digits"
-    components = ("correct", "found", "brevity")
+    components: tuple[str, ...] = ("correct", "found", "brevity")
 
     def __init__(
         self, num_digits: int = 1, correct_weight: float = 1.0, found_weight: float = 1.0

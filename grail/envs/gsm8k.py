@@ -186,7 +186,7 @@ def load_records(path: str | Path) -> list[Record]:
         raise GSM8KFileNotFoundError(f"GSM8K data file not found: {p}")
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        records = []
+        records: list[Any] = []
         with p.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
@@ -263,7 +263,7 @@ class GSM8KEnv:
     """Math word problems with numeric answers; exact (fraction) comparison of the final number."""
 
     name = "gsm8k"
-    components = ("correct", "format")
+    components: tuple[str, ...] = ("correct", "format")
 
     def __init__(
         self,

@@ -124,7 +124,7 @@ class SATEnv:
     """Satisfiable k-SAT instances from seeds; graded reward with format/satisfied/solved parts."""
 
     name = "sat"
-    components = ("format", "satisfied", "solved")
+    components: tuple[str, ...] = ("format", "satisfied", "solved")
 
     def __init__(
         self,

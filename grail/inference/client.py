@@ -509,6 +509,7 @@ class CompletionClient:
             kwargs["seed"] = body.pop("seed")
         # What the SDK does not know (top_k, return_token_ids, seeds, backend extras).
         kwargs["extra_body"] = {**body, **self.extra_body}
+        error: openai.APIError | None
         async with self._semaphore:
             self._in_flight += 1
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self._in_flight)

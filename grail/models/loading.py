@@ -256,4 +256,4 @@ def load_model(
         if isinstance(exc, OSError):
             raise _hub_error(source, "model", exc) from exc
         raise
-    return model.to(torch.device(device))
+    return model.to(torch.device(device))  # type: ignore[arg-type]  # transformers types .to's wrapper as taking the model

@@ -26,7 +26,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def peft_config(lora: LoraConfig) -> PeftLoraConfig:
     return PeftLoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft says int; it scales by alpha / r
         lora_dropout=lora.dropout,
         # peft's "all-linear": every nn.Linear of the blocks, never the output layer
         target_modules=list(lora.target_modules) if lora.target_modules else "all-linear",

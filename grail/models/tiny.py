@@ -186,6 +186,12 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    assert isinstance(token_id, int)  # one token in, one id out
+    return token_id
+
+
 def build_random_qwen2(
     out_dir: Path,
     *,
@@ -225,8 +231,8 @@ def build_random_qwen2(
         raise ValueError(f"init_std must be positive, got {init_std}")
 
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = _token_id(tokenizer, PAD_TOKEN)
+    eos_id = _token_id(tokenizer, IM_END)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -245,7 +251,7 @@ def build_random_qwen2(
     )
     config.dtype = dtype
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(dtype)
+    model = Qwen2ForCausalLM(config).to(dtype)  # type: ignore[arg-type]  # transformers types .to's wrapper as taking the model
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from grail.core.records import override_key
 from grail.report.load import PLOT_PANELS
@@ -142,6 +142,14 @@ _EMPTY = {"kl": "no KL recorded\n(it needs train.kl_coef > 0)"}
 _LINESTYLE = {"done": "-", "incomplete": "--", "failed": ":", "pruned": "-."}
 
 
+def _palette(count: int) -> list[Any]:
+    """Distinct colours for `count` lines (tab10, or tab20 past 10)."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if count <= 10 else "tab20"]
+    return [cmap(i) for i in range(cmap.N)]
+
+
 def plot(runs: Sequence[RunReport], path: Path, title: str) -> None:
     """One panel per key metric over policy versions, one line per run (solid: done, dashed:
     incomplete, dotted with an x at its last point: failed, dash-dotted: pruned); the legend fills
@@ -154,7 +162,7 @@ def plot(runs: Sequence[RunReport], path: Path, title: str) -> None:
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9), constrained_layout=True)
     flat = axes.ravel()
-    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors
+    colors = _palette(len(runs))
     # Colours follow run names, not the sort order, so a run keeps its colour between reports.
     by_name = {r.name: i for i, r in enumerate(sorted(runs, key=lambda r: natural_key(r.name)))}
     handles = []
@@ -232,21 +240,25 @@ def plot_seeds(stats: Sequence[SettingStats], path: Path, title: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(10, 6), constrained_layout=True)
-    colors = plt.get_cmap("tab10" if len(stats) <= 10 else "tab20").colors
+    colors = _palette(len(stats))
     for i, s in enumerate(stats):
         points = mean_curve([r.curve for r in s.runs if r.status == "done"])
         if not points:
             continue
         color = colors[i % len(colors)]
         xs = [p.version for p in points]
-        ys = [p.interval.mean for p in points]
+        ys = [cast(float, p.interval.mean) for p in points]  # each point has >= 1 value
         ax.plot(xs, ys, marker="o", markersize=3, color=color, label=f"{s.label} (n={s.done})")
-        band = [p for p in points if p.interval.lo is not None and p.interval.hi is not None]
+        band = [
+            (p.version, p.interval.lo, p.interval.hi)
+            for p in points
+            if p.interval.lo is not None and p.interval.hi is not None
+        ]
         if band:
             ax.fill_between(
-                [p.version for p in band],
-                [max(0.0, p.interval.lo) for p in band],  # type: ignore[arg-type]
-                [min(1.0, p.interval.hi) for p in band],  # type: ignore[arg-type]
+                [version for version, _, _ in band],
+                [max(0.0, lo) for _, lo, _ in band],
+                [min(1.0, hi) for _, _, hi in band],
                 color=color,
                 alpha=0.2,
                 linewidth=0,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override, Transformer
+from hydra.core.override_parser.types import IntervalSweep, Override, RangeSweep, Transformer
 from hydra.errors import HydraException
 from omegaconf import ListConfig, OmegaConf
 
@@ -56,11 +56,11 @@ def distribution_of(override: Override) -> BaseDistribution | None:
         return None
     value = override.value()
     log_scale = "log" in getattr(value, "tags", set())
-    if override.is_choice_sweep() or (override.is_range_sweep() and value.shuffle):
+    if override.is_choice_sweep() or (isinstance(value, RangeSweep) and value.shuffle):
         choices = list(override.sweep_iterator(transformer=Transformer.encode))
-        return CategoricalDistribution(choices)
-    if override.is_range_sweep():
-        values = list(override.sweep_iterator(transformer=Transformer.encode))
+        return CategoricalDistribution(choices)  # type: ignore[arg-type]  # Hydra's encoded values
+    if isinstance(value, RangeSweep):
+        values: list[Any] = list(override.sweep_iterator(transformer=Transformer.encode))
         if not values:
             raise ValueError("the range is empty")
         step = abs(value.step)
@@ -72,7 +72,8 @@ def distribution_of(override: Override) -> BaseDistribution | None:
         # would refuse as not a whole number of steps: 12 significant digits are plenty.
         low, high = (float(f"{x:.12g}") for x in (min(values), max(values)))
         return FloatDistribution(low, high, step=float(step))
-    if override.is_interval_sweep():
+    if isinstance(value, IntervalSweep):
+        assert value.start is not None and value.end is not None  # the grammar requires both
         return FloatDistribution(float(value.start), float(value.end), log=log_scale)
     raise ValueError("not a sweep the search knows: use interval(...), range(...) or choice(...)")
 

@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -277,7 +277,7 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
             time.perf_counter() - t0,
             error=exc,
             environment=OmegaConf.select(cfg, "data.environment", default=None),
-            config=snapshot if isinstance(snapshot, dict) else None,
+            config=cast(dict[str, Any], snapshot) if isinstance(snapshot, dict) else None,
         )
 
 

@@ -130,7 +130,7 @@ class Engine:
         model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation="sdpa"
         )
-        self.model: PreTrainedModel = model.to(self.device).eval()
+        self.model: PreTrainedModel = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to's wrapper as taking the model
         self.model.requires_grad_(False)
         if lora_dir is not None:
             # Before the batch-invariance probes below, which measure every linear layer: the
