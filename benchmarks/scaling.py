@@ -222,7 +222,7 @@ def worker(spec_path: Path) -> int:
 
     import grail.rollouts.server as rollout_source
     import grail.train.loop as loop
-    from grail.core.config import validate
+    from grail.core.validate import validate
     from grail.train.cli import CONF_DIR, exit_on_sigterm
 
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # stop_worker's SIGTERM: run() cleans up

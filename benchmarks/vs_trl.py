@@ -372,9 +372,11 @@ def run_ours(w: Workload, arm: str) -> dict[str, Any]:
     import torch
 
     from grail.models.tiny import ensure_tiny_model
+    from grail.train.cli import preflight
     from grail.train.loop import run
 
     cfg = _compose(ours_overrides(w, arm, str(ensure_tiny_model())))
+    preflight(cfg)
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{arm}-") as tmp, ServerPeakRss() as server:
         run_dir = Path(tmp)
         run(cfg, run_dir)

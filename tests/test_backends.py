@@ -31,9 +31,10 @@ import httpx
 import pytest
 from fake_gpu_server import FakeSGLangServer, FakeVLLMServer
 
-from grail.core.config import Config, DataConfig, GenerationConfig, validate
+from grail.core.config import Config, DataConfig, GenerationConfig
 from grail.core.errors import ConfigError
 from grail.core.placement import GpuConfig
+from grail.core.validate import validate
 from grail.inference.backends import gpu as gpu_backend
 from grail.inference.backends import make_server_manager, server_manager_from_config
 from grail.inference.backends.builtin import BuiltinServer

@@ -108,7 +108,7 @@ def test_overrides_fix_the_micro_batch_and_compose_into_a_valid_config() -> None
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from grail.core.config import validate
+    from grail.core.validate import validate
     from grail.train.cli import CONF_DIR
 
     point = scaling.Point("rollouts", 4, 40, 8, 8)  # 320 rollouts
@@ -227,7 +227,7 @@ def _compose_ours(overrides: list[str]):  # type: ignore[no-untyped-def]
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from grail.core.config import validate
+    from grail.core.validate import validate
     from grail.train.cli import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

@@ -11,9 +11,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from grail.core import placement as placement_module
-from grail.core.config import Config, validate
+from grail.core.config import Config
 from grail.core.errors import ConfigError
 from grail.core.placement import cpu_threads, gpu_placement, split_cores
+from grail.core.validate import validate
 from grail.train.cli import CONF_DIR
 
 

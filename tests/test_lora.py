@@ -29,10 +29,10 @@ from grail.core.config import (
     LoraConfig,
     ModelConfig,
     TrainConfig,
-    validate,
 )
 from grail.core.errors import ConfigError
 from grail.core.records import read_metrics, train_metrics_path
+from grail.core.validate import validate
 from grail.inference.builtin.engine import Engine
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.weights import WeightUpdateError

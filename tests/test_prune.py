@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 from run_dirs import TINY_RUN, eval_record, make_run
 
-from grail.core.config import Config, DataConfig, EvalConfig, PruneConfig, validate
+from grail.core.config import Config, DataConfig, EvalConfig, PruneConfig
 from grail.core.errors import ConfigError
 from grail.core.records import (
     PRUNE_TRIAL,
@@ -31,6 +31,7 @@ from grail.core.records import (
     write_metrics,
     write_summary,
 )
+from grail.core.validate import validate
 from grail.report.cli import main as report_main
 from grail.study.prune import NoPruning, RunTrial, open_study, open_trial, storage_path, study_name
 from grail.study.runs import run_status

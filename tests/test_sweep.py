@@ -23,7 +23,7 @@ from fake_server import FakeBuiltinServer
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grail.core.config import validate
+from grail.core.validate import validate
 from grail.inference import os_process
 from grail.study.runs import append_attempt, run_record
 from grail.study.sweep import (

@@ -19,9 +19,10 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from grail.core.config import Config, validate
+from grail.core.config import Config
 from grail.core.errors import ConfigError
 from grail.core.records import load_schema
+from grail.core.validate import validate
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.process import SyncResult, WeightSyncError
 from grail.inference.transfer import (

@@ -12,8 +12,8 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from grail.core.config import closest
 from grail.core.errors import ConfigError, UserError
+from grail.core.validate import closest
 from grail.envs.base import Environment, Problem, Score
 from grail.envs.copy_digits import CopyDigitsEnv
 from grail.envs.gsm8k import GSM8KEnv

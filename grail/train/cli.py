@@ -38,7 +38,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grail.core.config import Config, validate
+from grail.core.config import Config
 from grail.core.errors import ConfigError, UserError
 from grail.core.placement import available_cores, prefer_passive_openmp
 from grail.core.records import (
@@ -50,6 +50,7 @@ from grail.core.records import (
     run_lock,
     write_summary,
 )
+from grail.core.validate import validate
 from grail.study.sweep import (
     Action,
     assign_resources,

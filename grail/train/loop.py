@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from grail.core.config import Config, validate
+from grail.core.config import Config
 from grail.core.errors import UserError
 from grail.core.records import (
     CHECKPOINTS_DIR,
@@ -75,8 +75,7 @@ class RunDirNotEmpty(UserError, FileExistsError):
 def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """Train according to `cfg`, writing everything into `run_dir`; returns the summary. Holds
     the directory's lock throughout; a run resumed after its last iteration only rewrites its
-    summary."""
-    validate(cfg)
+    summary. `cfg` has passed `grail.train.cli.preflight` (which validates it, once per run)."""
     run_dir = run_dir.absolute()
     with run_lock(run_dir):  # RunDirLocked when another run is writing there
         resume_from = resume_point(cfg, run_dir)
