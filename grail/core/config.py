@@ -25,7 +25,7 @@ Backend = Literal["builtin", "vllm", "sglang"]  # the rollout servers (grail/inf
 BACKENDS: tuple[str, ...] = get_args(Backend)
 GpuStrategy = Literal["single", "multi"]
 WeightSyncMode = Literal["in_place", "restart"]
-# How a weight sync hands the server the new weights (grail/inference/transfer.py, docs/gpu.md):
+# How a weight sync hands the server the new weights (grail/inference/weights/, docs/gpu.md):
 # disk: safetensors in the server's dtype, reloaded from disk; shared: the built-in server reads
 # the trainer's tensors in place (CUDA IPC, or shared memory on CPU); nccl: vLLM/SGLang receive
 # a broadcast from the trainer over NCCL (server on its own GPU); auto: shared for the built-in
@@ -450,7 +450,7 @@ def validate(cfg: Config) -> None:
 
 def validate_weight_transfer(cfg: Config) -> None:
     """An explicit generation.weight_transfer must be possible with this backend and placement
-    (`auto` always is: it picks what is; grail/inference/transfer.py)."""
+    (`auto` always is: it picks what is; grail/inference/weights/route.py)."""
     gen, route = cfg.generation, cfg.generation.weight_transfer
     key = f"generation.weight_transfer={route}"
     if route in ("auto", "disk"):
