@@ -27,7 +27,7 @@ from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.process import SyncResult, WeightSyncError
 from grail.inference.weights.disk import DiskRoute
 from grail.inference.weights.policy import PolicyWeights
-from grail.inference.weights.route import resolve_route
+from grail.inference.weights.route import make_fast_route, resolve_route
 from grail.inference.weights.shared import FlatWeights, tensor_payload
 from grail.inference.weights.syncer import MAX_FAILURES_IN_A_ROW, WeightSyncer
 from grail.models.loading import load_model
@@ -108,6 +108,26 @@ def test_auto_picks_the_fast_route_where_it_can(backend, strategy, same, lora, s
         weight_sync=sync,
     )
     assert got.name == route and got.why.startswith("auto:")
+
+
+def test_each_backend_lists_its_routes_and_gets_no_other(tmp_path: Path) -> None:
+    assert BACKEND_CLASSES["builtin"].weight_routes == ("disk", "shared")
+    assert BACKEND_CLASSES["vllm"].weight_routes == ("disk", "nccl")
+    assert BACKEND_CLASSES["sglang"].weight_routes == ("disk", "nccl")
+    server = BuiltinServer(tmp_path, "p", log_dir=tmp_path / "logs")
+    assert make_fast_route("shared", server).name == "shared"
+    with pytest.raises(ValueError, match="takes weight_transfer 'disk' or 'shared', got 'nccl'"):
+        make_fast_route("nccl", server)
+    with pytest.raises(ValueError, match="takes weight_transfer 'disk' or 'nccl', got 'shared'"):
+        resolve_route(
+            "shared",
+            BACKEND_CLASSES["vllm"].weight_routes,
+            backend="vllm",
+            strategy="multi",
+            same_device=False,
+            lora=False,
+            weight_sync="in_place",
+        )
 
 
 def test_config_names_a_bad_route_and_impossible_combinations() -> None:
