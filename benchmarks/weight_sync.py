@@ -21,7 +21,7 @@ from other processes:
    (max |difference| <= tolerance) and be further than that from the weights before the sync,
    so a sync that silently kept the old weights fails (`compare_logprobs`).
 
-Two more steps per repetition time the routes of grail/inference/transfer.py in the steady
+Two more steps per repetition time the routes of grail/inference/weights/ in the steady
 state: "in_place_served" writes the weights in the server's dtype (`--dtype`; the steps above
 write the trainer's float32 master copy, as runs did before) and "shared" fills the trainer-side
 buffers (timed as "save/fill") and hands the server their handles (POST
@@ -55,14 +55,15 @@ import httpx
 import torch
 from common import print_table, spread, write_results
 
-from grail.inference.transfer import FlatWeights, PolicyWeights
+from grail.inference.weights.policy import PolicyWeights
+from grail.inference.weights.shared import FlatWeights, tensor_payload
 
 MODELS = ("tiny", "mid")
 TARGET_RATIO = 0.1
 # One repetition, in this order: a restart, the first in-place update after it (which also pays
 # for the parameters still being copy-on-write views of the file the server loaded, see
 # `profile_read_copy`), then an in-place update in the steady state of a run.
-# Then the routes of grail/inference/transfer.py in the steady state: the disk route writing the
+# Then the routes of grail/inference/weights/ in the steady state: the disk route writing the
 # server's dtype (what a run does now; the steps above write the float32 master as it is, what
 # runs did before), and the shared route (the trainer's buffers handed over, no file).
 STEPS = ("restart", "in_place_first", "in_place", "in_place_served", "shared")
@@ -249,11 +250,11 @@ def bench_model(
                 perturb_(model, seed=1000 + count, scale=scale)
                 version = f"{name}-{count}"
                 t0 = time.perf_counter()
-                if step == "shared":  # what WeightTransfer does: fill the buffers, POST handles
+                if step == "shared":  # what SharedRoute does: fill the buffers, POST handles
                     flat.fill(PolicyWeights(model).named_tensors(), dtype)
                     save_s = time.perf_counter() - t0
                     t1 = time.perf_counter()
-                    server.update_weights_from_tensor(flat, version)
+                    server.update_weights_from_tensor(tensor_payload(flat, version))
                     sync_s = time.perf_counter() - t1
                 else:
                     # the master copy (float32) as it is, or converted to the server's dtype

@@ -70,7 +70,7 @@ def leaked_processes() -> dict[int, str]:
     for pid, (_, ppid, pgid) in stats.items():
         if ppid == me and _cmdline(pid) == "torch_shm_manager":
             # torch's shared-memory daemon (the weight transfer's "file_system" strategy,
-            # grail/inference/transfer.py): this process is its client until it exits, and it
+            # grail/inference/weights/shared.py): this process is its client until it exits, and it
             # exits once its last client has.
             continue
         if ppid == me:

@@ -15,7 +15,7 @@ import pytest
 from grail.core.config import Config, DataConfig, EvalConfig, GenerationConfig, TrainConfig
 from grail.envs import make_env
 from grail.envs.rewards.plugins import RewardFunctions
-from grail.inference.backends import server_manager_from_config
+from grail.inference.backends import server_and_syncer_from_config
 from grail.models.loading import load_tokenizer
 from grail.rollouts.batch import GeneratedBatch
 from grail.rollouts.server import ServerRollouts, iteration_seeds
@@ -38,9 +38,9 @@ def _source(
     weights = run_dir / "weights"
     shutil.copytree(tiny_model_dir, weights)
     env = make_env("copy_digits")
-    server = server_manager_from_config(cfg, weights, run_dir, cuda_available=False)
+    server, syncer = server_and_syncer_from_config(cfg, weights, run_dir, cuda_available=False)
     return ServerRollouts(
-        cfg, server, env, env, load_tokenizer(str(weights)), extra_rewards=rewards
+        cfg, server, env, env, load_tokenizer(str(weights)), syncer=syncer, extra_rewards=rewards
     )
 
 

@@ -1,4 +1,4 @@
-"""Weight transfer (grail/inference/transfer.py): the route a run picks, the weights written in
+"""Weight transfer (grail/inference/weights/): the route a run picks, the weights written in
 the server's dtype, and the built-in server's shared-memory route against a real server on CPU
 (the same code path as CUDA IPC but for the handle type): new weights served exactly, a refused
 update leaving the old ones, the unpickler's allow-list, the key, the fallback to disk, and the
@@ -23,15 +23,14 @@ from grail.core.config import Config
 from grail.core.errors import ConfigError
 from grail.core.records import load_schema
 from grail.core.validate import validate
+from grail.inference.backends import BACKEND_CLASSES
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.process import SyncResult, WeightSyncError
-from grail.inference.transfer import (
-    MAX_FAILURES_IN_A_ROW,
-    FlatWeights,
-    PolicyWeights,
-    WeightTransfer,
-    resolve_route,
-)
+from grail.inference.weights.disk import DiskRoute
+from grail.inference.weights.policy import PolicyWeights
+from grail.inference.weights.route import make_fast_route, resolve_route
+from grail.inference.weights.shared import FlatWeights, tensor_payload
+from grail.inference.weights.syncer import MAX_FAILURES_IN_A_ROW, WeightSyncer
 from grail.models.loading import load_model
 from grail.rollouts.batch import WeightSync
 from grail.train.loop import weight_sync_record
@@ -100,10 +99,36 @@ def _off(served: dict[int, float], local: torch.Tensor) -> float:
     ],
 )
 def test_auto_picks_the_fast_route_where_it_can(backend, strategy, same, lora, sync, route) -> None:
-    got, why = resolve_route(
-        "auto", backend=backend, strategy=strategy, same_device=same, lora=lora, weight_sync=sync
+    got = resolve_route(
+        "auto",
+        BACKEND_CLASSES[backend].weight_routes,
+        backend=backend,
+        strategy=strategy,
+        same_device=same,
+        lora=lora,
+        weight_sync=sync,
     )
-    assert got == route and why.startswith("auto:")
+    assert got.name == route and got.why.startswith("auto:")
+
+
+def test_each_backend_lists_its_routes_and_gets_no_other(tmp_path: Path) -> None:
+    assert BACKEND_CLASSES["builtin"].weight_routes == ("disk", "shared")
+    assert BACKEND_CLASSES["vllm"].weight_routes == ("disk", "nccl")
+    assert BACKEND_CLASSES["sglang"].weight_routes == ("disk", "nccl")
+    server = BuiltinServer(tmp_path, "p", log_dir=tmp_path / "logs")
+    assert make_fast_route("shared", server).name == "shared"
+    with pytest.raises(ValueError, match="takes weight_transfer 'disk' or 'shared', got 'nccl'"):
+        make_fast_route("nccl", server)
+    with pytest.raises(ValueError, match="takes weight_transfer 'disk' or 'nccl', got 'shared'"):
+        resolve_route(
+            "shared",
+            BACKEND_CLASSES["vllm"].weight_routes,
+            backend="vllm",
+            strategy="multi",
+            same_device=False,
+            lora=False,
+            weight_sync="in_place",
+        )
 
 
 def test_config_names_a_bad_route_and_impossible_combinations() -> None:
@@ -188,8 +213,8 @@ def test_shared_route_serves_exactly_the_new_weights(server: BuiltinServer) -> N
     model = load_model(str(server.model_path), dtype="float32", device="cpu")
     before = _local(model)
     _perturb(model, seed=1)
-    transfer = WeightTransfer(server, "shared")
-    result = transfer.sync(PolicyWeights(model), server.model_path, "in_place", "iter_007")
+    transfer = WeightSyncer.for_server(server, "shared")
+    result = transfer.sync(PolicyWeights(model), "iter_007")
     assert (result.transfer, result.transfer_fallback_reason, result.mode_used) == (
         "shared",
         None,
@@ -203,12 +228,13 @@ def test_shared_route_serves_exactly_the_new_weights(server: BuiltinServer) -> N
     assert "loaded 26 shared tensors" in server.log_tail(400)
 
     # The directory is older than the served weights now: a restart first writes them there.
-    assert server.write_weights is not None
-    server.write_weights()
+    before = (server.model_path / "model.safetensors").read_bytes()
+    transfer.before_restart()
     on_disk = load_file(server.model_path / "model.safetensors")
     state = model.state_dict()
     assert all(torch.equal(tensor, state[name]) for name, tensor in on_disk.items())
-    server.write_weights = None
+    assert (server.model_path / "model.safetensors").read_bytes() != before
+    transfer.before_restart()  # once written, never again
 
 
 def test_refused_tensors_leave_the_old_weights_serving(server: BuiltinServer) -> None:
@@ -220,10 +246,10 @@ def test_refused_tensors_leave_the_old_weights_serving(server: BuiltinServer) ->
     wrong = [(n, t[:-1] if n.endswith("norm.weight") else t) for n, t in named]
     flat.fill(wrong, torch.float32)
     with pytest.raises(WeightSyncError, match=r"norm\.weight: shape \[63\] in the trainer's"):
-        server.update_weights_from_tensor(flat, "bad")
+        server.update_weights_from_tensor(tensor_payload(flat, "bad"))
     flat.fill(named[:-1], torch.float32)  # one weight short
     with pytest.raises(WeightSyncError, match="lacks 1 model weights"):
-        server.update_weights_from_tensor(flat, "bad")
+        server.update_weights_from_tensor(tensor_payload(flat, "bad"))
     assert _served_top(server) == before
 
 
@@ -256,14 +282,14 @@ def test_a_failing_fast_route_falls_back_to_disk_and_is_counted(
         raise WeightSyncError("POST /update_weights_from_tensor failed: ReadTimeout")
 
     monkeypatch.setattr(server, "update_weights_from_tensor", broken)
-    transfer = WeightTransfer(server, "shared")
+    transfer = WeightSyncer.for_server(server, "shared")
     for attempt in range(1, MAX_FAILURES_IN_A_ROW + 1):
-        result = transfer.sync(PolicyWeights(model), server.model_path, "in_place", f"v{attempt}")
+        result = transfer.sync(PolicyWeights(model), f"v{attempt}")
         assert result.transfer == "disk" and result.transfer_fallbacks == attempt
         assert "ReadTimeout" in (result.transfer_fallback_reason or "")
     assert _off(_served_top(server), _local(model)) < 1e-5  # from disk, just as well
     assert transfer.active_route == "disk"  # given up after MAX_FAILURES_IN_A_ROW
-    result = transfer.sync(PolicyWeights(model), server.model_path, "in_place", "v9")
+    result = transfer.sync(PolicyWeights(model), "v9")
     assert result.transfer_fallback_reason is None and result.transfer_fallbacks == 3
     record = {"weight_sync": weight_sync_record(WeightSync(_failed(), 0.1, 0.0))}
     assert record["weight_sync"] == {
@@ -294,17 +320,36 @@ def test_record_with_a_fallback_fits_the_schema() -> None:
         jsonschema.validate({**record, "transfer": "ipc"}, schema)
 
 
+class _StandInRoute:
+    """A fast route that carries nothing and records where it was asked to write."""
+
+    name = "shared"
+
+    def __init__(self) -> None:
+        self.written: list[Path] = []
+
+    def send(self, weights: PolicyWeights, weight_version: str) -> SyncResult:
+        return SyncResult(0.0, "in_place", fell_back=False, transfer=self.name)
+
+    def write_served(self, directory: Path) -> None:
+        self.written.append(directory)
+
+    def close(self) -> None:
+        pass
+
+
 def test_restart_writes_the_served_weights_first(tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     server = FakeBuiltinServer(model_dir, "p", log_dir=tmp_path / "logs", start_timeout=20)
-    written = []
+    route = _StandInRoute()
+    syncer = WeightSyncer(DiskRoute(server), route)
     with server:
-        server.write_weights = lambda: written.append(server.model_path)
-        server.restart(server.model_path)
-        assert written == [model_dir.absolute()] and server.write_weights is None
-        server.restart(server.model_path)  # once written, never again
-    assert len(written) == 1
+        assert syncer.sync(PolicyWeights(torch.nn.Linear(2, 2)), "v1").transfer == "shared"
+        syncer.recover()
+        assert route.written == [model_dir.absolute()] and server.recoveries == 1
+        syncer.recover()  # once written, never again
+    assert len(route.written) == 1
 
 
 # ---- a server that serves bfloat16 ---------------------------------------------------------
@@ -320,9 +365,7 @@ def test_a_bf16_server_gets_bf16_weights_and_serves_them(
     assert server.served_dtype() == "bfloat16"
     with server:
         _perturb(model, seed=4)
-        result = WeightTransfer(server, "disk").sync(
-            PolicyWeights(model), weights, "in_place", "v1"
-        )
+        result = WeightSyncer.for_server(server, "disk").sync(PolicyWeights(model), "v1")
         assert (result.transfer, result.mode_used) == ("disk", "in_place")
         with safe_open(weights / "model.safetensors", "pt") as handle:
             assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}  # noqa: SIM118
@@ -330,9 +373,7 @@ def test_a_bf16_server_gets_bf16_weights_and_serves_them(
         assert _off(_served_top(server), _local(bf16)) < 1e-3
         # and the shared route, in bf16 too
         _perturb(model, seed=5)
-        result = WeightTransfer(server, "shared").sync(
-            PolicyWeights(model), weights, "in_place", "v2"
-        )
+        result = WeightSyncer.for_server(server, "shared").sync(PolicyWeights(model), "v2")
         assert result.transfer == "shared"
         bf16.load_state_dict(PolicyWeights(model).state_dict(torch.bfloat16))
         assert _off(_served_top(server), _local(bf16)) < 1e-3

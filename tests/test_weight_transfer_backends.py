@@ -33,7 +33,9 @@ from grail.inference.backends.nccl import SGLangSender, VLLMSender
 from grail.inference.backends.sglang import SGLangServer
 from grail.inference.backends.vllm import VLLMServer
 from grail.inference.process import WeightSyncError
-from grail.inference.transfer import FlatWeights, PolicyWeights, WeightTransfer
+from grail.inference.weights.policy import PolicyWeights
+from grail.inference.weights.shared import FlatWeights
+from grail.inference.weights.syncer import WeightSyncer
 from grail.models.loading import load_model
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -178,8 +180,8 @@ def test_vllm_failed_update_resumes_and_the_sync_falls_back_to_disk(
     server = make("vllm")
     with server:
         plan(server, update_weights=[{"fixture": "/update_weights failed"}])
-        transfer = WeightTransfer(server, "nccl")
-        result = transfer.sync(PolicyWeights(model), model_dir, "in_place", "iter_004")
+        transfer = WeightSyncer.for_server(server, "nccl")
+        result = transfer.sync(PolicyWeights(model), "iter_004")
         assert result.transfer == "disk" and result.transfer_fallbacks == 1
         assert "HTTP 500" in (result.transfer_fallback_reason or "")
         routes = _routes(server)
@@ -195,7 +197,7 @@ def test_vllm_failed_update_resumes_and_the_sync_falls_back_to_disk(
         with safe_open(model_dir / "model.safetensors", "pt") as handle:
             assert handle.get_tensor("model.norm.weight").dtype == torch.bfloat16
         # the next sync tries NCCL again, and it works
-        result = transfer.sync(PolicyWeights(model), model_dir, "in_place", "iter_005")
+        result = transfer.sync(PolicyWeights(model), "iter_005")
         assert result.transfer == "nccl" and result.transfer_fallback_reason is None
 
 

@@ -22,7 +22,7 @@ Backend = Literal["builtin", "vllm", "sglang"]  # the rollout servers (grail/inf
 BACKENDS: tuple[str, ...] = get_args(Backend)
 GpuStrategy = Literal["single", "multi"]
 WeightSyncMode = Literal["in_place", "restart"]
-# How a weight sync hands the server the new weights (grail/inference/transfer.py, docs/gpu.md):
+# How a weight sync hands the server the new weights (grail/inference/weights/, docs/gpu.md):
 # disk: safetensors in the server's dtype, reloaded from disk; shared: the built-in server reads
 # the trainer's tensors in place (CUDA IPC, or shared memory on CPU); nccl: vLLM/SGLang receive
 # a broadcast from the trainer over NCCL (server on its own GPU); auto: shared for the built-in

@@ -233,7 +233,7 @@ def validate_eval(cfg: Config) -> None:
 
 def validate_weight_transfer(cfg: Config) -> None:
     """An explicit generation.weight_transfer must be possible with this backend and placement
-    (`auto` always is: it picks what is; grail/inference/transfer.py)."""
+    (`auto` always is: it picks what is; grail/inference/weights/route.py)."""
     gen, route = cfg.generation, cfg.generation.weight_transfer
     key = f"generation.weight_transfer={route}"
     if route in ("auto", "disk"):

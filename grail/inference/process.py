@@ -80,7 +80,7 @@ class SyncResult:
     fell_back: bool
     fallback_reason: str | None = None
     #: the weight transfer route that carried the weights: disk | shared | nccl
-    #: (grail/inference/transfer.py); why a fast route failed and disk was used instead, and
+    #: (grail/inference/weights/); why a fast route failed and disk was used instead, and
     #: how many times that has happened so far in the run
     transfer: str = "disk"
     transfer_fallback_reason: str | None = None
@@ -104,6 +104,9 @@ class ServerManager(ABC):
     ready_path: str = "/health"
     #: the start timeout (seconds) when `start_timeout` is None; every backend sets its own
     default_start_timeout_s: ClassVar[float]
+    #: the weight routes this backend takes (grail/inference/weights/route.py): disk always,
+    #: and the fast route its server has
+    weight_routes: ClassVar[tuple[str, ...]] = ("disk",)
 
     def __init__(
         self,
@@ -177,13 +180,6 @@ class ServerManager(ABC):
         self._command: list[str] = []
         #: restarts done by `recover()` (a dead server brought back), for metrics
         self.recoveries = 0
-        #: set while `model_path` holds older weights than the server serves (a fast weight
-        #: transfer, grail/inference/transfer.py): writes the served ones there; `restart()`
-        #: calls it first, so a restarted server never comes back with old weights
-        self.write_weights: Callable[[], None] | None = None
-        #: the route weight syncs take, and why (grail/inference/transfer.py)
-        self.weight_transfer = "disk"
-        self.weight_transfer_why = ""
 
     # -- what a backend supplies -------------------------------------------------------------
 
@@ -536,15 +532,6 @@ class ServerManager(ABC):
         if not model_path.is_dir():
             raise ServerStartError(f"cannot restart on {model_path}: not a directory")
         t0 = time.perf_counter()
-        if self.write_weights is not None and model_path == self.model_path:
-            write, self.write_weights = self.write_weights, None
-            try:
-                write()
-            except Exception as exc:
-                raise ServerStartError(
-                    f"cannot restart the {self.kind} server: writing the weights it served to "
-                    f"{model_path} failed: {exc}"
-                ) from exc
         self.stop()
         self.model_path = model_path
         # Keep the port: clients hold base_url. It was ours a moment ago, so it is free again.
@@ -562,8 +549,10 @@ class ServerManager(ABC):
 
     def recover(self) -> float:
         """Bring back a server that died (or stopped answering): restart it on the newest weights
-        it was given (`model_path`, which every successful weight sync updates), on the same
-        port. Returns the seconds taken; raises `ServerStartError` if it does not come back."""
+        it was given (`model_path`, which every successful weight sync from disk updates), on
+        the same port. Returns the seconds taken; raises `ServerStartError` if it does not come
+        back. After a fast weight route, `WeightSyncer.recover` writes the served weights there
+        first (grail/inference/weights/syncer.py)."""
         logger.warning(
             "restarting the %s server %r from %s (recovery %d)",
             self.kind,
@@ -636,10 +625,12 @@ def call_with_recovery(
     *,
     max_restarts: int,
     what: str = "generation",
+    recover: Callable[[], object] | None = None,
 ) -> T:
     """Run `call` (e.g. one generation batch); if it fails because the server died, restart the
-    server from its newest weights (`ServerManager.recover`) and run `call` again, at most
-    `max_restarts` times.
+    server from its newest weights (`recover`: `ServerManager.recover` unless given, e.g.
+    `WeightSyncer.recover`, which writes the weights a fast route served first) and run `call`
+    again, at most `max_restarts` times.
 
     "Because the server died" means the failure is a `ServerDiedError` (the completion client's
     liveness check raises it) or the server process is gone when the failure arrives. Any other
@@ -675,4 +666,4 @@ def call_with_recovery(
                 restarts,
                 max_restarts,
             )
-            server.recover()
+            (recover or server.recover)()

@@ -35,13 +35,13 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from grail.core.records import iteration_name
 from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.process import ServerManager, call_with_recovery
-from grail.inference.transfer import PolicyWeights, WeightTransfer
+from grail.inference.weights.policy import Weights
+from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
 from grail.rollouts.generation import (
     RolloutGenerator,
@@ -180,6 +180,8 @@ class ServerRollouts:
 
     A context manager: entering starts the server and waits until it answers; leaving (also on
     Ctrl-C or an error) cancels a running generation, closes the client and stops the server.
+    `syncer` gives the server the trainer's weights (whoever builds the server builds it:
+    `server_and_syncer_from_config`).
     """
 
     def __init__(
@@ -190,6 +192,7 @@ class ServerRollouts:
         eval_env: Environment,
         tokenizer: Any,
         *,
+        syncer: WeightSyncer,
         extra_rewards: RewardFunctions | None = None,
         progress: ProgressFactory = _no_progress,
         pending: GeneratedBatch | None = None,
@@ -197,8 +200,8 @@ class ServerRollouts:
     ) -> None:
         self.cfg = cfg
         self.server = server
-        # How each sync hands over the weights: server.weight_transfer, disk as the fallback.
-        self._transfer = WeightTransfer(server, server.weight_transfer, server.weight_transfer_why)
+        # How each sync hands over the weights: the run's route, disk as the fallback.
+        self._syncer = syncer
         # Iteration 0's batch, shared by the runs of a study (grail/rollouts/shared.py).
         self._shared = shared
         self._env, self._eval_env = env, eval_env
@@ -206,8 +209,6 @@ class ServerRollouts:
         self._extra_rewards = extra_rewards
         self._progress = progress
         self._sampling = SamplingParams.from_config(cfg.generation)
-        # Where each sync writes the new weights: the model, or the LoRA adapter alone.
-        self._weights_dir = server.lora_dir or server.model_path
         # A batch generated before a checkpoint (pipelined), or one generating now.
         self._ready: GeneratedBatch | None = pending
         self._prefetch: _Prefetch | None = None
@@ -255,7 +256,7 @@ class ServerRollouts:
             self._events.close()
             self._events = None
         self._client = None
-        self._transfer.close()
+        self._syncer.close()
         self.server.stop()
 
     # -- the RolloutSource interface ------------------------------------------------------------
@@ -274,9 +275,7 @@ class ServerRollouts:
             self._start_prefetch(iteration + 1, policy_version)
         return batch
 
-    def sync_weights(
-        self, save: PolicyWeights | Callable[[Path], None], policy_version: int
-    ) -> WeightSync:
+    def sync_weights(self, save: Weights, policy_version: int) -> WeightSync:
         """`save` is the trainer's `PolicyWeights` (the run's weight transfer route, disk as the
         fallback), or any callable that writes the weights into a directory (disk)."""
         t0 = time.perf_counter()
@@ -285,12 +284,7 @@ class ServerRollouts:
             self._ready = self._collect()
             prefetched = (self._ready.started, self._ready.finished)
         t_sync = time.perf_counter()
-        result = self._transfer.sync(
-            save,
-            self._weights_dir,
-            self.cfg.generation.weight_sync,
-            weight_version=iteration_name(policy_version - 1),
-        )
+        result = self._syncer.sync(save, weight_version=iteration_name(policy_version - 1))
         return WeightSync(result, time.perf_counter() - t_sync, t_sync - t0, prefetched)
 
     def evaluate(self, on_progress: Callable[[int], None] | None = None) -> RolloutBatch:
@@ -364,8 +358,12 @@ class ServerRollouts:
         def attempt() -> T:
             return wait(attempts.pop()) if attempts else events.run(make())
 
+        # The syncer's recovery writes the weights a fast route served before the restart.
         return call_with_recovery(
-            self.server, attempt, max_restarts=self.cfg.generation.max_restarts
+            self.server,
+            attempt,
+            max_restarts=self.cfg.generation.max_restarts,
+            recover=self._syncer.recover,
         )
 
     def _generate_now(self, iteration: int, policy_version: int) -> GeneratedBatch:

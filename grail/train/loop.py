@@ -44,7 +44,7 @@ from grail.core.records import (
 )
 from grail.envs import Environment, env_arguments, make_env
 from grail.envs.rewards.plugins import RewardFunctions
-from grail.inference.backends import server_manager_from_config
+from grail.inference.backends import server_and_syncer_from_config
 from grail.models.loading import check_model_source
 from grail.models.tiny import resolve_model
 from grail.rollouts.batch import GeneratedBatch, RolloutBatch, RolloutSource, WeightSync
@@ -116,7 +116,7 @@ def train(
     if trainer.lora:  # the server serves the base with this adapter, which every sync rewrites
         lora_dir = weights_dir / ADAPTER_DIR
         trainer.save_weights(lora_dir)
-    server = server_manager_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir)
+    server, syncer = server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir)
     # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
     fresh = trainer.start_iteration == 0 and trainer.pending_rollouts is None
     shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
@@ -128,6 +128,7 @@ def train(
         env,
         eval_env,
         trainer.tokenizer,
+        syncer=syncer,
         extra_rewards=extra_rewards,
         progress=display.task,
         pending=trainer.pending_rollouts,
@@ -402,7 +403,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
 
 def weight_sync_record(sync: WeightSync) -> dict[str, Any]:
     """The iteration record's `weight_sync`: the server's in-place or restart sync, and the
-    route that carried the weights (grail/inference/transfer.py), with why a fast route fell
+    route that carried the weights (grail/inference/weights/), with why a fast route fell
     back to disk this time and how often that happened so far."""
     result = sync.result
     record: dict[str, Any] = {

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from grail.algo.kl_control import AdaptiveKL
 from grail.core.config import Config
 from grail.core.placement import cpu_threads, gpu_placement
-from grail.inference.transfer import PolicyWeights
+from grail.inference.weights.policy import PolicyWeights
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.lora import (
     AdapterOff,
@@ -236,7 +236,7 @@ class Trainer:
 
     @property
     def weights(self) -> PolicyWeights:
-        """The weights a sync sends (grail/inference/transfer.py): written to disk in the
+        """The weights a sync sends (grail/inference/weights/): written to disk in the
         server's dtype, or handed over in memory; callable as `save_weights`."""
         return PolicyWeights(self.accelerator.unwrap_model(self.model), lora=self.lora)
 

@@ -1,4 +1,4 @@
-"""Weight transfer on GPUs (grail/inference/transfer.py): the built-in server on the trainer's GPU
+"""Weight transfer on GPUs (grail/inference/weights/): the built-in server on the trainer's GPU
 reading the trainer's bf16 buffer through CUDA IPC, and vLLM/SGLang on a second GPU receiving an
 NCCL broadcast; each checked by what the server then serves. Skipped without CUDA (and without
 a second GPU or the package for NCCL)."""
@@ -15,7 +15,8 @@ from gpu_helpers import require_package
 
 from grail.inference.backends import make_server_manager
 from grail.inference.backends.builtin import BuiltinServer
-from grail.inference.transfer import PolicyWeights, WeightTransfer
+from grail.inference.weights.policy import PolicyWeights
+from grail.inference.weights.syncer import WeightSyncer
 from grail.models.loading import load_model
 from grail.models.tiny import ensure_tiny_model
 
@@ -77,16 +78,15 @@ def test_shared_route_over_cuda_ipc(tmp_path: Path) -> None:
     with server:
         before = _served_top(server)
         _perturb(model, 1)
-        result = WeightTransfer(server, "shared").sync(
-            PolicyWeights(model), weights, "in_place", "v1"
-        )
+        transfer = WeightSyncer.for_server(server, "shared")
+        result = transfer.sync(PolicyWeights(model), "v1")
         assert result.transfer == "shared", result.transfer_fallback_reason
         served = _served_top(server)
         local = _local(model)
         assert max(abs(v - float(local[k])) for k, v in served.items()) < 0.05
         assert served != before
         # the server's directory gets the served weights before a restart
-        server.restart(server.model_path)
+        transfer.recover()
         assert _served_top(server) == pytest.approx(served, abs=1e-3)
 
 
@@ -110,10 +110,10 @@ def test_nccl_route_to_a_server_on_its_own_gpu(backend: str, tmp_path: Path) -> 
     )
     with server:
         before = _served_top(server)
-        transfer = WeightTransfer(server, "nccl")
+        transfer = WeightSyncer.for_server(server, "nccl")
         for version in ("v1", "v2"):
             _perturb(model, hash(version) % 1000)
-            result = transfer.sync(PolicyWeights(model), weights, "in_place", version)
+            result = transfer.sync(PolicyWeights(model), version)
             assert result.transfer == "nccl", result.transfer_fallback_reason
         served = _served_top(server)
         local = _local(model)

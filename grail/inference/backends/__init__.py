@@ -1,6 +1,7 @@
 """The rollout servers behind `ServerManager` (grail/inference/process.py): the built-in server
 (`builtin.py`), vLLM (`vllm.py`) and SGLang (`sglang.py`), with what the last two share in
-`gpu.py`; and the one place that picks and sizes a server, from arguments or from the config.
+`gpu.py`; and the one place that picks and sizes a server, from arguments or from the config,
+with the weight route its syncs take (grail/inference/weights/).
 
 Rollouts for every backend go through the one `CompletionClient` (`/v1/completions`, token ids in,
 `return_token_ids`); the small differences in the answers are handled by the client's `backend`
@@ -22,7 +23,15 @@ from grail.inference.backends.gpu import default_memory_fraction
 from grail.inference.backends.sglang import SGLangServer
 from grail.inference.backends.vllm import VLLMServer
 from grail.inference.process import ServerManager, ServerStartError
-from grail.inference.transfer import route_from_config
+from grail.inference.weights.route import RouteChoice, route_from_config
+from grail.inference.weights.syncer import WeightSyncer
+
+#: the server class of each `generation.backend`
+BACKEND_CLASSES: dict[str, type[ServerManager]] = {
+    "builtin": BuiltinServer,
+    "vllm": VLLMServer,
+    "sglang": SGLangServer,
+}
 
 
 def make_server_manager(
@@ -50,8 +59,9 @@ def make_server_manager(
 ) -> ServerManager:
     """The `ServerManager` for `backend` ("builtin", "vllm" or "sglang").
 
-    `weight_transfer` is the route its weight syncs take (grail/inference/transfer.py): vLLM
-    needs `--weight-transfer-config` on its command line for "nccl".
+    `weight_transfer` is the route its weight syncs take (grail/inference/weights/), which vLLM
+    and SGLang check against what they take and vLLM needs on its command line for "nccl"; the
+    built-in server needs nothing at start for either of its routes.
 
     gpu_memory_fraction None picks `default_memory_fraction(shares_gpu_with_trainer)`;
     start_timeout None picks the backend's `default_start_timeout_s` (120 s for the built-in
@@ -82,11 +92,7 @@ def make_server_manager(
         # "sk-" first: a URL-safe token starts with "-" one time in 64, and the server's argument
         # parser then reads `--api-key -xyz` as a missing value and exits.
         common["api_key"] = api_key or "sk-" + secrets.token_urlsafe(32)
-        server: ServerManager = BuiltinServer(
-            model_path, served_model_name, threads=threads, dtype=dtype, **common
-        )
-        server.weight_transfer = weight_transfer
-        return server
+        return BuiltinServer(model_path, served_model_name, threads=threads, dtype=dtype, **common)
     cls = VLLMServer if backend == "vllm" else SGLangServer
     if gpu_memory_fraction is None:
         gpu_memory_fraction = default_memory_fraction(shares_gpu_with_trainer)
@@ -111,9 +117,11 @@ def server_manager_from_config(
     cuda_available: bool | None = None,
     served_model_name: str = "policy",
     lora_dir: str | os.PathLike[str] | None = None,
+    weight_transfer: str = "disk",
 ) -> ServerManager:
     """The server `grail-train` runs for `cfg`: backend, GPU placement and sizes from the config.
-    With `model.lora.enabled`, `lora_dir` is where the adapter the server serves is written.
+    With `model.lora.enabled`, `lora_dir` is where the adapter the server serves is written;
+    `weight_transfer` is the run's route (`server_and_syncer_from_config` picks it).
 
     Placement: the server gets `gpu.server_gpu`; with `gpu.strategy=single` the trainer shares
     that GPU, so the memory fraction defaults low. The built-in server runs on CPU when CUDA is
@@ -136,8 +144,7 @@ def server_manager_from_config(
             1
         ]
     model_dtype = cfg.model.dtype
-    route, why = route_from_config(cfg, cuda_available)
-    server = make_server_manager(
+    return make_server_manager(
         gen.backend,
         model_dir,
         served_model_name,
@@ -154,7 +161,39 @@ def server_manager_from_config(
         extra_args=list(gen.extra_args),
         lora_dir=lora_dir,
         lora_rank=cfg.model.lora.r if lora_dir is not None else None,
-        weight_transfer=route,
+        weight_transfer=weight_transfer,
     )
-    server.weight_transfer_why = why
-    return server
+
+
+def weight_route_from_config(cfg: Config, cuda_available: bool) -> RouteChoice:
+    """The run's weight route (grail/inference/weights/route.py): `generation.weight_transfer`
+    among the routes its backend takes (`weight_routes`), given where server and trainer are."""
+    supported = BACKEND_CLASSES[cfg.generation.backend].weight_routes
+    return route_from_config(cfg, supported, cuda_available)
+
+
+def server_and_syncer_from_config(
+    cfg: Config,
+    model_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str],
+    *,
+    cuda_available: bool | None = None,
+    lora_dir: str | os.PathLike[str] | None = None,
+) -> tuple[ServerManager, WeightSyncer]:
+    """The server of `server_manager_from_config` and the `WeightSyncer` that gives it the
+    trainer's weights, through the run's route, chosen once here: the server is started for it
+    (vLLM's nccl) and the syncer sends through it, disk as the fallback."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    route = weight_route_from_config(cfg, cuda_available)
+    server = server_manager_from_config(
+        cfg,
+        model_dir,
+        run_dir,
+        cuda_available=cuda_available,
+        lora_dir=lora_dir,
+        weight_transfer=route.name,
+    )
+    return server, WeightSyncer.for_server(server, route, cfg.generation.weight_sync)  # type: ignore[arg-type]

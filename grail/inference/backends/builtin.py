@@ -1,5 +1,6 @@
-"""The built-in server (`grail-serve`) as a rollout server: its command line and its in-place
-weight reload (`POST /update_weights_from_disk`, SGLang's shape; see docs/protocols.md)."""
+"""The built-in server (`grail-serve`) as a rollout server: its command line, its in-place
+weight reload (`POST /update_weights_from_disk`, SGLang's shape; see docs/protocols.md) and its
+zero-copy one (`POST /update_weights_from_tensor`, the shared weight route)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from grail.inference.process import ServerError, ServerManager, WeightSyncError
-from grail.inference.transfer import FlatWeights, payload_for
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,8 @@ class BuiltinServer(ServerManager):
     server_module = "grail.inference.builtin.server"
     # One HF model loaded by transformers: no compilation, no CUDA graphs.
     default_start_timeout_s = 120.0
+    # shared: it reads the trainer's tensors through handles when on the trainer's device
+    weight_routes = ("disk", "shared")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -60,17 +63,17 @@ class BuiltinServer(ServerManager):
         (grail/inference/builtin/engine.py `resolve_dtype`)."""
         return self.dtype or ("bfloat16" if self.gpu_ids else "float32")
 
-    def update_weights_from_tensor(self, flat: FlatWeights, weight_version: str) -> float:
-        """POST /update_weights_from_tensor with handles to `flat`'s buffers (the shared route,
-        grail/inference/transfer.py); return seconds. Any failure is a `WeightSyncError`."""
+    def update_weights_from_tensor(self, body: dict[str, Any]) -> float:
+        """POST /update_weights_from_tensor with `body`, handles to the trainer's buffers and
+        the `weight_version` (the shared route builds it: grail/inference/weights/shared.py
+        `tensor_payload`); return seconds. Any failure is a `WeightSyncError`."""
         self._check_running()
         t0 = time.perf_counter()
-        body = payload_for(flat, weight_version)
         status, answer = self._control("/update_weights_from_tensor", body=body)
         self._check_answer("/update_weights_from_tensor", status, answer, "the trainer's tensors")
-        self.weight_version = weight_version
+        self.weight_version = body["weight_version"]
         seconds = time.perf_counter() - t0
-        logger.info("gave the builtin server weights %s in %.3f s", weight_version, seconds)
+        logger.info("gave the builtin server weights %s in %.3f s", self.weight_version, seconds)
         return seconds
 
     def _check_running(self) -> None:

@@ -78,6 +78,8 @@ class GpuServer(ServerManager):
     lora_flags: Mapping[str, str] = {}
     # Loading a multi-billion-parameter model, compiling and capturing CUDA graphs takes minutes.
     default_start_timeout_s = 900.0
+    # nccl: its workers receive a broadcast from the trainer when it has its own GPU
+    weight_routes = ("disk", "nccl")
 
     def __init__(
         self,
@@ -145,10 +147,11 @@ class GpuServer(ServerManager):
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.seed = seed
-        if weight_transfer not in ("disk", "nccl"):
-            raise ValueError(
-                f"{name} takes weight_transfer 'disk' or 'nccl', got {weight_transfer!r}"
-            )
+        if weight_transfer not in self.weight_routes:
+            routes = " or ".join(map(repr, self.weight_routes))
+            raise ValueError(f"{name} takes weight_transfer {routes}, got {weight_transfer!r}")
+        #: the run's weight route, which the server must be started for (vLLM's
+        #: --weight-transfer-config; grail/inference/weights/nccl.py sends over it)
         self.weight_transfer = weight_transfer
         self.weight_version: str | None = None
         #: seconds per step of the last in-place update, for metrics and diagnosis

@@ -21,8 +21,8 @@ Both rendezvous block until every rank arrives, so the server's HTTP call runs i
 this process joins. Nothing here may hang a run: the joins run in daemon threads waited for
 `timeout_s`; the broadcasts run on their own CUDA stream (a stuck one does not stall training)
 and are waited for `timeout_s`. A group that timed out is given up (`broken`), and the run syncs
-from disk from then on (grail/inference/transfer.py). GPU only: the CPU tests cover the requests
-(tests/test_weight_transfer_backends.py); tests/gpu/ runs it for real.
+from disk from then on (grail/inference/weights/syncer.py). GPU only: the CPU tests cover the
+requests (tests/test_weight_transfer_backends.py); tests/gpu/ runs it for real.
 """
 
 from __future__ import annotations

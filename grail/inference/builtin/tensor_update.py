@@ -3,7 +3,7 @@
 Modelled on SGLang's route of the same name (``serialized_named_tensors``: base64 pickles of
 tensors whose storage travels as a handle, never as data; ``load_format: flattened_bucket``: one
 flat tensor per dtype with the entries that cut it): the trainer fills one buffer per dtype on
-its device (grail/inference/transfer.py ``FlatWeights``) and sends handles to them, CUDA IPC
+its device (grail/inference/weights/shared.py ``FlatWeights``) and sends handles to them, CUDA IPC
 handles on a GPU, shared-memory segment names on CPU (torch's "file_system" strategy). This
 server maps them and copies into its parameters, between batches, exactly as the disk route:
 
