@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from grail.algo.grpo import (
-    GRPOLossConfig,
-    compute_advantages,
-    grpo_loss,
-    token_entropy,
-    token_logprobs,
-)
+from grail.algo.advantages import compute_advantages
+from grail.algo.grpo import GRPOLossConfig, grpo_loss, token_entropy, token_logprobs
 
 # --------------------------------------------------------------------------------------------
 # A hand-made batch: 5 completions padded to 5 tokens, lengths 5, 3, 4, 1 and 0 (an empty one).

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from grail.algo.grpo import compute_advantages
+from grail.algo.advantages import compute_advantages
 from grail.core.config import (
     CheckpointConfig,
     Config,

@@ -28,7 +28,8 @@ from optuna.trial import TrialState
 from run_dirs import TINY_RUN, grail_train, make_run
 
 from grail.core.records import atomic_write_text, metric_records
-from grail.study.search import BEST, JOURNAL, SEARCH_DIR, OptunaSearchSweeper, trial_outcome
+from grail.study.search import OptunaSearchSweeper
+from grail.study.search_outcome import trial_outcome
 from grail.study.search_space import (
     job_numbers,
     launch_blocks,
@@ -36,6 +37,7 @@ from grail.study.search_space import (
     seed_list,
     trials_per_batch,
 )
+from grail.study.search_study import BEST, JOURNAL, SEARCH_DIR
 from grail.study.stats import metric_of, t_interval
 from grail.study.sweep import SweepError
 from grail.train.cli import CONF_DIR

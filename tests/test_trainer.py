@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from grail.algo.grpo import compute_advantages
+from grail.algo.advantages import compute_advantages
 from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
 from grail.core.records import validate_metrics
 from grail.envs import make_env

@@ -1,5 +1,5 @@
-"""The GRPO objective: group advantages and the policy loss (the per-token log-probs and entropy
-it takes are computed in grail/algo/logprobs.py, re-exported here).
+"""The GRPO policy loss (the advantages it takes are computed in grail/algo/advantages.py, the
+per-token log-probs and entropy in grail/algo/logprobs.py, re-exported here).
 
 Tensors in, a loss and a dict of plain-float metrics out: no model, no I/O. The loss follows
 TRL's ``GRPOTrainer._compute_loss`` term for term (tests/test_trl_parity.py runs TRL itself),
@@ -15,41 +15,21 @@ Notation (one micro-batch of B completions padded to T tokens):
     m[b,t]      1 on completion tokens, 0 on padding
     A[b]        advantage of completion b
 
-The per-token objective (minimised), aggregated by ``loss_type`` as L_pg below:
+The per-token objective (minimised):
 
     ℓ[b,t] = w[b,t] · pg[b,t]  +  β · KL[b,t] · (ρ[b,t] if kl_bias_correction else 1)
 
-    pg[b,t] = −min(ρ'·A[b], clip(ρ, 1 − ε, 1 + ε_high)·A[b])
-    ρ       = exp(s),  s = logp − old per token ("token"), or the length-normalised sequence
-              log ratio  s[b] = Σ_t m·(logp − old) / max(Σ_t m, 1)  broadcast to tokens ("sequence",
-              GSPO; TRL's ``log_importance_weights``); s is first clamped to [−c, c] when
-              ``logratio_clamp`` = c is set
-    ρ'      = min(ρ, δ) with δ = ``is_ratio_max`` (TRL's ``delta``, two-sided clipping), else ρ
-    w[b,t]  importance sampling between the trainer's "old" policy and the server's sampling
-            policy (TRL's ``vllm_importance_sampling_mode``, ``is_correction`` here), from
-            d = m·(old − beh):  token_*: r = exp(d[b,t]);  sequence_*: r = exp(Σ_t d[b,t]) for
-            every token of b;  *_truncate: w = clamp(r, C_min, C_max);  *_mask: w = r inside
-            [C_min, C_max], 0 outside;  "none": w = 1.  C = ``is_clip_min``/``is_clip_max``
-    KL      = k1: logp − ref;  k2: ½(logp − ref)²;  k3: exp(ref − logp) − (ref − logp) − 1,
-              times ρ (before δ; it carries gradient, so even on-policy, where ρ = 1, the KL
-              gradient changes) when ``kl_bias_correction`` (TRL's ``use_bias_correction_kl``)
-
-TRL's normalisers, for a micro-batch of B completions that is one of G in its optimizer step
-(G = ``accumulation_steps``, TRL's ``current_gradient_accumulation_steps``), the generation batch
-holding N completion tokens in S micro-batches (``num_items_in_batch``, ``steps_per_generation``):
-
-    grpo     L_pg = 1/B · Σ_b [ Σ_t m·ℓ / max(Σ_t m, 1) ] / G    per-sequence mean, then mean
-    bnpo     L_pg = Σ_{b,t} m·ℓ / max(Σ_{b,t} m, 1) / G           token mean over the micro-batch
-    dr_grpo  L_pg = Σ_{b,t} m·ℓ / (B · max_completion_length) / G  no length normalisation
-    dapo     L_pg = Σ_{b,t} m·ℓ / (N · G / S)                     N·G/S: the tokens of one
-             optimizer step's window when the generation batch's are spread evenly over it
-
-and the entropy bonus, whatever the loss type (H: the current policy's per-token entropy):
+aggregated over the micro-batch by the loss type's normaliser into L_pg, minus an entropy bonus:
 
     L = L_pg − α · Σ_{b,t} m·H / max(Σ_{b,t} m, 1) / G
 
-The returned loss is this L: the caller back-propagates it as it is and steps the optimizer
-after the G micro-batches of the step.
+`grpo_loss` computes it in steps, each a small pure function in grail/algo/grpo_terms.py with
+its formula beside it: `log_importance_weights` (s, ρ = exp(s)), `clipped_surrogate` (pg, ρ'),
+`importance_weights` (w), `Normaliser` (L_pg and the other terms by the loss type's normaliser),
+`kl_estimate` and `kl_penalty` (KL), `entropy_bonus`, `loss_metrics`.
+
+The returned loss is L: the caller back-propagates it as it is and steps the optimizer after
+the G micro-batches of the step.
 """
 
 from __future__ import annotations
@@ -61,13 +41,24 @@ from typing import TYPE_CHECKING, get_args
 import torch
 from torch import Tensor
 
+from grail.algo.grpo_terms import (
+    Normaliser,
+    clipped_surrogate,
+    count_tokens,
+    entropy_bonus,
+    importance_weights,
+    kl_estimate,
+    kl_penalty,
+    log_importance_weights,
+    loss_metrics,
+    masked,
+)
 from grail.algo.logprobs import DEFAULT_CHUNK_SIZE, token_entropy, token_logprobs
 from grail.core.config import (
     ImportanceSamplingLevel,
     ISCorrection,
     KLEstimator,
     LossType,
-    ScaleRewards,
 )
 
 if TYPE_CHECKING:
@@ -80,8 +71,6 @@ __all__ = [
     "ImportanceSamplingLevel",
     "KLEstimator",
     "LossType",
-    "ScaleRewards",
-    "compute_advantages",
     "grpo_loss",
     "token_entropy",
     "token_logprobs",
@@ -94,112 +83,13 @@ def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Advantages
-# --------------------------------------------------------------------------------------------
-
-
-def compute_advantages(
-    rewards: Tensor,
-    scale_rewards: ScaleRewards = "group",
-    clip_percentile: float | None = None,
-    eps: float = 1e-4,
-) -> tuple[Tensor, dict[str, float]]:
-    """Group-relative advantages from rewards ``[num_groups, group_size]`` (TRL's formula).
-
-        A[g,i] = r[g,i] − mean_i r[g,i]
-        "group":  A[g,i] /= std_i r[g,i] + eps      (unbiased std within the group)
-        "batch":  A[g,i] /= std_{g,i} r[g,i] + eps  (unbiased std over the whole batch)
-        "none":   A unscaled (Dr. GRPO's recommendation: scaling biases towards easy/hard groups)
-
-    A group whose rewards are all equal carries no learning signal: its advantages are set to
-    exactly 0 (not merely ~1e-8 from rounding of the mean), so it contributes exactly zero
-    policy gradient, and it is counted in ``zero_variance_groups`` / ``zero_variance_group_frac``
-    (TRL's ``frac_reward_zero_std``).
-
-    ``clip_percentile`` = p clamps A to ±c with c the p-th percentile (linear interpolation) of
-    |A|. The percentile is taken over the groups that carry signal only: zero-variance groups
-    contribute exact zeros that would otherwise drag c towards 0 (with half the groups solved or
-    failed outright, p = 50 would zero every advantage).
-
-    Returns float32 advantages of the same shape and stats (plain floats): ``reward_mean``,
-    ``reward_std`` (whole batch), ``reward_std_group_mean`` (mean within-group std),
-    ``zero_variance_groups``, ``zero_variance_group_frac``, ``adv_abs_mean``, ``adv_clip_frac``,
-    and ``adv_clip_value`` when clipping is on.
-    """
-    _check_choice("scale_rewards", scale_rewards, get_args(ScaleRewards))
-    if not isinstance(rewards, Tensor):
-        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
-    if rewards.dim() != 2:
-        raise ValueError(
-            f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}"
-        )
-    num_groups, group_size = rewards.shape
-    if num_groups == 0:
-        raise ValueError("rewards has no groups (shape [0, group_size])")
-    if group_size < 2:
-        raise ValueError(
-            f"group_size must be >= 2 for group-relative advantages, got {group_size}: "
-            "a single completion per prompt has no group baseline and yields zero advantage"
-        )
-    if rewards.dtype == torch.bool or rewards.is_complex():
-        raise TypeError(f"rewards must be real numbers, got dtype {rewards.dtype}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    if clip_percentile is not None and not (0.0 < clip_percentile <= 100.0):
-        raise ValueError(f"clip_percentile must be in (0, 100], got {clip_percentile}")
-
-    # float64 so that centring and scaling add no error of their own before the float32 output.
-    r = rewards.detach().to(torch.float64)
-    finite = torch.isfinite(r)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero()[0].tolist()
-        raise ValueError(
-            f"rewards contain {int((~finite).sum())} non-finite value(s), first at "
-            f"[group {bad[0]}, sample {bad[1]}]"
-        )
-
-    adv = r - r.mean(dim=1, keepdim=True)
-    group_std = r.std(dim=1, keepdim=True)
-    if scale_rewards == "group":
-        adv = adv / (group_std + eps)
-    elif scale_rewards == "batch":
-        adv = adv / (r.std() + eps)
-
-    zero_var = r.amax(dim=1) == r.amin(dim=1)  # exact: no tolerance to tune
-    adv = torch.where(zero_var.unsqueeze(1), torch.zeros_like(adv), adv)
-
-    stats: dict[str, float] = {
-        "reward_mean": float(r.mean()),
-        "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
-        "reward_std_group_mean": float(group_std.mean()),
-        "zero_variance_groups": float(zero_var.sum()),
-        "zero_variance_group_frac": float(zero_var.double().mean()),
-    }
-
-    clip_frac = 0.0
-    if clip_percentile is not None:
-        signal = adv[~zero_var].abs().flatten()
-        if signal.numel() > 0:
-            c = torch.quantile(signal, clip_percentile / 100.0)
-            clipped = adv.abs() > c
-            clip_frac = float(clipped.double().mean())
-            adv = adv.clamp(-c, c)
-            stats["adv_clip_value"] = float(c)
-        else:
-            stats["adv_clip_value"] = 0.0
-    stats["adv_clip_frac"] = clip_frac
-    stats["adv_abs_mean"] = float(adv.abs().mean())
-    return adv.to(torch.float32), stats
-
-
-# --------------------------------------------------------------------------------------------
-# The loss
+# Settings
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """Settings of the GRPO objective; see the module docstring for the formulas.
+    """Settings of the GRPO objective; the formulas are in the functions that use them (below).
 
     loss_type, importance_sampling_level, epsilon, epsilon_high: as TRL's GRPOConfig.
     kl_coef: β (TRL's ``beta``); ``ref_logprobs`` are required when > 0.
@@ -311,19 +201,9 @@ class GRPOLossConfig:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-def _check_same(name: str, x: Tensor | None, like: Tensor) -> None:
-    if x is None:
-        return
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.shape != like.shape:
-        raise ValueError(
-            f"{name} shape {tuple(x.shape)} does not match logprobs shape {tuple(like.shape)}"
-        )
-    if x.device != like.device:
-        raise ValueError(f"{name} is on {x.device} but logprobs on {like.device}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+# --------------------------------------------------------------------------------------------
+# The loss, step by step
+# --------------------------------------------------------------------------------------------
 
 
 def grpo_loss(
@@ -340,7 +220,8 @@ def grpo_loss(
     steps_per_generation: int = 1,
     microbatch_counts: tuple[int, int] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO loss of one micro-batch and its metrics (formulas in the module docstring).
+    """The GRPO loss of one micro-batch and its metrics (formulas: the module docstring, and
+    each term's beside its function in grail/algo/grpo_terms.py).
 
     Args:
         logprobs: [B, T] current-policy log-probs of the completion tokens (carries the grad).
@@ -360,7 +241,7 @@ def grpo_loss(
         accumulation_steps: G, the micro-batches of this optimizer step (this one included).
         steps_per_generation: S, the micro-batches of the generation batch (dapo only).
         microbatch_counts: (B, Σ m) of the whole micro-batch when these inputs are one piece of
-            it (padding-free pieces, grail/train/packing.py): the normalisers above and the
+            it (padding-free pieces, grail/train/packing.py): the normalisers (`Normaliser`) and the
             entropy bonus's use them instead of this piece's own, so the pieces' losses (and
             gradients) add up to the micro-batch's. None: the inputs are the micro-batch.
 
@@ -380,6 +261,123 @@ def grpo_loss(
     clip and importance-sampling fractions are over completion tokens at token level and over
     sequences at sequence level, as TRL reports them.
     """
+    check_inputs(
+        config,
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        ref_logprobs,
+        behaviour_logprobs,
+        entropy,
+        accumulation_steps,
+        steps_per_generation,
+    )
+    # float32 at least (float64 stays float64): bf16 ratios of nearby log-probs are noise.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    tokens = count_tokens(mask, dtype, microbatch_counts)
+    normalise = Normaliser.of(
+        config.loss_type,
+        tokens,
+        config.max_completion_length,
+        num_items_in_batch,
+        accumulation_steps,
+        steps_per_generation,
+    )
+
+    logp = masked(logprobs, tokens.keep, dtype, grad=True)
+    old = masked(old_logprobs, tokens.keep, dtype)
+    adv = advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
+
+    log_w, clamped = log_importance_weights(
+        logp, old, tokens, config.importance_sampling_level, config.logratio_clamp
+    )
+    policy_ratio = torch.exp(log_w)  # ρ, with its gradient (the KL bias correction uses it)
+    pg, capped = clipped_surrogate(
+        policy_ratio, adv, config.epsilon, config.eps_high, config.is_ratio_max
+    )
+    is_w, outside = importance_weights(
+        old,
+        behaviour_logprobs,
+        tokens,
+        config.is_correction,
+        config.is_clip_min,
+        config.is_clip_max,
+    )
+    if config.is_correction != "none":
+        pg = pg * is_w
+    loss_pg = normalise(pg)
+    zero = logp.new_zeros(())
+
+    kl_tok: Tensor | None = None
+    if ref_logprobs is not None:
+        ref = masked(ref_logprobs, tokens.keep, dtype)
+        # The KL term carries gradient only when it is part of the loss.
+        kl_tok = kl_estimate(
+            logp if config.kl_coef > 0 else logp.detach(), ref, config.kl_estimator
+        )
+    loss_kl = zero
+    if kl_tok is not None and config.kl_coef > 0:
+        loss_kl = kl_penalty(
+            kl_tok, policy_ratio, config.kl_coef, config.kl_bias_correction, normalise
+        )
+
+    ent = None if entropy is None else masked(entropy, tokens.keep, dtype, grad=True)
+    loss_entropy = zero
+    if ent is not None and config.entropy_coef > 0:
+        loss_entropy = entropy_bonus(ent, tokens, config.entropy_coef, accumulation_steps)
+
+    loss = loss_pg + loss_kl + loss_entropy
+
+    metrics = loss_metrics(
+        tokens,
+        accumulation_steps,
+        epsilon=config.epsilon,
+        eps_high=config.eps_high,
+        losses=(loss, loss_pg, loss_kl, loss_entropy),
+        ratio=policy_ratio.detach(),
+        adv=adv,
+        capped=capped,
+        clamped=clamped,
+        is_w=is_w,
+        outside=outside,
+        kl_tok=kl_tok,
+        ent=ent,
+        old=old,
+        behaviour_logprobs=behaviour_logprobs,
+    )
+    return loss, metrics
+
+
+def _check_same(name: str, x: Tensor | None, like: Tensor) -> None:
+    if x is None:
+        return
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.shape != like.shape:
+        raise ValueError(
+            f"{name} shape {tuple(x.shape)} does not match logprobs shape {tuple(like.shape)}"
+        )
+    if x.device != like.device:
+        raise ValueError(f"{name} is on {x.device} but logprobs on {like.device}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+
+
+def check_inputs(
+    config: GRPOLossConfig,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Tensor | None,
+    behaviour_logprobs: Tensor | None,
+    entropy: Tensor | None,
+    accumulation_steps: int,
+    steps_per_generation: int,
+) -> None:
+    """Refuse, before any arithmetic, inputs of the wrong type, shape or device, non-finite
+    advantages, and settings without the inputs they need (`grpo_loss`'s arguments)."""
     if not isinstance(config, GRPOLossConfig):
         raise TypeError(f"config must be a GRPOLossConfig, got {type(config).__name__}")
     if not isinstance(logprobs, Tensor):
@@ -430,231 +428,3 @@ def grpo_loss(
     ):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{name} must be a positive int, got {count!r}")
-
-    # float32 at least (float64 stays float64): bf16 ratios of nearby log-probs are noise.
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    if mask.dtype == torch.bool:
-        keep = mask
-    else:
-        bad = (mask != 0) & (mask != 1)
-        if bool(bad.any()):
-            raise ValueError("mask must hold only 0 and 1 (completion token or padding)")
-        keep = mask != 0
-    m = keep.to(dtype)
-    tokens_per_seq = m.sum(-1)
-    num_tokens = tokens_per_seq.sum()
-    if microbatch_counts is None:
-        norm_batch, norm_tokens = batch, num_tokens.clamp(min=1.0)
-    else:
-        norm_batch, whole_tokens = microbatch_counts
-        if norm_batch < batch or whole_tokens < float(num_tokens):
-            raise ValueError(
-                f"microbatch_counts {microbatch_counts} count fewer completions or tokens than "
-                f"this piece has ({batch}, {int(num_tokens)})"
-            )
-        norm_tokens = num_tokens.new_tensor(float(max(whole_tokens, 1)))
-
-    if config.loss_type == "dapo":
-        if num_items_in_batch is None:
-            raise ValueError(
-                "loss_type 'dapo' requires num_items_in_batch (completion tokens in the whole "
-                "generation batch)"
-            )
-        n_items = float(num_items_in_batch)
-        if not (math.isfinite(n_items) and n_items > 0):
-            raise ValueError(f"num_items_in_batch must be a finite number > 0, got {n_items}")
-        if n_items < float(num_tokens):
-            raise ValueError(
-                f"num_items_in_batch ({n_items:g}) is smaller than the completion tokens in this "
-                f"micro-batch ({int(num_tokens)}); it must count the whole generation batch"
-            )
-        if accumulation_steps > steps_per_generation:
-            raise ValueError(
-                f"accumulation_steps ({accumulation_steps}) exceeds steps_per_generation "
-                f"({steps_per_generation}): an optimizer step cannot span more micro-batches "
-                "than the generation batch has"
-            )
-    if config.loss_type == "dr_grpo":
-        longest = int(tokens_per_seq.max())
-        if longest > config.max_completion_length:  # type: ignore[operator]
-            raise ValueError(
-                f"a completion has {longest} tokens, more than max_completion_length "
-                f"({config.max_completion_length}) that dr_grpo normalises by"
-            )
-
-    def clean(x: Tensor, grad: bool = False) -> Tensor:
-        # Zero the padding before any arithmetic, so NaN/inf there cannot leak into the loss
-        # or (via 0 · inf in backward) into the gradient.
-        x = x if grad else x.detach()
-        return torch.where(keep, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
-
-    logp = clean(logprobs, grad=True)
-    old = clean(old_logprobs)
-    adv = advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
-    steps = accumulation_steps
-
-    def aggregate(x: Tensor) -> Tensor:
-        """Σ m·x by the loss type's normaliser, accumulation included (module docstring)."""
-        x = x.expand_as(m) * m
-        if config.loss_type == "grpo":
-            per_sequence = x.sum(-1) / tokens_per_seq.clamp(min=1.0)
-            if microbatch_counts is None:
-                return per_sequence.mean() / steps
-            return per_sequence.sum() / norm_batch / steps
-        if config.loss_type == "bnpo":
-            return x.sum() / norm_tokens / steps
-        if config.loss_type == "dr_grpo":
-            return x.sum() / (norm_batch * config.max_completion_length) / steps  # type: ignore[operator]
-        return x.sum() / (n_items * steps / steps_per_generation)  # dapo
-
-    # Log importance weights: per token, or GSPO's length-normalised sequence log ratio.
-    log_ratio = logp - old
-    if config.importance_sampling_level == "token":
-        log_w = log_ratio
-    else:
-        log_w = (log_ratio.sum(-1) / tokens_per_seq.clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
-    if config.logratio_clamp is not None:
-        clamped = log_w.detach().abs() > config.logratio_clamp
-        log_w = log_w.clamp(-config.logratio_clamp, config.logratio_clamp)
-    else:
-        clamped = torch.zeros_like(log_w, dtype=torch.bool)
-
-    eps_low, eps_high = config.epsilon, config.eps_high
-    policy_ratio = torch.exp(log_w)  # ρ, with its gradient (the KL bias correction uses it)
-    coef_1 = policy_ratio
-    coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
-    ratio = coef_1.detach()
-    if config.is_ratio_max is not None:
-        capped = ratio > config.is_ratio_max
-        coef_1 = torch.clamp(coef_1, max=config.is_ratio_max)
-    else:
-        capped = torch.zeros_like(ratio, dtype=torch.bool)
-    pg = -torch.min(coef_1 * adv, coef_2 * adv)  # [B, T] or [B, 1]
-
-    if config.is_correction != "none":
-        # TRL computes the log difference masked, with NaN (a token the server could not
-        # score) as 0; the sequence modes sum it (a product of token ratios, not a mean).
-        beh = clean(behaviour_logprobs)  # type: ignore[arg-type]
-        diff = torch.nan_to_num(old - beh, nan=0.0)
-        if config.is_correction.startswith("sequence"):
-            diff = diff.sum(-1, keepdim=True)  # [B, 1]
-        raw = torch.exp(diff)
-        lo, hi = config.is_clip_min, config.is_clip_max
-        outside = torch.zeros_like(raw, dtype=torch.bool)
-        if lo is not None:
-            outside |= raw < lo
-        if hi is not None:
-            outside |= raw > hi
-        if config.is_correction.endswith("truncate"):
-            is_w = raw if lo is None and hi is None else torch.clamp(raw, min=lo, max=hi)
-        else:
-            is_w = raw.masked_fill(outside, 0.0)
-        pg = pg * is_w
-    else:
-        is_w = torch.ones_like(m[:, :1])
-        outside = torch.zeros_like(is_w, dtype=torch.bool)
-
-    loss_pg = aggregate(pg)
-    zero = logp.new_zeros(())
-
-    kl_tok: Tensor | None = None
-    if ref_logprobs is not None:
-        ref = clean(ref_logprobs)
-        # The KL term carries gradient only when it is part of the loss.
-        cur = logp if config.kl_coef > 0 else logp.detach()
-        if config.kl_estimator == "k1":
-            kl_tok = cur - ref
-        elif config.kl_estimator == "k2":
-            kl_tok = 0.5 * (cur - ref) ** 2
-        else:
-            kl_tok = torch.exp(ref - cur) - (ref - cur) - 1.0
-    loss_kl = zero
-    if kl_tok is not None and config.kl_coef > 0:
-        kl_term = kl_tok * policy_ratio if config.kl_bias_correction else kl_tok
-        loss_kl = config.kl_coef * aggregate(kl_term)
-
-    ent: Tensor | None = None
-    if entropy is not None:
-        ent = torch.where(keep, entropy.to(dtype), torch.zeros((), dtype=dtype, device=m.device))
-    loss_entropy = zero
-    if ent is not None and config.entropy_coef > 0:
-        # A token mean whatever the loss type (TRL): the bonus does not depend on how the
-        # policy term is normalised.
-        loss_entropy = -config.entropy_coef * (ent.sum() / norm_tokens) / steps
-
-    loss = loss_pg + loss_kl + loss_entropy
-
-    # Metrics: gathered into one tensor so a GPU run pays one device sync, not twenty.
-    with torch.no_grad():
-        count = num_tokens.clamp(min=1.0)
-
-        def token_mean(x: Tensor) -> Tensor:
-            return (x.to(dtype) * m).sum() / count
-
-        def unit_mean(x: Tensor) -> Tensor:
-            # TRL's masked_batch_mean: per token, or per sequence at sequence level.
-            return x.to(dtype).mean() if x.shape[-1] == 1 else token_mean(x)
-
-        def masked_max(x: Tensor) -> Tensor:
-            if x.shape[-1] == 1:
-                return x.max().to(dtype)
-            top = x.to(dtype).masked_fill(~keep, float("-inf")).max()
-            return torch.where(num_tokens > 0, top, torch.zeros_like(top))  # 0 with no tokens
-
-        low = (ratio < 1.0 - eps_low) & (adv < 0)
-        high = (ratio > 1.0 + eps_high) & (adv > 0)
-        names = [
-            "loss_total",
-            "loss_pg",
-            "loss_kl",
-            "loss_entropy",
-            "ratio_mean",
-            "ratio_max",
-            "clip_frac_low",
-            "clip_frac_high",
-            "clip_frac",
-            "ratio_cap_frac",
-            "logratio_clamp_frac",
-            "is_clip_frac",
-            "is_weight_mean",
-            "is_ess",
-            "num_tokens",
-        ]
-        # Normalised effective sample size of the importance weights (per token, or per sequence
-        # in the sequence modes): 1 when all equal, 1/n when one carries all the weight. Defined
-        # as 1 with nothing to weigh or all-zero weights.
-        units = m if is_w.shape[-1] != 1 else torch.ones_like(is_w)
-        w_sum = (is_w * units).sum()
-        w_sq = (is_w * is_w * units).sum()
-        ess = torch.where(
-            w_sq > 0, w_sum * w_sum / (units.sum() * w_sq).clamp(min=1e-30), torch.ones_like(w_sq)
-        ).clamp(max=1.0)
-        values = [
-            loss.detach() * steps,
-            loss_pg.detach() * steps,
-            loss_kl.detach() * steps,
-            loss_entropy.detach() * steps,
-            unit_mean(ratio),
-            masked_max(ratio),
-            unit_mean(low),
-            unit_mean(high),
-            unit_mean(low | high),
-            unit_mean(capped),
-            unit_mean(clamped),
-            unit_mean(outside),
-            unit_mean(is_w),
-            ess,
-            num_tokens,
-        ]
-        if kl_tok is not None:
-            names.append("kl")
-            values.append(token_mean(kl_tok.detach()))
-        if ent is not None:
-            names.append("entropy")
-            values.append(token_mean(ent.detach()))
-        if behaviour_logprobs is not None:
-            gap = (old - clean(behaviour_logprobs)).abs()
-            names += ["logprob_mismatch", "logprob_mismatch_max"]
-            values += [token_mean(gap), masked_max(gap)]
-        numbers = torch.stack([v.reshape(()).to(torch.float64) for v in values]).tolist()
-    return loss, dict(zip(names, numbers, strict=True))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from grail.algo.grpo import ScaleRewards, compute_advantages
+from grail.algo.advantages import ScaleRewards, compute_advantages
 from grail.envs.base import Environment, Problem
 from grail.envs.rewards.plugins import RewardFunctions, score_completions
 from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, informative

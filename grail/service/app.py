@@ -19,19 +19,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from grail.core.http_api import APIError, Gate, describe_validation_errors, error_response
+from grail.service.core import ServiceCore
 from grail.service.ledger import PushedGroup, RewardEntry, ServiceSample
-
-if TYPE_CHECKING:
-    from grail.service.core import ServiceCore
 
 TokenId = Annotated[int, Field(ge=0)]
 # What a client may not choose: sampling comes from the run's config (see `CompletionsRequest`).
@@ -99,143 +97,171 @@ class GroupsRequest(BaseModel):
 
 
 def create_app(core: ServiceCore, api_key: str, max_body_bytes: int) -> FastAPI:
-    """The service's app around `core` (which owns the ledger and the inference client)."""
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        core.started()
-        try:
-            yield
-        finally:
-            await core.stopped()
-
+    """The service's app around `core` (which owns the ledger and the inference client): the
+    routes of `router`, errors in the OpenAI shape, and the key and body-size gate."""
     app = FastAPI(
-        title="grail-train service", lifespan=lifespan, docs_url=None, redoc_url=None,
+        title="grail-train service", lifespan=_lifespan, docs_url=None, redoc_url=None,
         openapi_url=None,
     )  # fmt: skip
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = describe_validation_errors(exc.errors())
-        return error_response(message, 400, param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        # A route's bug fails that request only: the trainer runs on its own thread.
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
-
+    app.state.core = core
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(
         Gate, api_key=api_key, max_body_bytes=max_body_bytes,
         limit_name="(service.max_body_bytes)",
     )  # fmt: skip
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionsRequest) -> dict[str, Any]:
-        extra = sorted(req.model_extra or {})
-        sampling = [k for k in extra if k in SAMPLING_FIELDS]
-        if sampling:
-            raise APIError(
-                f"{', '.join(sampling)}: sampling settings come from the run's config "
-                f"({core.sampling_summary()}), so that the behaviour log-probabilities are the "
-                "trained policy's",
-                400,
-                sampling[0],
-            )
-        if extra:
-            raise APIError(
-                f"unknown field(s) {', '.join(extra)}; this route takes prompt or messages, n, "
-                "model",
-                400,
-                extra[0],
-            )
-        if req.model is not None and req.model != core.model_name:
-            raise APIError(f"The model `{req.model}` does not exist.", 404, "model")
-        if req.n is not None and req.n != core.group_size:
-            raise APIError(
-                f"n={req.n}, but a group here is data.rollouts_per_problem={core.group_size} "
-                "samples (leave n out, or send that)",
-                400,
-                "n",
-            )
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError("send exactly one of prompt and messages", 400, "prompt")
-        if req.messages is not None:
-            prompt_ids = core.render_messages([m.model_dump() for m in req.messages])
-        elif isinstance(req.prompt, str):
-            prompt_ids = core.tokenize(req.prompt)
-        else:
-            prompt_ids = core.check_token_ids(list(req.prompt or []), "prompt")
-        group = await core.complete(prompt_ids)
-        completion_tokens = sum(len(s.token_ids) for s in group.samples)
-        return {
-            "id": f"cmpl-{group.id}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": core.model_name,
-            "policy_version": group.policy_version,
-            "group_id": group.id,
-            "choices": [
-                {
-                    "index": i,
-                    "id": s.id,
-                    "text": s.text,
-                    "token_ids": s.token_ids,
-                    "finish_reason": s.finish_reason,
-                    "logprobs": None,
-                }
-                for i, s in enumerate(group.samples)
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt_ids) * len(group.samples) + completion_tokens,
-            },
-        }
-
-    @app.post("/v1/rewards")
-    async def rewards(req: RewardsRequest) -> dict[str, int]:
-        entries = [RewardEntry(r.id, r.reward, r.success) for r in req.rewards]
-        return {"accepted": await core.add_rewards(entries)}
-
-    @app.post("/v1/groups")
-    async def groups(req: GroupsRequest) -> dict[str, Any]:
-        pushed = []
-        for k, g in enumerate(req.groups):
-            prompt_ids = core.check_token_ids(g.prompt_ids, f"groups.{k}.prompt_ids")
-            samples = [
-                ServiceSample(
-                    id="",
-                    token_ids=core.check_token_ids(c.token_ids, f"groups.{k}.completions.{i}"),
-                    logprobs=c.logprobs,
-                    finish_reason=c.finish_reason,
-                    text=c.text if c.text is not None else core.decode(c.token_ids),
-                    reward=c.reward,
-                    success=c.success,
-                )
-                for i, c in enumerate(g.completions)
-            ]
-            pushed.append(PushedGroup(prompt_ids, g.policy_version, samples))
-        added = await core.add_groups(pushed)
-        return {"accepted": len(added), "group_ids": [g.id for g in added]}
-
-    @app.get("/v1/status")
-    async def status() -> dict[str, Any]:
-        return core.status()
-
-    @app.get("/v1/info")
-    async def info() -> dict[str, Any]:
-        return core.info()
-
+    app.include_router(router)
     return app
+
+
+def _service_core(request: Request) -> ServiceCore:
+    """The core of the app serving `request` (`create_app` puts it in the app's state)."""
+    return request.app.state.core  # type: ignore[no-any-return]
+
+
+# What each route gets to serve the request with.
+Core = Annotated[ServiceCore, Depends(_service_core)]
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    core: ServiceCore = app.state.core
+    core.started()
+    try:
+        yield
+    finally:
+        await core.stopped()
+
+
+# ---- errors, in the OpenAI shape -----------------------------------------------------------------
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc.message, exc.status, exc.param)
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = describe_validation_errors(exc.errors())
+    return error_response(message, 400, param)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(str(exc.detail), exc.status_code)
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    # A route's bug fails that request only: the trainer runs on its own thread.
+    return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+
+
+# ---- the routes ---------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
+    extra = sorted(req.model_extra or {})
+    sampling = [k for k in extra if k in SAMPLING_FIELDS]
+    if sampling:
+        raise APIError(
+            f"{', '.join(sampling)}: sampling settings come from the run's config "
+            f"({core.sampling_summary()}), so that the behaviour log-probabilities are the "
+            "trained policy's",
+            400,
+            sampling[0],
+        )
+    if extra:
+        raise APIError(
+            f"unknown field(s) {', '.join(extra)}; this route takes prompt or messages, n, model",
+            400,
+            extra[0],
+        )
+    if req.model is not None and req.model != core.model_name:
+        raise APIError(f"The model `{req.model}` does not exist.", 404, "model")
+    if req.n is not None and req.n != core.group_size:
+        raise APIError(
+            f"n={req.n}, but a group here is data.rollouts_per_problem={core.group_size} "
+            "samples (leave n out, or send that)",
+            400,
+            "n",
+        )
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("send exactly one of prompt and messages", 400, "prompt")
+    if req.messages is not None:
+        prompt_ids = core.render_messages([m.model_dump() for m in req.messages])
+    elif isinstance(req.prompt, str):
+        prompt_ids = core.tokenize(req.prompt)
+    else:
+        prompt_ids = core.check_token_ids(list(req.prompt or []), "prompt")
+    group = await core.complete(prompt_ids)
+    completion_tokens = sum(len(s.token_ids) for s in group.samples)
+    return {
+        "id": f"cmpl-{group.id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": core.model_name,
+        "policy_version": group.policy_version,
+        "group_id": group.id,
+        "choices": [
+            {
+                "index": i,
+                "id": s.id,
+                "text": s.text,
+                "token_ids": s.token_ids,
+                "finish_reason": s.finish_reason,
+                "logprobs": None,
+            }
+            for i, s in enumerate(group.samples)
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) * len(group.samples) + completion_tokens,
+        },
+    }
+
+
+@router.post("/v1/rewards")
+async def rewards(req: RewardsRequest, core: Core) -> dict[str, int]:
+    entries = [RewardEntry(r.id, r.reward, r.success) for r in req.rewards]
+    return {"accepted": await core.add_rewards(entries)}
+
+
+@router.post("/v1/groups")
+async def groups(req: GroupsRequest, core: Core) -> dict[str, Any]:
+    pushed = []
+    for k, g in enumerate(req.groups):
+        prompt_ids = core.check_token_ids(g.prompt_ids, f"groups.{k}.prompt_ids")
+        samples = [
+            ServiceSample(
+                id="",
+                token_ids=core.check_token_ids(c.token_ids, f"groups.{k}.completions.{i}"),
+                logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+                text=c.text if c.text is not None else core.decode(c.token_ids),
+                reward=c.reward,
+                success=c.success,
+            )
+            for i, c in enumerate(g.completions)
+        ]
+        pushed.append(PushedGroup(prompt_ids, g.policy_version, samples))
+    added = await core.add_groups(pushed)
+    return {"accepted": len(added), "group_ids": [g.id for g in added]}
+
+
+@router.get("/v1/status")
+async def status(core: Core) -> dict[str, Any]:
+    return core.status()
+
+
+@router.get("/v1/info")
+async def info(core: Core) -> dict[str, Any]:
+    return core.info()

@@ -22,12 +22,14 @@ A trial's value is the mean over its seeds of `metric` (grail.study.stats.metric
 eval records); its state comes from the runs' summary.json: a failed run fails the trial, a pruned
 one prunes it, a run without a summary (killed) leaves it RUNNING.
 
-The study lives in Optuna's journal storage at `<sweep dir>/optuna/search.journal`. A rerun of the
+The study lives in Optuna's journal storage at `<sweep dir>/optuna/search.journal`
+(grail/study/search_study.py). A rerun of the
 same command with `resume=true` and the same `hydra.sweep.dir` reloads it: finished trials stay,
 trials left RUNNING are launched again with the same settings and job numbers (their runs then
 resume from their newest checkpoint, grail.study.sweep.decide), and the search goes on until
 `n_trials` trials are finished. At the end: the best setting with its mean and 95% CI over seeds,
-the top trials, and `<sweep dir>/optuna/best.yaml`.
+the top trials, and `<sweep dir>/optuna/best.yaml` (the ask/launch/tell loop and this report:
+grail/study/search_runner.py).
 
 Optuna is imported inside the sweeper only: Hydra imports this module (through
 hydra_plugins/grail_search) whenever it starts, `grail-train --help` included.
@@ -36,14 +38,11 @@ hydra_plugins/grail_search) whenever it starts, `grail-train --help` included.
 from __future__ import annotations
 
 import logging
-import math
-import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.launcher import Launcher
@@ -51,33 +50,24 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from grail.core.records import LAUNCH_KEYS, atomic_write_text, metric_records
-from grail.study.runs import run_status
+from grail.study.search_runner import SearchRunner
 from grail.study.search_space import (
     Space,
-    job_numbers,
     job_overrides,
-    launch_blocks,
     parse_space,
     seed_list,
     setting_overrides,
-    trials_per_batch,
 )
-from grail.study.stats import METRICS, metric_of, t_interval, trained_curve
+from grail.study.search_study import JOURNAL, SEARCH_DIR, open_study, study_signature
+from grail.study.stats import METRICS
 from grail.study.sweep import SweepError
 
 if TYPE_CHECKING:
-    import optuna
     from optuna.distributions import BaseDistribution
 
-log = logging.getLogger("grail.study.search")
+log = logging.getLogger("grail.study.search")  # one logger for the whole search
 
-SEARCH_DIR = "optuna"  # below the sweep directory
-JOURNAL = "search.journal"
-BEST = "best.yaml"
 DIRECTIONS = ("maximize", "minimize")
-STUDY_ATTR = "grail_search"  # the study's user attribute holding what defines the search
-TOP_TRIALS = 5  # rows of the table printed at the end
 # Hydra names each job's directory by `hydra.sweep.subdir`; the search finds a trial's runs by it.
 JOB_SUBDIR = "${hydra.job.num}"
 
@@ -106,169 +96,7 @@ ConfigStore.instance().store(
 )
 
 
-# ---- a trial's outcome from its runs -------------------------------------------------------------
-
-COMPLETE, FAIL, PRUNED, RUNNING = "complete", "fail", "pruned", "running"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a trial's runs say. `value`: mean of the metric over seeds (complete trials);
-    `partial`/`step`: for a pruned trial, the mean of the metric over the evals its runs reached,
-    and the last iteration all of them reached (the intermediate value Optuna ranks it by)."""
-
-    state: str
-    values_by_seed: dict[int, float] = field(default_factory=dict)
-    reason: str = ""
-    partial: float | None = None
-    step: int | None = None
-
-    @property
-    def value(self) -> float | None:
-        v = list(self.values_by_seed.values())
-        return sum(v) / len(v) if v and self.state == COMPLETE else None
-
-
-def trial_outcome(runs: Mapping[int, Path], metric: str) -> Outcome:
-    """The outcome of a trial from its run directories (seed -> directory): failed if any run
-    failed (or completed without an eval to compute the metric from), else running if any has no
-    summary yet, else pruned if any was pruned, else complete."""
-    failed: list[str] = []
-    missing: list[Path] = []
-    pruned: list[Path] = []
-    values: dict[int, float] = {}
-    evals_by_run: list[list[dict[str, Any]]] = []
-    for seed, run_dir in runs.items():
-        status = run_status(run_dir)
-        evals = metric_records(run_dir, "eval")
-        evals_by_run.append(evals)
-        if status.status == "incomplete":
-            missing.append(run_dir)
-        elif status.status == "done":
-            value = metric_of(evals, metric)
-            if value is None:
-                failed.append(
-                    f"run {run_dir} completed without an eval after training started, so it has "
-                    f"no {metric}: evaluate at least once (eval.enabled=true, "
-                    "eval.interval <= train.iterations)"
-                )
-            else:
-                values[seed] = value
-        elif status.status == "pruned":
-            pruned.append(run_dir)
-        else:
-            why = (status.error or "").splitlines() or [""]
-            failed.append(f"run {run_dir} failed: {why[0]}")
-    if failed:
-        return Outcome(FAIL, values, "; ".join(failed))
-    if missing:
-        names = ", ".join(str(p) for p in missing)
-        return Outcome(RUNNING, values, f"no summary.json in {names} (killed or still running)")
-    if pruned:
-        partial, step = None, None
-        curves = [trained_curve(evals) for evals in evals_by_run]
-        if all(curves):
-            step = min(c[-1][0] for c in curves)
-            known = [v for evals in evals_by_run if (v := metric_of(evals, metric)) is not None]
-            partial = sum(known) / len(known) if known else None
-        names = ", ".join(str(p) for p in pruned)
-        return Outcome(PRUNED, values, f"pruned: {names}", partial=partial, step=step)
-    return Outcome(COMPLETE, values)
-
-
-# ---- the study ----------------------------------------------------------------------------------
-
-
-def study_signature(
-    space: Space, seeds: Sequence[int], metric: str, direction: str
-) -> dict[str, Any]:
-    """What makes two invocations the same search (stored with the study, checked on resume)."""
-    from optuna.distributions import distribution_to_json
-
-    fixed = {}
-    for o in space.fixed:
-        key = o.split("=", 1)[0]
-        if key.lstrip("+~") not in LAUNCH_KEYS:
-            fixed[key] = o
-    return {
-        "params": {k: distribution_to_json(d) for k, d in space.distributions.items()},
-        "fixed": fixed,
-        "seeds": list(seeds),
-        "metric": metric,
-        "direction": direction,
-    }
-
-
-def check_signature(stored: Mapping[str, Any], now: Mapping[str, Any], journal: Path) -> None:
-    """Raise SweepError when this invocation is another search than the one stored: other
-    distributions, seeds, metric or direction, or a fixed key given another value (the runs of
-    one study would then differ in more than their parameters). Fixed keys added or dropped are
-    allowed, as for a grid's rerun (say, a longer request timeout)."""
-    changes = []
-    for key in ("params", "seeds", "metric", "direction"):
-        if stored.get(key) != now.get(key):
-            changes.append(f"{key}: {stored.get(key)} before, {now.get(key)} now")
-    before, after = stored.get("fixed", {}), now.get("fixed", {})
-    for key in sorted(before.keys() & after.keys()):
-        if before[key] != after[key]:
-            changes.append(f"{before[key]} before, {after[key]} now")
-    if changes:
-        raise SweepError(
-            f"the study in {journal} was made by a different search ("
-            + "; ".join(changes)
-            + "). Rerun the original command with resume=true, or start a new search (a new "
-            "hydra.sweep.dir)"
-        )
-
-
-def open_study(
-    journal: Path,
-    name: str,
-    signature: Mapping[str, Any],
-    *,
-    resume: bool,
-    sampler: optuna.samplers.BaseSampler,
-) -> optuna.Study:
-    """The study in `journal`: created (holding `signature`) when absent; loaded and checked with
-    `resume`; refused without it, since starting over would mix two searches in one directory."""
-    import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    journal.parent.mkdir(parents=True, exist_ok=True)
-    storage = JournalStorage(JournalFileBackend(str(journal)))
-    exists = name in optuna.study.get_all_study_names(storage)
-    if exists and not resume:
-        raise SweepError(
-            f"{journal} already holds the study {name!r}: add resume=true to continue it, or "
-            "start a new search (a new hydra.sweep.dir)"
-        )
-    study = optuna.create_study(
-        study_name=name,
-        storage=storage,
-        sampler=sampler,
-        direction=signature["direction"],
-        load_if_exists=True,
-    )
-    stored = study.user_attrs.get(STUDY_ATTR)
-    if stored is None:
-        study.set_user_attr(STUDY_ATTR, dict(signature))
-    else:
-        check_signature(stored, signature, journal)
-    return study
-
-
 # ---- the sweeper --------------------------------------------------------------------------------
-
-
-@dataclass
-class _Pending:
-    """A trial whose jobs are being launched."""
-
-    number: int
-    trial: optuna.Trial
-    setting: list[str]
-    jobs: list[int]
 
 
 class OptunaSearchSweeper(Sweeper):
@@ -302,7 +130,7 @@ class OptunaSearchSweeper(Sweeper):
         self.hydra_context: HydraContext | None = None
         self.config: DictConfig | None = None
         self.launcher: Launcher | None = None
-        self.runner: _Runner | None = None  # the last sweep's, for a look at its study
+        self.runner: SearchRunner | None = None  # the last sweep's, for a look at its study
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -391,7 +219,7 @@ class OptunaSearchSweeper(Sweeper):
             self.metric,
             self.max_batch_size or "1 trial's",
         )
-        self.runner = _Runner(self, study, space, seeds, sweep_dir)
+        self.runner = SearchRunner(self, study, space, seeds, sweep_dir)
         returns = self.runner.run()
         self.runner.finish()
         return returns
@@ -404,231 +232,3 @@ def _sample(distribution: BaseDistribution) -> Any:
     if isinstance(distribution, CategoricalDistribution):
         return distribution.choices[0]
     return distribution.low  # type: ignore[attr-defined]
-
-
-class _Runner:
-    """One invocation of the search: relaunch what an interrupted one left running, then ask,
-    launch and tell until the study holds n_trials finished trials."""
-
-    def __init__(
-        self,
-        sweeper: OptunaSearchSweeper,
-        study: optuna.Study,
-        space: Space,
-        seeds: list[int],
-        sweep_dir: Path,
-    ) -> None:
-        self.sweeper = sweeper
-        self.study = study
-        self.space = space
-        self.names = list(space.distributions)
-        self.seeds = seeds
-        self.sweep_dir = sweep_dir
-        self.returns: list[Any] = []
-        self.left_running = 0  # trials this invocation could not finish (a run without summary)
-
-    def run_dir(self, job: int) -> Path:
-        return self.sweep_dir / str(job)
-
-    def _finished(self) -> int:
-        from optuna.trial import TrialState
-
-        states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-        return len(self.study.get_trials(deepcopy=False, states=states))
-
-    def run(self) -> list[Any]:
-        import optuna
-        from optuna.trial import TrialState
-
-        stale = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        if stale:
-            log.info(
-                "resuming %d interrupted trial(s): %s",
-                len(stale),
-                ", ".join(str(t.number) for t in stale),
-            )
-            pending = []
-            for frozen in stale:
-                trial = optuna.Trial(self.study, frozen._trial_id)
-                setting = frozen.user_attrs.get("overrides") or setting_overrides(
-                    frozen.params, self.names
-                )
-                pending.append(
-                    _Pending(frozen.number, trial, list(setting), self._jobs(frozen.number))
-                )
-            self._launch_and_tell(pending)
-
-        per_batch = trials_per_batch(self.sweeper.max_batch_size, len(self.seeds))
-        while (todo := self.sweeper.n_trials - self._finished() - self.left_running) > 0:
-            pending = []
-            for _ in range(min(per_batch, todo)):
-                trial = self.study.ask(fixed_distributions=self.space.distributions)
-                setting = setting_overrides(trial.params, self.names)
-                jobs = self._jobs(trial.number)
-                trial.set_user_attr("overrides", setting)
-                trial.set_user_attr("jobs", jobs)
-                trial.set_user_attr("seeds", self.seeds)
-                pending.append(_Pending(trial.number, trial, setting, jobs))
-            self._launch_and_tell(pending)
-        return self.returns
-
-    def _jobs(self, number: int) -> list[int]:
-        return job_numbers(number, len(self.seeds))
-
-    def _launch_and_tell(self, pending: list[_Pending]) -> None:
-        assert self.sweeper.launcher is not None
-        by_job: dict[int, list[str]] = {}
-        for p in pending:
-            log.info("trial %d: %s (jobs %s)", p.number, " ".join(p.setting), _span(p.jobs))
-            for job, seed in zip(p.jobs, self.seeds, strict=True):
-                by_job[job] = job_overrides(self.space.fixed, p.setting, seed)
-        for block in launch_blocks(list(by_job), self.sweeper.max_batch_size):
-            batch = [by_job[j] for j in block]
-            self.sweeper.validate_batch_is_legal(batch)
-            results = self.sweeper.launcher.launch(batch, initial_job_idx=block[0])
-            for r in results:
-                _ = r.return_value  # a job that raised (not a failed run: those end in summary)
-            self.returns.append(results)
-        for p in pending:
-            self._tell(p)
-
-    def _tell(self, p: _Pending) -> None:
-        from optuna.trial import TrialState
-
-        runs = {seed: self.run_dir(job) for job, seed in zip(p.jobs, self.seeds, strict=True)}
-        outcome = trial_outcome(runs, self.sweeper.metric)
-        label = " ".join(p.setting)
-        p.trial.set_user_attr(
-            "values_by_seed", {str(s): v for s, v in outcome.values_by_seed.items()}
-        )
-        if outcome.state == COMPLETE:
-            self.study.tell(p.number, outcome.value)
-            interval = t_interval(list(outcome.values_by_seed.values()))
-            log.info(
-                "trial %d (%s): %s %.4f over %s%s",
-                p.number,
-                label,
-                self.sweeper.metric,
-                outcome.value,
-                f"{interval.n} seed{'s' if interval.n != 1 else ''}",
-                f", 95% CI [{interval.lo:.4f}, {interval.hi:.4f}]"
-                if interval.lo is not None
-                else "",
-            )
-        elif outcome.state == PRUNED:
-            if outcome.partial is not None and outcome.step is not None:
-                p.trial.report(outcome.partial, outcome.step)  # ranks it for TPE among pruned ones
-            self.study.tell(p.number, state=TrialState.PRUNED)
-            log.info("trial %d (%s): pruned (%s)", p.number, label, outcome.reason)
-        elif outcome.state == FAIL:
-            self.study.tell(p.number, state=TrialState.FAIL)
-            log.warning("trial %d (%s): failed: %s", p.number, label, outcome.reason)
-        else:
-            self.left_running += 1
-            log.warning(
-                "trial %d (%s): not finished, %s; rerun with resume=true to finish it",
-                p.number,
-                label,
-                outcome.reason,
-            )
-
-    # -- the end --
-
-    def finish(self) -> None:
-        """Print the best setting and the top trials; write best.yaml."""
-        from optuna.trial import TrialState
-
-        trials = self.study.get_trials(deepcopy=False)
-        count = {s: sum(t.state == s for t in trials) for s in TrialState}
-        counts = (
-            f"{count[TrialState.COMPLETE]} complete, {count[TrialState.PRUNED]} pruned, "
-            f"{count[TrialState.FAIL]} failed, {count[TrialState.RUNNING]} unfinished"
-        )
-        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
-        if not complete:
-            log.warning("search %r: no complete trial (%s)", self.study.study_name, counts)
-            return
-        reverse = self.sweeper.direction == "maximize"
-        complete.sort(key=lambda t: t.value, reverse=reverse)  # type: ignore[arg-type,return-value]
-        best = complete[0]
-        best_record = self._best_record(best)
-        atomic_write_text(
-            self.sweep_dir / SEARCH_DIR / BEST, yaml.safe_dump(best_record, sort_keys=False)
-        )
-        self._print(complete[:TOP_TRIALS], best_record, counts)
-
-    def _seed_values(self, trial: optuna.trial.FrozenTrial) -> list[float]:
-        stored = trial.user_attrs.get("values_by_seed") or {}
-        return [float(v) for v in stored.values()]
-
-    def _best_record(self, best: optuna.trial.FrozenTrial) -> dict[str, Any]:
-        interval = t_interval(self._seed_values(best))
-        setting = list(
-            best.user_attrs.get("overrides") or setting_overrides(best.params, self.names)
-        )
-        fixed = [o for o in self.space.fixed if o.split("=", 1)[0].lstrip("+~") not in LAUNCH_KEYS]
-        return {
-            "study": self.study.study_name,
-            "trial": best.number,
-            "metric": self.sweeper.metric,
-            "direction": self.sweeper.direction,
-            "value": best.value,
-            "ci95": None if interval.lo is None else [interval.lo, interval.hi],
-            "seeds": {
-                int(s): float(v) for s, v in (best.user_attrs.get("values_by_seed") or {}).items()
-            },
-            "params": {k: _plain(v) for k, v in best.params.items()},
-            "overrides": setting,
-            "runs": [str(self.run_dir(j)) for j in self._jobs(best.number)],
-            "command": shlex.join(["uv", "run", "grail-train", *fixed, *setting]),
-        }
-
-    def _print(
-        self, top: list[optuna.trial.FrozenTrial], best: Mapping[str, Any], counts: str
-    ) -> None:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
-        metric = self.sweeper.metric
-        table = Table(
-            title=f"search {self.study.study_name!r}: top {len(top)} of {counts} trials "
-            f"({metric}, mean over seeds, 95% CI Student t)",
-            title_justify="left",
-        )
-        for column in ("trial", metric, "95% CI", "seeds", "setting"):
-            table.add_column(column, justify="right" if column != "setting" else "left")
-        for t in top:
-            interval = t_interval(self._seed_values(t))
-            ci = "n/a" if interval.lo is None else f"[{interval.lo:.3f}, {interval.hi:.3f}]"
-            setting = t.user_attrs.get("overrides") or setting_overrides(t.params, self.names)
-            table.add_row(
-                str(t.number), f"{t.value:.3f}", ci, str(interval.n), escape(" ".join(setting))
-            )
-        console = Console(stderr=True, soft_wrap=True)
-        console.print(table)
-        ci = best["ci95"]
-        console.print(
-            f"best: trial {best['trial']}, {escape(' '.join(best['overrides']))}: {metric} "
-            f"{best['value']:.4f}"
-            + (f", 95% CI [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
-            + f" over {_seeds(len(best['seeds']))}; written to {self.sweep_dir / SEARCH_DIR / BEST}"
-        )
-        console.print(f"train with it: {escape(best['command'])}")
-
-
-def _plain(value: Any) -> Any:
-    """A parameter value as YAML writes it plainly (numpy scalars and the like as Python's)."""
-    if isinstance(value, bool | int | str) or value is None:
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    return str(value)
-
-
-def _seeds(n: int) -> str:
-    return f"{n} seed{'s' if n != 1 else ''}" + (" (no interval from one)" if n == 1 else "")
-
-
-def _span(jobs: Sequence[int]) -> str:
-    return f"{jobs[0]}-{jobs[-1]}" if len(jobs) > 1 else str(jobs[0])

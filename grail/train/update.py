@@ -331,6 +331,116 @@ def _optimizer_step(
     return grad_norm
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How one iteration's rollouts are run: `units[i]` is micro-batch i as its forward passes
+    run it (one piece, or padding-free pieces), `steps` groups the units of each optimizer step
+    and `pieces` lists every forward input in the order they run."""
+
+    units: list[list[MicroBatch]]
+    steps: list[list[list[MicroBatch]]]
+    pieces: list[MicroBatch]
+
+
+def _plan(
+    batch: RolloutBatch, settings: UpdateSettings, pad_token_id: int, device: torch.device
+) -> _Plan:
+    budget = resolve_micro_batch_tokens(settings.micro_batch_tokens, device)
+    units = [
+        microbatch_pieces(items, pad_token_id, device, budget)
+        for items in microbatches(batch, settings.batch_size)
+    ]
+    pieces = [piece for unit in units for piece in unit]
+    steps = [
+        units[i : i + settings.grad_accum_steps]
+        for i in range(0, len(units), settings.grad_accum_steps)
+    ]
+    return _Plan(units=units, steps=steps, pieces=pieces)
+
+
+def _frozen_logprobs(
+    model: torch.nn.Module,
+    ref_model: torch.nn.Module | None,
+    plan: _Plan,
+    settings: UpdateSettings,
+    autocast: Callable[[], AbstractContextManager[Any]],
+) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    """The old and the reference log-probs of every piece, computed before training starts;
+    None where a piece needs none (module docstring)."""
+
+    def logprobs_of(m: torch.nn.Module, mb: MicroBatch) -> Tensor:
+        return policy_logprobs(m, mb, settings.temperature, autocast=autocast)[0]
+
+    pieces = plan.pieces
+    # Several optimizer steps per iteration: freeze the pre-update policy's log-probs first. The
+    # first step's micro-batches need no extra pass: the policy has not moved yet when they run,
+    # so their own log-probs, detached, are the old ones (None below).
+    old_logprobs: list[Tensor | None] = [None] * len(pieces)
+    if len(plan.steps) > 1:
+        first = sum(len(unit) for unit in plan.steps[0])
+        with torch.no_grad():
+            old_logprobs[first:] = [logprobs_of(model, mb) for mb in pieces[first:]]
+    ref_logprobs: list[Tensor | None] = [None] * len(pieces)
+    if ref_model is not None and settings.loss.kl_coef > 0:
+        with torch.no_grad():
+            ref_logprobs = [logprobs_of(ref_model, mb) for mb in pieces]
+    return old_logprobs, ref_logprobs
+
+
+def _train_microbatch(
+    model: torch.nn.Module,
+    unit: list[MicroBatch],
+    old_logprobs: list[Tensor | None],
+    ref_logprobs: list[Tensor | None],
+    loss_config: GRPOLossConfig,
+    settings: UpdateSettings,
+    *,
+    tokens_in_batch: int,
+    accumulation_steps: int,
+    steps_per_generation: int,
+    backward: Callable[[Tensor], None],
+    autocast: Callable[[], AbstractContextManager[Any]],
+) -> dict[str, float]:
+    """Forward, loss and backward of one micro-batch, piece after piece (`unit`, with each
+    piece's old and reference log-probs); returns the micro-batch's loss metrics."""
+    unit_metrics: list[dict[str, float]] = []
+    for mb, old, ref in zip(unit, old_logprobs, ref_logprobs, strict=True):
+        logprobs, entropy = policy_logprobs(
+            model,
+            mb,
+            settings.temperature,
+            entropy=True,
+            entropy_grad=settings.loss.entropy_coef > 0,
+            autocast=autocast,
+        )
+        loss, m = grpo_loss(
+            logprobs,
+            logprobs.detach() if old is None else old,
+            mb.advantages,
+            mb.completion_mask,
+            loss_config,
+            ref_logprobs=ref,
+            behaviour_logprobs=mb.behaviour_logprobs,
+            entropy=entropy,
+            num_items_in_batch=tokens_in_batch,
+            accumulation_steps=accumulation_steps,
+            steps_per_generation=steps_per_generation,
+            microbatch_counts=mb.whole,
+        )
+        backward(loss)  # normalised for the accumulation as TRL does (grpo.py)
+        unit_metrics.append(m)
+    # A micro-batch's pieces: their loss terms add up to the micro-batch's.
+    if len(unit) == 1:
+        return unit_metrics[0]
+    return _merge(unit_metrics, [float(mb.num_tokens) for mb in unit], add=_LOSS_METRICS)
+
+
+def _token_weighted_kl(step_kl: list[tuple[float, float]]) -> float:
+    """The per-token KL of an optimizer step from its micro-batches' (kl, tokens)."""
+    tokens = sum(n for _, n in step_kl) or 1.0
+    return sum(kl * n for kl, n in step_kl) / tokens
+
+
 def policy_update(
     model: torch.nn.Module,
     ref_model: torch.nn.Module | None,
@@ -364,81 +474,36 @@ def policy_update(
         return _zero_gradient_update(
             optimizer, scheduler, batch, settings, clip_grad_norm, on_microbatch_done
         )
-    budget = resolve_micro_batch_tokens(settings.micro_batch_tokens, device)
-    # units[i]: micro-batch i as its forward passes run it (one piece, or padding-free pieces).
-    units = [
-        microbatch_pieces(items, pad_token_id, device, budget)
-        for items in microbatches(batch, settings.batch_size)
-    ]
-    pieces = [piece for unit in units for piece in unit]
-    steps = [
-        units[i : i + settings.grad_accum_steps]
-        for i in range(0, len(units), settings.grad_accum_steps)
-    ]
-    temperature = settings.temperature
-
-    def logprobs_of(m: torch.nn.Module, mb: MicroBatch) -> Tensor:
-        return policy_logprobs(m, mb, temperature, autocast=autocast)[0]
-
-    # Several optimizer steps per iteration: freeze the pre-update policy's log-probs first. The
-    # first step's micro-batches need no extra pass: the policy has not moved yet when they run,
-    # so their own log-probs, detached, are the old ones (None below).
-    old_logprobs: list[Tensor | None] = [None] * len(pieces)
-    if len(steps) > 1:
-        first = sum(len(unit) for unit in steps[0])
-        with torch.no_grad():
-            old_logprobs[first:] = [logprobs_of(model, mb) for mb in pieces[first:]]
-    ref_logprobs: list[Tensor | None] = [None] * len(pieces)
-    if ref_model is not None and settings.loss.kl_coef > 0:
-        with torch.no_grad():
-            ref_logprobs = [logprobs_of(ref_model, mb) for mb in pieces]
+    plan = _plan(batch, settings, pad_token_id, device)
+    old_logprobs, ref_logprobs = _frozen_logprobs(model, ref_model, plan, settings, autocast)
 
     model.train()
     metrics: list[dict[str, float]] = []
     weights: list[float] = []
     grad_norms: list[float] = []
     skipped = 0
-    index = 0
-    tokens_in_batch = sum(mb.num_tokens for mb in pieces)
-    loss_config = settings.loss
-    needs_entropy_grad = settings.loss.entropy_coef > 0
-    for step in steps:
+    index = 0  # of the next piece in plan.pieces
+    tokens_in_batch = sum(mb.num_tokens for mb in plan.pieces)
+    for step in plan.steps:
+        loss_config = settings.loss
         if kl_control is not None:
             loss_config = replace(settings.loss, kl_coef=kl_control.value)
         step_kl: list[tuple[float, float]] = []  # (kl, tokens) per micro-batch
         for unit in step:
-            unit_metrics: list[dict[str, float]] = []
-            for mb in unit:
-                logprobs, entropy = policy_logprobs(
-                    model,
-                    mb,
-                    temperature,
-                    entropy=True,
-                    entropy_grad=needs_entropy_grad,
-                    autocast=autocast,
-                )
-                old = old_logprobs[index]
-                loss, m = grpo_loss(
-                    logprobs,
-                    logprobs.detach() if old is None else old,
-                    mb.advantages,
-                    mb.completion_mask,
-                    loss_config,
-                    ref_logprobs=ref_logprobs[index],
-                    behaviour_logprobs=mb.behaviour_logprobs,
-                    entropy=entropy,
-                    num_items_in_batch=tokens_in_batch,
-                    accumulation_steps=len(step),
-                    steps_per_generation=len(units),
-                    microbatch_counts=mb.whole,
-                )
-                backward(loss)  # normalised for the accumulation as TRL does (grpo.py)
-                unit_metrics.append(m)
-                index += 1
-            # A micro-batch's pieces: their loss terms add up to the micro-batch's.
-            m = unit_metrics[0]
-            if len(unit) > 1:
-                m = _merge(unit_metrics, [float(mb.num_tokens) for mb in unit], add=_LOSS_METRICS)
+            m = _train_microbatch(
+                model,
+                unit,
+                old_logprobs[index : index + len(unit)],
+                ref_logprobs[index : index + len(unit)],
+                loss_config,
+                settings,
+                tokens_in_batch=tokens_in_batch,
+                accumulation_steps=len(step),
+                steps_per_generation=len(plan.units),
+                backward=backward,
+                autocast=autocast,
+            )
+            index += len(unit)
             metrics.append(m)
             tokens = float(sum(mb.num_tokens for mb in unit))
             weights.append(tokens)
@@ -452,12 +517,11 @@ def policy_update(
         else:
             skipped += 1
         if kl_control is not None and step_kl and math.isfinite(grad_norm):
-            tokens = sum(n for _, n in step_kl) or 1.0
-            kl_control.update(sum(kl * n for kl, n in step_kl) / tokens)
+            kl_control.update(_token_weighted_kl(step_kl))
 
     result: dict[str, float | bool | None] = {**_merge(metrics, weights)}
     result["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-    result["optimizer_steps"] = float(len(steps) - skipped)
+    result["optimizer_steps"] = float(len(plan.steps) - skipped)
     result["skipped_steps"] = float(skipped)
     result["update_skipped"] = False
     result["kl_coef"] = settings.loss.kl_coef if kl_control is None else kl_control.value
