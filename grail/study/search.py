@@ -161,7 +161,9 @@ class OptunaSearchSweeper(Sweeper):
                 f"hydra.sweeper.max_batch_size must be >= 1 or null, got {self.max_batch_size}"
             )
         assert self.config is not None
-        subdir = OmegaConf.to_container(self.config.hydra.sweep)["subdir"]  # type: ignore[index]
+        sweep = OmegaConf.to_container(self.config.hydra.sweep)  # unresolved: ${hydra.job.num}
+        assert isinstance(sweep, dict)
+        subdir = sweep["subdir"]
         if subdir != JOB_SUBDIR:
             raise SweepError(
                 f"hydra.sweep.subdir={subdir!r}: the search finds a trial's runs by their job "

@@ -15,7 +15,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
@@ -34,8 +34,7 @@ from grail.study.stats import t_interval
 
 if TYPE_CHECKING:
     import optuna
-
-    from grail.study.search import OptunaSearchSweeper
+    from hydra.plugins.launcher import Launcher
 
 log = logging.getLogger("grail.study.search")  # one logger for the whole search
 
@@ -52,13 +51,25 @@ class _Pending:
     jobs: list[int]
 
 
+class SearchSettings(Protocol):
+    """What the runner reads of its sweeper (grail/study/search.py's OptunaSearchSweeper)."""
+
+    n_trials: int
+    metric: str
+    direction: str
+    max_batch_size: int | None
+    launcher: Launcher | None
+
+    def validate_batch_is_legal(self, batch: Sequence[Sequence[str]]) -> None: ...
+
+
 class SearchRunner:
     """One invocation of the search: relaunch what an interrupted one left running, then ask,
     launch and tell until the study holds n_trials finished trials."""
 
     def __init__(
         self,
-        sweeper: OptunaSearchSweeper,
+        sweeper: SearchSettings,
         study: optuna.Study,
         space: Space,
         seeds: list[int],
