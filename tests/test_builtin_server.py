@@ -691,7 +691,7 @@ def test_a_request_waits_for_all_its_samples_and_cancels_them_when_abandoned() -
     thread); a handler that is cancelled cancels its futures, so the engine stops decoding them."""
     import asyncio
 
-    from grail.inference.builtin.server import _all_done
+    from grail.inference.builtin.app import _all_done
 
     async def scenario() -> None:
         futures = [concurrent.futures.Future() for _ in range(5)]

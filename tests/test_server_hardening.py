@@ -280,7 +280,7 @@ def test_queued_work_is_bounded(servers: dict[str, ServerProcess]) -> None:
 
 
 def test_limit_flags_must_be_positive() -> None:
-    from grail.inference.builtin.server import Limits
+    from grail.inference.builtin.admission import Limits
 
     for field in ("max_request_bytes", "max_n", "max_request_tokens", "max_queued_seqs"):
         flag = "--" + field.replace("_", "-")

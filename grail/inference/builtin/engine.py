@@ -26,9 +26,10 @@ Batch invariance (default on CPU, see `invariance`): attention runs row by row o
 own tokens, and batches always hold a multiple of the measured row quantum, so a request's tokens
 and logprobs are bitwise identical whether it runs alone or batched with others.
 
-Decode modes (``decode``): "eager" (the above; default on CPU), and "graph" (default on CUDA) or
-"static": a preallocated KV cache, fixed-shape steps that keep their state on the device, host
-reads every few steps, and with "graph" on CUDA each step a CUDA graph replay (see `static`).
+Decode modes (``decode``): "eager" (the above, `eager`; default on CPU), and "graph" (default on
+CUDA) or "static": a preallocated KV cache, fixed-shape steps that keep their state on the device,
+host reads every few steps, and with "graph" on CUDA each step a CUDA graph replay (see `static`).
+The queue both take sequences from: `work_queue`.
 
 Weight updates load the new safetensors on the caller's thread (serving continues), then the
 worker copies them into the live parameters once the running batch has drained (sequences queued
@@ -37,7 +38,6 @@ after the update are not admitted before it): a batch never mixes weights.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import secrets
@@ -48,9 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from grail.inference.builtin.batch import Batch, merge
+from grail.inference.builtin.eager import EagerDecoder
 from grail.inference.builtin.invariance import (
     ROWWISE_ATTENTION,
     group_attention_ok,
@@ -63,18 +63,18 @@ from grail.inference.builtin.lora import (
     is_adapter_dir,
     read_adapter,
 )
-from grail.inference.builtin.sampling import SamplingParams, draw
+from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.sequences import (
     EngineStopped,
     SequenceOutput,
     _Control,
-    _running,
     _Sequence,
     maybe_finish,
 )
 from grail.inference.builtin.slots import SLOT_ATTENTION
 from grail.inference.builtin.static import StaticDecoder, resolve_decode
 from grail.inference.builtin.weights import read_checkpoint
+from grail.inference.builtin.work_queue import WorkQueue
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,10 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    """Loads an HF causal LM and serves generation requests from one worker thread."""
+    """Loads an HF causal LM and serves generation requests from one worker thread.
+
+    It composes the queue (`work_queue`) and the decoders (`eager`, `static`), and is the host
+    they decode for (`host.DecodeHost`: the model, its settings, `take`, `finish`)."""
 
     def __init__(
         self,
@@ -180,17 +183,24 @@ class Engine:
                 self.batch_invariant = True
                 self.group_attention = group_attention_ok(self.model, self.device, self.dtype)
 
+        self._queue = WorkQueue()
+        self._eager = EagerDecoder(
+            self,
+            row_quantum=self.row_quantum,
+            batch_invariant=self.batch_invariant,
+            group_attention=self.group_attention,
+            continuous=self.continuous,
+        )
         self._static: StaticDecoder | None = None
         if self.decode_mode != "eager":
             self.model.set_attn_implementation(SLOT_ATTENTION)
-            self._static = StaticDecoder(self, graphs=self.decode_mode == "graph")
+            self._static = StaticDecoder(
+                self, self._eager.prefill, graphs=self.decode_mode == "graph"
+            )
 
         self.weight_version = "default"
         self._token_text: dict[int, str] = {}
         self._tok_lock = threading.Lock()
-        self._queue: collections.deque[_Sequence | _Control] = collections.deque()
-        self._cond = threading.Condition()
-        self._stopping = False
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -203,16 +213,19 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the worker; sequences not finished get ``EngineStopped``."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._queue.stop()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._fail_queued(EngineStopped("the engine is shutting down"))
+        self._queue.fail_all(EngineStopped("the engine is shutting down"))
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._thread is not None and self._thread.is_alive() and not self.stopping
+
+    @property
+    def stopping(self) -> bool:
+        """True once `stop` was called (`host.DecodeHost`)."""
+        return self._queue.stopping
 
     # ---------------------------------------------------------------- tokens
 
@@ -299,9 +312,7 @@ class Engine:
                 generator.manual_seed((base + i) % (2**64))
                 future: concurrent.futures.Future[SequenceOutput] = concurrent.futures.Future()
                 seqs.append(_Sequence(tuple(prompt), params, generator, future))
-        with self._cond:
-            self._queue.extend(seqs)
-            self._cond.notify_all()
+        self._queue.put_sequences(seqs)
         return [s.future for s in seqs]
 
     def update_weights(self, model_path: str | Path, weight_version: str | None = None) -> str:
@@ -348,50 +359,29 @@ class Engine:
             if weight_version is not None:
                 self.weight_version = weight_version
 
-        with self._cond:
-            if self._stopping:
-                raise EngineStopped("the engine is shutting down")
-            self._queue.append(_Control(copy, future))
-            self._cond.notify_all()
+        self._queue.put_control(_Control(copy, future))
         future.result()
         seconds = time.perf_counter() - start
         return (
             f"loaded {len(tensors)} {what} in {seconds:.2f} s; weight_version={self.weight_version}"
         )
 
-    # ---------------------------------------------------------------- worker
+    # ---------------------------------------------------------------- the decoders' host
 
-    def _fail_queued(self, exc: BaseException) -> None:
-        with self._cond:
-            items = list(self._queue)
-            self._queue.clear()
-        for item in items:
-            if not item.future.done():
-                item.future.set_exception(exc)
-
-    def _next_work(self) -> _Control | list[_Sequence] | None:
-        """Block until there is work: a control job, or the waiting sequences (up to the cap)."""
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                return None
-            if isinstance(self._queue[0], _Control):
-                return self._queue.popleft()  # type: ignore[return-value]
-        return self._take(self.max_batch_size)
-
-    def _take(self, limit: int) -> list[_Sequence]:
+    def take(self, limit: int) -> list[_Sequence]:
         """Up to ``limit`` queued sequences in arrival order, never past a control job (a
         weight update waits for the batch before it and precedes the requests after it)."""
-        taken: list[_Sequence] = []
-        with self._cond:
-            while self._queue and isinstance(self._queue[0], _Sequence) and len(taken) < limit:
-                taken.append(self._queue.popleft())  # type: ignore[arg-type]
-        return taken
+        return self._queue.take(limit)
+
+    def finish(self, seq: _Sequence) -> None:
+        """Resolve ``seq.future`` if its last token ends it (`sequences.maybe_finish`)."""
+        maybe_finish(seq, self.eos_ids, self.decode)
+
+    # ---------------------------------------------------------------- worker
 
     def _worker(self) -> None:
         while True:
-            work = self._next_work()
+            work = self._queue.next_work(self.max_batch_size)
             if work is None:
                 return
             if isinstance(work, _Control):
@@ -404,173 +394,11 @@ class Engine:
                 continue
             admitted: list[_Sequence] = []
             try:
+                decoder = self._eager if self._static is None else self._static
                 with torch.inference_mode():
-                    self._run(work, admitted)
+                    decoder.run(work, admitted)
             except Exception as exc:
                 logger.exception("generation failed")
                 for seq in admitted:
                     if not seq.future.done():
                         seq.future.set_exception(exc)
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: DynamicCache,
-        pad_starts: list[int],
-    ) -> torch.Tensor:
-        extra: dict[str, Any] = {}
-        if self.batch_invariant:
-            extra = {"grail_pad_starts": pad_starts, "grail_group_rows": self.group_attention}
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **extra,
-        )
-        return out.logits[:, -1, :].float()
-
-    def _fill(self, count: int) -> int:
-        """Filler rows that round ``count`` up to a multiple of the row quantum."""
-        return -count % self.row_quantum
-
-    def _run(self, seqs: list[_Sequence], admitted: list[_Sequence]) -> None:
-        """Decode until no row is left, admitting queued sequences whenever rows free up.
-
-        Every sequence taken is appended to ``admitted`` (so the caller can fail them all if a
-        forward raises). Admission stops at a queued control job, so a weight update waits for
-        this batch to drain and the batch never mixes weights.
-        """
-        if self._static is not None:
-            self._static.run(seqs, admitted)
-            return
-        batch: Batch | None = None
-        new = seqs
-        while True:
-            if new:
-                admitted.extend(new)
-                part = self._prefill(new)
-                batch = part if batch is None else merge(batch, part)
-            if batch is not None:
-                batch = self._compact(batch)
-            if self._stopping:
-                for seq in admitted:
-                    if not seq.future.done():
-                        seq.future.set_exception(EngineStopped("the engine is shutting down"))
-                return
-            # Compacted: every row that is not a filler was running a moment ago.
-            live = 0 if batch is None else sum(1 for s in batch.rows if s is not None)
-            new = self._take(self.max_batch_size - live) if self.continuous else []
-            if new:
-                continue  # prefill them so that the next step decodes them too
-            if batch is None:
-                return
-            self._step(batch)
-
-    def _prefill(self, seqs: list[_Sequence]) -> Batch:
-        """Prefill the distinct prompts once (left padding), give each sequence its own row of
-        that cache, and sample every sequence's first token."""
-        dev = self.device
-        uniq: dict[tuple[int, ...], int] = {}
-        for seq in seqs:
-            uniq.setdefault(seq.prompt, len(uniq))
-        prompts = list(uniq)
-        prompts += [prompts[0]] * self._fill(len(prompts))
-        width = max(len(p) for p in prompts)
-        pad_starts = [width - len(p) for p in prompts]
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, pad_starts[r] :] = torch.tensor(p, dtype=torch.long)
-            mask[r, pad_starts[r] :] = 1
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids.to(dev), mask.to(dev), positions.to(dev), cache, pad_starts)
-
-        rows: list[_Sequence | None] = [*seqs, *([None] * self._fill(len(seqs)))]
-        index = [uniq[s.prompt] for s in seqs] + [0] * (len(rows) - len(seqs))
-        select = torch.tensor(index, device=dev)
-        cache.batch_select_indices(select)
-        logits = logits[select]
-        tokens = [self.pad_id] * len(rows)
-        tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
-        return Batch(
-            rows=rows,
-            cache=cache,
-            mask=mask.to(dev)[select],
-            pad_starts=[pad_starts[i] for i in index],
-            next_pos=[len(prompts[i]) for i in index],
-            tokens=tokens,
-        )
-
-    def _compact(self, batch: Batch) -> Batch | None:
-        """Drop finished rows, keeping as fillers only those the row quantum requires."""
-        running = [_running(s) for s in batch.rows]
-        live = [r for r, on in enumerate(running) if on]
-        if not live:
-            return None
-        keep = live + [r for r, on in enumerate(running) if not on]
-        keep = keep[: len(live) + self._fill(len(live))]
-        if len(keep) == len(batch.rows):
-            return batch
-        index = torch.tensor(keep, device=self.device)
-        batch.cache.batch_select_indices(index)
-        live_set = set(live)
-        return Batch(
-            rows=[batch.rows[r] if r in live_set else None for r in keep],
-            cache=batch.cache,
-            mask=batch.mask[index],
-            pad_starts=[batch.pad_starts[r] for r in keep],
-            next_pos=[batch.next_pos[r] for r in keep],
-            tokens=[batch.tokens[r] for r in keep],
-        )
-
-    def _step(self, batch: Batch) -> None:
-        """Feed every row its last token and sample the next one."""
-        dev = self.device
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
-        step_ids = torch.tensor(batch.tokens, device=dev).unsqueeze(1)
-        step_pos = torch.tensor(batch.next_pos, device=dev).unsqueeze(1)
-        logits = self._forward(step_ids, batch.mask, step_pos, batch.cache, batch.pad_starts)
-        batch.next_pos = [p + 1 for p in batch.next_pos]
-        live = [(r, seq) for r, seq in enumerate(batch.rows) if seq is not None and _running(seq)]
-        if len(live) < len(batch.rows):
-            logits = logits[torch.tensor([r for r, _ in live], device=dev)]
-        tokens = self._sample_rows([seq for _, seq in live], logits)
-        for (r, _), token in zip(live, tokens, strict=True):
-            batch.tokens[r] = token
-
-    def _sample_rows(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int]:
-        """Draw one token for each of ``seqs`` from its float32 ``logits`` row, record it and
-        its logprob, and finish the sequences it ends; returns the tokens.
-
-        Rows with the same sampling settings are drawn together (one tensor op per step, not one
-        per row); every row op is a per-row reduction or elementwise, so each row's numbers are
-        those it gets alone.
-        """
-        groups: dict[SamplingParams, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            groups.setdefault(seq.params, []).append(i)
-        tokens = [0] * len(seqs)
-        for params, index in groups.items():
-            rows = logits
-            if len(index) < len(seqs):
-                rows = logits[torch.tensor(index, device=logits.device)]
-            members = [seqs[i] for i in index]
-            drawn, logprobs, top = draw(rows, params, [s.generator for s in members])
-            for j, (seq, token, logprob) in enumerate(zip(members, drawn, logprobs, strict=True)):
-                seq.token_ids.append(token)
-                seq.logprobs.append(logprob)
-                if top is not None:
-                    seq.top_logprobs.append(top[j])
-                tokens[index[j]] = token
-                self._maybe_finish(seq)
-        return tokens
-
-    def _maybe_finish(self, seq: _Sequence) -> None:
-        """Resolve ``seq.future`` if its last token ends it (`sequences.maybe_finish`)."""
-        maybe_finish(seq, self.eos_ids, self.decode)

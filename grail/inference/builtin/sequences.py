@@ -1,6 +1,6 @@
 """What the built-in engine decodes: one sequence per sample (`_Sequence`), what it answers
 (`SequenceOutput`), and when a sequence ends (`maybe_finish`). Shared by the eager decode path
-(`engine`) and the static one (`static`), so that both finish a sequence by the same rules."""
+(`eager`) and the static one (`static`), so that both finish a sequence by the same rules."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ Here the host plans a chunk of up to ``check_every`` steps, launches them withou
 (each a CUDA graph replay with ``decode="graph"`` on CUDA), and then reads the chunk's tokens
 once:
 
-- Admission (between chunks): new sequences are prefilled by the eager engine's own
-  `Engine._prefill` (so their first token is the eager path's), their KV copied into free rows
+- Admission (between chunks): new sequences are prefilled by the eager path's own
+  `EagerDecoder.prefill` (so their first token is the eager path's), their KV copied into free rows
   of the static cache (`slots.SlotState`), their settings, stop ids and pre-drawn uniforms
   written to the device.
 - Chunk: rows are compacted into the smallest row bucket (powers of two up to
@@ -45,16 +45,15 @@ import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from grail.inference.builtin.batch import Batch
+from grail.inference.builtin.host import DecodeHost
 from grail.inference.builtin.sampling import GREEDY_EPS
 from grail.inference.builtin.sequences import EngineStopped, _running, _Sequence
 from grail.inference.builtin.slots import SLOT_QUANTUM, Capacity, SlotState, decode_step
-
-if TYPE_CHECKING:
-    from grail.inference.builtin.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -131,16 +130,25 @@ class Chunk:
 
 
 class StaticDecoder:
-    """Decodes the engine's batches on the static KV cache; ``graphs``: CUDA graphs (CUDA only)."""
+    """Decodes the engine's batches on the static KV cache; ``prefill``: the eager path's
+    (`EagerDecoder.prefill`), which admitted sequences go through; ``graphs``: CUDA graphs (CUDA
+    only)."""
 
-    def __init__(self, engine: Engine, graphs: bool, check_every: int = CHECK_EVERY) -> None:
+    def __init__(
+        self,
+        host: DecodeHost,
+        prefill: Callable[[list[_Sequence]], Batch],
+        graphs: bool,
+        check_every: int = CHECK_EVERY,
+    ) -> None:
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
-        self.engine = engine
-        self.model = engine.model
-        self.device = engine.device
+        self.host = host
+        self.prefill = prefill
+        self.model = host.model
+        self.device = host.device
         self.check_every = check_every
-        self.buckets = row_buckets(engine.max_batch_size)
+        self.buckets = row_buckets(host.max_batch_size)
         self.use_graphs = graphs and self.device.type == "cuda"
         self.state: SlotState | None = None
         self.rows: list[_Sequence | None] = []
@@ -153,8 +161,8 @@ class StaticDecoder:
     # ---------------------------------------------------------------- the engine's entry points
 
     def run(self, seqs: list[_Sequence], admitted: list[_Sequence]) -> None:
-        """`Engine._run` on the static cache: decode until no row is left, admitting queued
-        sequences between chunks (never past a queued control job: `Engine._take`)."""
+        """`EagerDecoder.run` on the static cache: decode until no row is left, admitting queued
+        sequences between chunks (never past a queued control job: `DecodeHost.take`)."""
         # CUDA graphs are captured and replayed on the current device: make it the engine's.
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
         try:
@@ -165,19 +173,19 @@ class StaticDecoder:
             raise
 
     def _loop(self, seqs: list[_Sequence], admitted: list[_Sequence]) -> None:
-        engine = self.engine
+        host = self.host
         new = seqs
         while True:
             if new:
                 admitted.extend(new)
                 self.admit(new)
-            if engine._stopping:
+            if host.stopping:
                 for seq in admitted:
                     if not seq.future.done():
                         seq.future.set_exception(EngineStopped("the engine is shutting down"))
                 self._reset()
                 return
-            new = engine._take(engine.max_batch_size - self.live)
+            new = host.take(host.max_batch_size - self.live)
             if new:
                 continue
             if not self.live:
@@ -204,7 +212,7 @@ class StaticDecoder:
     def admit(self, seqs: list[_Sequence]) -> None:
         """Prefill ``seqs`` (first token sampled and checked as on the eager path) and give
         each one that goes on a free row of the static cache."""
-        batch = self.engine._prefill(seqs)
+        batch = self.prefill(seqs)
         keep = [i for i, seq in enumerate(batch.rows) if _running(seq)]
         if not keep:
             return
@@ -270,10 +278,10 @@ class StaticDecoder:
 
     def _stop_ids(self, seq: _Sequence) -> list[int]:
         """The tokens that end ``seq`` on the device: its stop ids, and EOS unless ignored (the
-        host then finds which, as `Engine._maybe_finish` does)."""
+        host then finds which, as `DecodeHost.finish` does)."""
         ids = list(seq.params.stop_token_ids)
         if not seq.params.ignore_eos:
-            ids += sorted(self.engine.eos_ids)
+            ids += sorted(self.host.eos_ids)
         return list(dict.fromkeys(ids))
 
     @staticmethod
@@ -295,12 +303,12 @@ class StaticDecoder:
 
     def _top(self, k: int) -> int:
         """Top alternatives computed for ``k`` asked: a power of two (fewer graph shapes)."""
-        return 0 if k <= 0 else min(1 << (k - 1).bit_length(), self.engine.vocab_size)
+        return 0 if k <= 0 else min(1 << (k - 1).bit_length(), self.host.vocab_size)
 
     def _ensure(self, need: Capacity) -> None:
         config = self.model.config
         if self.state is None:
-            self.state = SlotState.allocate(config, need, self.device, self.engine.dtype)
+            self.state = SlotState.allocate(config, need, self.device, self.host.dtype)
         elif not self.state.capacity.covers(need):
             self.state = self.state.grown(config, self.state.capacity.union(need))
             self.graphs.clear()  # they hold the old buffers' addresses
@@ -344,7 +352,7 @@ class StaticDecoder:
         steps = max(1, min(self.check_every, left))
         # The last step feeds position len(prompt) + len(token_ids) - 1 + steps - 1.
         reach = max(len(s.prompt) + len(s.token_ids) - 1 for s in seqs) + steps
-        vocab = self.engine.vocab_size
+        vocab = self.host.vocab_size
         sampled = [s for s in seqs if not _greedy(s)]
         return Chunk(
             rows=self._bucket(live[-1][0] + 1),
@@ -446,7 +454,7 @@ class StaticDecoder:
                     seq.logprobs.append(logprobs[r][j])
                     if tops:
                         seq.top_logprobs.append(tops[j])
-                    self.engine._maybe_finish(seq)
+                    self.host.finish(seq)
             elif _running(seq):
                 # Otherwise the device applied the host's rules (stop ids, EOS, length): only
                 # a row it finished can end, and on its last token.
@@ -455,7 +463,7 @@ class StaticDecoder:
                 if tops:
                     seq.top_logprobs += tops[:new]
                 if finished[r]:
-                    self.engine._maybe_finish(seq)
+                    self.host.finish(seq)
             if not _running(seq):
                 freed.append(r)
                 self.rows[r] = None

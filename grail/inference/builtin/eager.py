@@ -1,0 +1,201 @@
+"""The eager decode path (`EagerDecoder`): the engine's ``decode="eager"`` mode (see `engine` for
+the batching it implements), and the prefill the static path (`static`) admits sequences with.
+
+The distinct prompts are prefilled once (left padding, attention mask, position ids), their KV
+cache (transformers ``DynamicCache``) is expanded to one row per sequence, then one token per row
+per step, sampled for all rows with one set of tensor ops (every op is per row, so each row gets
+the numbers it would get alone); finished rows are dropped from the cache. When rows free up,
+queued sequences are prefilled and merged into the running batch (the shorter side's cache is
+left-padded to the longer). With batch invariance (`invariance`) batches always hold a multiple
+of the row quantum (filler rows), and attention runs row by row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from grail.inference.builtin.batch import Batch, merge
+from grail.inference.builtin.host import DecodeHost
+from grail.inference.builtin.sampling import SamplingParams, draw
+from grail.inference.builtin.sequences import EngineStopped, _running, _Sequence
+
+
+class EagerDecoder:
+    """Decodes the engine's batches on a growing ``DynamicCache``, looking at every token on the
+    host. ``row_quantum``, ``batch_invariant`` and ``group_attention``: the engine's batch
+    invariance (`invariance`); ``continuous``: whether queued sequences join a running batch
+    (not with sliding-window attention, whose cache cannot be re-padded)."""
+
+    def __init__(
+        self,
+        host: DecodeHost,
+        *,
+        row_quantum: int = 1,
+        batch_invariant: bool = False,
+        group_attention: bool = False,
+        continuous: bool = True,
+    ) -> None:
+        self.host = host
+        self.row_quantum = row_quantum
+        self.batch_invariant = batch_invariant
+        self.group_attention = group_attention
+        self.continuous = continuous
+
+    def run(self, seqs: list[_Sequence], admitted: list[_Sequence]) -> None:
+        """Decode until no row is left, admitting queued sequences whenever rows free up.
+
+        Every sequence taken is appended to ``admitted`` (so the caller can fail them all if a
+        forward raises). Admission stops at a queued control job, so a weight update waits for
+        this batch to drain and the batch never mixes weights.
+        """
+        batch: Batch | None = None
+        new = seqs
+        while True:
+            if new:
+                admitted.extend(new)
+                part = self.prefill(new)
+                batch = part if batch is None else merge(batch, part)
+            if batch is not None:
+                batch = self._compact(batch)
+            if self.host.stopping:
+                for seq in admitted:
+                    if not seq.future.done():
+                        seq.future.set_exception(EngineStopped("the engine is shutting down"))
+                return
+            # Compacted: every row that is not a filler was running a moment ago.
+            live = 0 if batch is None else sum(1 for s in batch.rows if s is not None)
+            new = self.host.take(self.host.max_batch_size - live) if self.continuous else []
+            if new:
+                continue  # prefill them so that the next step decodes them too
+            if batch is None:
+                return
+            self._step(batch)
+
+    def prefill(self, seqs: list[_Sequence]) -> Batch:
+        """Prefill the distinct prompts once (left padding), give each sequence its own row of
+        that cache, and sample every sequence's first token."""
+        dev = self.host.device
+        uniq: dict[tuple[int, ...], int] = {}
+        for seq in seqs:
+            uniq.setdefault(seq.prompt, len(uniq))
+        prompts = list(uniq)
+        prompts += [prompts[0]] * self._fill(len(prompts))
+        width = max(len(p) for p in prompts)
+        pad_starts = [width - len(p) for p in prompts]
+        ids = torch.full((len(prompts), width), self.host.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, pad_starts[r] :] = torch.tensor(p, dtype=torch.long)
+            mask[r, pad_starts[r] :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.host.model.config)
+        logits = self._forward(ids.to(dev), mask.to(dev), positions.to(dev), cache, pad_starts)
+
+        rows: list[_Sequence | None] = [*seqs, *([None] * self._fill(len(seqs)))]
+        index = [uniq[s.prompt] for s in seqs] + [0] * (len(rows) - len(seqs))
+        select = torch.tensor(index, device=dev)
+        cache.batch_select_indices(select)
+        logits = logits[select]
+        tokens = [self.host.pad_id] * len(rows)
+        tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
+        return Batch(
+            rows=rows,
+            cache=cache,
+            mask=mask.to(dev)[select],
+            pad_starts=[pad_starts[i] for i in index],
+            next_pos=[len(prompts[i]) for i in index],
+            tokens=tokens,
+        )
+
+    def _compact(self, batch: Batch) -> Batch | None:
+        """Drop finished rows, keeping as fillers only those the row quantum requires."""
+        running = [_running(s) for s in batch.rows]
+        live = [r for r, on in enumerate(running) if on]
+        if not live:
+            return None
+        keep = live + [r for r, on in enumerate(running) if not on]
+        keep = keep[: len(live) + self._fill(len(live))]
+        if len(keep) == len(batch.rows):
+            return batch
+        index = torch.tensor(keep, device=self.host.device)
+        batch.cache.batch_select_indices(index)
+        live_set = set(live)
+        return Batch(
+            rows=[batch.rows[r] if r in live_set else None for r in keep],
+            cache=batch.cache,
+            mask=batch.mask[index],
+            pad_starts=[batch.pad_starts[r] for r in keep],
+            next_pos=[batch.next_pos[r] for r in keep],
+            tokens=[batch.tokens[r] for r in keep],
+        )
+
+    def _step(self, batch: Batch) -> None:
+        """Feed every row its last token and sample the next one."""
+        dev = self.host.device
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
+        step_ids = torch.tensor(batch.tokens, device=dev).unsqueeze(1)
+        step_pos = torch.tensor(batch.next_pos, device=dev).unsqueeze(1)
+        logits = self._forward(step_ids, batch.mask, step_pos, batch.cache, batch.pad_starts)
+        batch.next_pos = [p + 1 for p in batch.next_pos]
+        live = [(r, seq) for r, seq in enumerate(batch.rows) if seq is not None and _running(seq)]
+        if len(live) < len(batch.rows):
+            logits = logits[torch.tensor([r for r, _ in live], device=dev)]
+        tokens = self._sample_rows([seq for _, seq in live], logits)
+        for (r, _), token in zip(live, tokens, strict=True):
+            batch.tokens[r] = token
+
+    def _sample_rows(self, seqs: list[_Sequence], logits: torch.Tensor) -> list[int]:
+        """Draw one token for each of ``seqs`` from its float32 ``logits`` row, record it and
+        its logprob, and finish the sequences it ends; returns the tokens.
+
+        Rows with the same sampling settings are drawn together (one tensor op per step, not one
+        per row); every row op is a per-row reduction or elementwise, so each row's numbers are
+        those it gets alone.
+        """
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            groups.setdefault(seq.params, []).append(i)
+        tokens = [0] * len(seqs)
+        for params, index in groups.items():
+            rows = logits
+            if len(index) < len(seqs):
+                rows = logits[torch.tensor(index, device=logits.device)]
+            members = [seqs[i] for i in index]
+            drawn, logprobs, top = draw(rows, params, [s.generator for s in members])
+            for j, (seq, token, logprob) in enumerate(zip(members, drawn, logprobs, strict=True)):
+                seq.token_ids.append(token)
+                seq.logprobs.append(logprob)
+                if top is not None:
+                    seq.top_logprobs.append(top[j])
+                tokens[index[j]] = token
+                self.host.finish(seq)
+        return tokens
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DynamicCache,
+        pad_starts: list[int],
+    ) -> torch.Tensor:
+        extra: dict[str, Any] = {}
+        if self.batch_invariant:
+            extra = {"grail_pad_starts": pad_starts, "grail_group_rows": self.group_attention}
+        out = self.host.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **extra,
+        )
+        return out.logits[:, -1, :].float()
+
+    def _fill(self, count: int) -> int:
+        """Filler rows that round ``count`` up to a multiple of the row quantum."""
+        return -count % self.row_quantum
