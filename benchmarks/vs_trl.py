@@ -123,7 +123,7 @@ from common import (
     write_results,
 )
 
-from grail.core.config import LossType
+from grail.core.choices import LossType
 from grail.core.placement import split_cores
 
 ARMS = ("sync", "pipelined", "trl", "trl_half")

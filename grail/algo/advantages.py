@@ -8,19 +8,18 @@ that consumes the advantages is in grail/algo/grpo.py.
 from __future__ import annotations
 
 import math
-from typing import get_args
 
 import torch
 from torch import Tensor
 
-from grail.core.config import ScaleRewards
+from grail.core.choices import ScaleRewards
 
 __all__ = ["ScaleRewards", "compute_advantages"]
 
 
 def compute_advantages(
     rewards: Tensor,
-    scale_rewards: ScaleRewards = "group",
+    scale_rewards: ScaleRewards = ScaleRewards.group,
     clip_percentile: float | None = None,
     eps: float = 1e-4,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -46,7 +45,7 @@ def compute_advantages(
     ``zero_variance_groups``, ``zero_variance_group_frac``, ``adv_abs_mean``, ``adv_clip_frac``,
     and ``adv_clip_value`` when clipping is on.
     """
-    allowed = get_args(ScaleRewards)
+    allowed = tuple(ScaleRewards)
     if scale_rewards not in allowed:
         raise ValueError(
             f"unknown scale_rewards {scale_rewards!r}; expected one of {', '.join(allowed)}"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -54,12 +54,7 @@ from grail.algo.grpo_terms import (
     masked,
 )
 from grail.algo.logprobs import DEFAULT_CHUNK_SIZE, token_entropy, token_logprobs
-from grail.core.config import (
-    ImportanceSamplingLevel,
-    ISCorrection,
-    KLEstimator,
-    LossType,
-)
+from grail.core.choices import ImportanceSamplingLevel, ISCorrection, KLEstimator, LossType
 
 if TYPE_CHECKING:
     from grail.core.config import Config
@@ -109,30 +104,30 @@ class GRPOLossConfig:
     max_completion_length: the dr_grpo normaliser (required for dr_grpo).
     """
 
-    loss_type: LossType = "grpo"
-    importance_sampling_level: ImportanceSamplingLevel = "token"
+    loss_type: LossType = LossType.grpo
+    importance_sampling_level: ImportanceSamplingLevel = ImportanceSamplingLevel.token
     epsilon: float = 0.2
     epsilon_high: float | None = None
     kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
+    kl_estimator: KLEstimator = KLEstimator.k3
     kl_bias_correction: bool = True
     entropy_coef: float = 0.0
     is_ratio_max: float | None = None
     logratio_clamp: float | None = None
-    is_correction: ISCorrection = "none"
+    is_correction: ISCorrection = ISCorrection.none
     is_clip_min: float | None = None
     is_clip_max: float | None = 3.0
     max_completion_length: int | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("loss_type", self.loss_type, get_args(LossType))
+        _check_choice("loss_type", self.loss_type, tuple(LossType))
         _check_choice(
             "importance_sampling_level",
             self.importance_sampling_level,
-            get_args(ImportanceSamplingLevel),
+            tuple(ImportanceSamplingLevel),
         )
-        _check_choice("kl_estimator", self.kl_estimator, get_args(KLEstimator))
-        _check_choice("is_correction", self.is_correction, get_args(ISCorrection))
+        _check_choice("kl_estimator", self.kl_estimator, tuple(KLEstimator))
+        _check_choice("is_correction", self.is_correction, tuple(ISCorrection))
 
         def positive(name: str, value: float | None) -> None:
             if value is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grail.core.config import ImportanceSamplingLevel, ISCorrection, KLEstimator, LossType
+from grail.core.choices import ImportanceSamplingLevel, ISCorrection, KLEstimator, LossType
 
 __all__ = [
     "Normaliser",

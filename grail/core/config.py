@@ -9,37 +9,24 @@ cannot express (for example evaluation seeds that overlap the training pool).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 from omegaconf import MISSING
 
+from grail.core.choices import (
+    Backend,
+    ImportanceSamplingLevel,
+    ISCorrection,
+    KLEstimator,
+    LossType,
+    Mode,
+    PruneMetric,
+    PrunerName,
+    ScaleRewards,
+    WeightSyncMode,
+    WeightTransfer,
+)
 from grail.core.placement import GpuConfig
-
-# Every choice a config key offers, defined once: `validate` checks against these, and the
-# components that take the values (grail/algo/grpo.py, grail/inference/) use the same types.
-# (OmegaConf structured configs cannot hold Literal fields, so the fields are typed `str`.)
-Backend = Literal["builtin", "vllm", "sglang"]  # the rollout servers (grail/inference/backends/)
-BACKENDS: tuple[str, ...] = get_args(Backend)
-GpuStrategy = Literal["single", "multi"]
-WeightSyncMode = Literal["in_place", "restart"]
-# How a weight sync hands the server the new weights (grail/inference/weights/, docs/gpu.md):
-# disk: safetensors in the server's dtype, reloaded from disk; shared: the built-in server reads
-# the trainer's tensors in place (CUDA IPC, or shared memory on CPU); nccl: vLLM/SGLang receive
-# a broadcast from the trainer over NCCL (server on its own GPU); auto: shared for the built-in
-# server on the trainer's device, nccl for vLLM/SGLang with gpu.strategy=multi, else disk.
-WeightTransfer = Literal["auto", "disk", "shared", "nccl"]
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
-ScaleRewards = Literal["group", "batch", "none"]
-KLEstimator = Literal["k1", "k2", "k3"]
-# Importance-sampling correction between the trainer's and the server's log-probabilities: TRL's
-# vllm_importance_sampling_mode values, and "none" (vllm_importance_sampling_correction=False).
-ISCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-PrunerName = Literal["asha", "median"]  # grail/study/prune.py; null (None) switches pruning off
-PruneMetric = Literal["auc", "success"]
-# train: the loop owns the prompts and the scoring | service: clients send prompts and rewards over
-# HTTP (grail/service/)
-Mode = Literal["train", "service"]
 
 
 @dataclass
@@ -73,13 +60,15 @@ class ModelConfig:
 
 @dataclass
 class GenerationConfig:
-    backend: str = "builtin"  # builtin | vllm | sglang
+    backend: Backend = Backend.builtin  # builtin | vllm | sglang
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
-    weight_sync: str = "in_place"  # in_place | restart
-    weight_transfer: str = "auto"  # auto | disk | shared | nccl (WeightTransfer above)
+    weight_sync: WeightSyncMode = WeightSyncMode.in_place  # in_place | restart
+    weight_transfer: WeightTransfer = (
+        WeightTransfer.auto
+    )  # auto | disk | shared | nccl (WeightTransfer above)
     server_threads: int | None = None  # None: half the cores (see split_cores)
     start_timeout_s: float | None = None  # None: the backend's default (built-in 120, else 900)
     request_timeout_s: float = 120.0
@@ -116,16 +105,18 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo (TRL's default: dapo)
-    importance_sampling_level: str = "token"  # token | sequence
+    loss_type: LossType = LossType.dapo  # grpo | bnpo | dr_grpo | dapo (TRL's default: dapo)
+    importance_sampling_level: ImportanceSamplingLevel = (
+        ImportanceSamplingLevel.token
+    )  # token | sequence
     epsilon: float = 0.2
     epsilon_high: float | None = None
-    scale_rewards: str = "group"  # group | batch | none
+    scale_rewards: ScaleRewards = ScaleRewards.group  # group | batch | none
     # Importance sampling between the trainer's and the server's log-probabilities (grpo.py):
     # none | token_truncate | token_mask | sequence_truncate | sequence_mask, with the ratio clipped
     # (truncate) or zeroed (mask) outside [is_clip_min, is_clip_max]; null bounds are open.
     # TRL's defaults (docs/objective.md).
-    is_correction: str = "sequence_mask"
+    is_correction: ISCorrection = ISCorrection.sequence_mask
     is_clip_min: float | None = None
     is_clip_max: float | None = 3.0
     kl_bias_correction: bool = True  # KL term times the policy ratio (TRL's use_bias_correction_kl)
@@ -136,7 +127,7 @@ class TrainConfig:
     kl_adapt_rate: float = 1.5
     kl_coef_min: float = 0.001
     kl_coef_max: float = 0.2
-    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_estimator: KLEstimator = KLEstimator.k3  # k1 | k2 | k3
     is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
     logratio_clamp: float | None = None  # clamp |log ratio| before exp
     threads: int | None = None  # trainer's torch threads; None: all cores, pipelined half
@@ -201,7 +192,7 @@ class PruneConfig:
     (grail/study/prune.py, docs/sweeps.md). Off by default; `+prune=asha` or `+prune=median` sets
     it."""
 
-    pruner: str | None = None  # null: off | asha (successive halving) | median
+    pruner: PrunerName | None = None  # null: off | asha (successive halving) | median
     # No run is pruned before it has trained this many iterations (ASHA: its min_resource, the
     # first rung; the median rule: its warm-up steps).
     min_iterations: int = 10
@@ -209,7 +200,7 @@ class PruneConfig:
     warmup_runs: int = 2  # median: runs per study (seed) that complete before any is pruned
     # What runs are compared by at an eval: auc (mean eval success over the evals so far,
     # steadier) | success (this eval's success rate).
-    metric: str = "auc"
+    metric: PruneMetric = PruneMetric.auc
 
 
 @dataclass
@@ -233,7 +224,7 @@ class ServiceConfig:
 @dataclass
 class Config:
     seed: int = 0
-    mode: str = "train"  # train | service (see Mode)
+    mode: Mode = Mode.train  # train | service (see Mode)
     resume: bool = False
     # Where the runs of one study share state: the pruner's Optuna storage, rollouts reused between
     # runs. null: a sweep's hydra.sweep.dir (every run of `grail-train -m` joins it), none for a

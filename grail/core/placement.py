@@ -6,6 +6,8 @@ import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
+from grail.core.choices import GpuStrategy
+
 
 def available_cores() -> int:
     """Cores this process may run on: its CPU affinity (what SLURM or taskset grant), which can
@@ -65,7 +67,9 @@ def cpu_threads(
 
 @dataclass
 class GpuConfig:
-    strategy: str = "single"  # single: server and trainer share a device | multi: one GPU each
+    strategy: GpuStrategy = (
+        GpuStrategy.single
+    )  # single: server and trainer share a device | multi: one GPU each
     # CUDA indices as this process sees them; None: see `gpu_placement` (0, or 0 and 1 for multi)
     server_gpu: int | None = None
     training_gpu: int | None = None

@@ -7,11 +7,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
-from typing import Any, get_args
 
-from grail.core.config import (
+from grail.core.choices import (
     Backend,
-    Config,
+    Choice,
     GpuStrategy,
     ImportanceSamplingLevel,
     ISCorrection,
@@ -24,13 +23,14 @@ from grail.core.config import (
     WeightSyncMode,
     WeightTransfer,
 )
+from grail.core.config import Config
 from grail.core.errors import ConfigError
 from grail.core.placement import gpu_placement
 
 
-def _one_of(key: str, value: str, choices: Any) -> None:
-    """`choices`: a Literal type, whose arguments are the allowed values."""
-    allowed = get_args(choices)
+def _one_of(key: str, value: str, choices: type[Choice]) -> None:
+    """A config built in code (not composed by Hydra, which checks this) may hold any string."""
+    allowed = tuple(choices)
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 
-from grail.core.config import BACKENDS, Backend
+from grail.core.choices import BACKENDS, Backend
 
 if TYPE_CHECKING:
     from grail.core.config import GenerationConfig
@@ -223,7 +223,7 @@ def request_body(
 
 
 def parse_completions(
-    data: Any, n: int, backend: Backend = "builtin", *, prompts: int = 1
+    data: Any, n: int, backend: Backend = Backend.builtin, *, prompts: int = 1
 ) -> list[Completion]:
     """Parse an OpenAI completion response into `prompts * n` Completions, ordered by choice
     index (prompt-major: choice p * n + i is sample i of prompt p).
@@ -372,7 +372,7 @@ class CompletionClient:
         base_url: str,
         model: str,
         *,
-        backend: Backend = "builtin",
+        backend: Backend = Backend.builtin,
         api_key: str | None = None,
         timeout: float = 300.0,
         max_retries: int = 3,

@@ -38,11 +38,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar, get_args
+from typing import Any, ClassVar, Self, TypeVar
 
 import httpx
 
-from grail.core.config import WeightSyncMode
+from grail.core.choices import WeightSyncMode
 from grail.core.placement import prefer_passive_openmp
 from grail.inference import os_process
 
@@ -380,6 +380,7 @@ class ServerManager(ABC):
             raise ServerError(f"{self.kind} server was never started: call start() first")
         timeout = self.start_timeout if timeout is None else float(timeout)
         url = f"{self.root_url}{self.ready_path}"
+        assert self.port is not None  # start() chose it
         t0 = time.monotonic()
         deadline = t0 + timeout
         delay = 0.05
@@ -567,7 +568,7 @@ class ServerManager(ABC):
     def sync_weights(
         self,
         checkpoint_dir: str | os.PathLike[str],
-        mode: WeightSyncMode = "in_place",
+        mode: WeightSyncMode = WeightSyncMode.in_place,
         *,
         fallback: bool = True,
         weight_version: str | None = None,
@@ -578,14 +579,16 @@ class ServerManager(ABC):
         set, it logs a warning and restarts the server on the checkpoint instead (slow but sure).
         mode="restart" always restarts. Raises `WeightSyncError` when nothing worked.
         """
-        if mode not in get_args(WeightSyncMode):
+        if mode not in tuple(WeightSyncMode):
             raise ValueError(f"weight sync mode must be 'in_place' or 'restart', got {mode!r}")
         t0 = time.perf_counter()
         reason: str | None = None
         if mode == "in_place":
             try:
                 self.update_weights(checkpoint_dir, weight_version)
-                return SyncResult(time.perf_counter() - t0, "in_place", fell_back=False)
+                return SyncResult(
+                    time.perf_counter() - t0, WeightSyncMode.in_place, fell_back=False
+                )
             except WeightSyncError as exc:
                 if not fallback:
                     raise
@@ -607,7 +610,7 @@ class ServerManager(ABC):
             ) from exc
         return SyncResult(
             time.perf_counter() - t0,
-            "restart",
+            WeightSyncMode.restart,
             fell_back=reason is not None,
             fallback_reason=reason,
         )

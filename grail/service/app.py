@@ -104,9 +104,9 @@ def create_app(core: ServiceCore, api_key: str, max_body_bytes: int) -> FastAPI:
         openapi_url=None,
     )  # fmt: skip
     app.state.core = core
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(
         Gate, api_key=api_key, max_body_bytes=max_body_bytes,

@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grail.core.config import BACKENDS, Config
+from grail.core.choices import BACKENDS
+from grail.core.config import Config
 from grail.core.placement import cpu_threads, gpu_placement
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.backends.gpu import default_memory_fraction

@@ -128,6 +128,8 @@ class GpuServer(ServerManager):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         for arg in self.extra_args:
             flag = _flag_name(arg)
+            if flag is None:  # a value, not a flag
+                continue
             if flag in self.owned_flags:
                 raise ValueError(
                     f"extra_args must not set {flag}: the harness sets it "

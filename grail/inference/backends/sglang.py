@@ -221,6 +221,7 @@ class SGLangServer(GpuServer):
                 lambda: self._post_elsewhere("/init_weights_update_group", sender.init_body())
             )
             self._sender, self._sender_pid = sender, self.pid
+        assert isinstance(self._sender, SGLangSender)  # the only kind this server makes
         sender = self._sender
         self.last_sync_timings = {}
         t0 = time.perf_counter()

@@ -303,4 +303,5 @@ class VLLMServer(GpuServer):
                 )
             )
             self._sender, self._sender_pid = sender, self.pid
+        assert isinstance(self._sender, VLLMSender)  # the only kind this server makes
         return self._sender

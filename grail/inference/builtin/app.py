@@ -227,8 +227,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     prompts = (
         await asyncio.to_thread(prompt_ids, items, engine) if texts else prompt_ids(items, engine)
     )
-    for p in prompts:
-        check_context(p, max_tokens, engine)
+    for ids in prompts:
+        check_context(ids, max_tokens, engine)
     outs = await _generate(state, prompts, params, req.n, req.seed, req.seeds)
     return await _answer(
         lambda: completion_answer(req, prompts, outs, state.served_model_name, engine.token_text),

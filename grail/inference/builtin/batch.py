@@ -5,7 +5,7 @@ padding and positions, and how two batches become one when queued sequences join
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +29,17 @@ class Batch:
     tokens: list[int]
 
 
+def kv(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DynamicCache layer's keys and values. (transformers types a layer as possibly a
+    linear-attention one, which has neither; the causal LMs served here use full attention.)"""
+    return layer.keys, layer.values
+
+
 def left_pad(batch: Batch, extra: int) -> Batch:
     """The same rows with ``extra`` more (masked) padding positions on the left."""
     layers = [
-        (F.pad(layer.keys, (0, 0, extra, 0)), F.pad(layer.values, (0, 0, extra, 0)))
-        for layer in batch.cache.layers
+        (F.pad(keys, (0, 0, extra, 0)), F.pad(values, (0, 0, extra, 0)))
+        for keys, values in map(kv, batch.cache.layers)
     ]
     return Batch(
         rows=batch.rows,
@@ -53,8 +59,8 @@ def merge(a: Batch, b: Batch) -> Batch:
     if b.mask.shape[1] < width:
         b = left_pad(b, width - b.mask.shape[1])
     layers = [
-        (torch.cat([la.keys, lb.keys]), torch.cat([la.values, lb.values]))
-        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True)
+        (torch.cat([ka, kb]), torch.cat([va, vb]))
+        for (ka, va), (kb, vb) in zip(map(kv, a.cache.layers), map(kv, b.cache.layers), strict=True)
     ]
     return Batch(
         rows=a.rows + b.rows,

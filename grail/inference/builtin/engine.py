@@ -269,14 +269,19 @@ class Engine:
         text = self._token_text.get(token_id)
         if text is None:
             with self._tok_lock:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                text = self._decode([token_id], skip_special_tokens=False)
             self._token_text[token_id] = text
         return text
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of completion tokens, special tokens (EOS) left out."""
         with self._tok_lock:
-            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+            return self._decode(list(token_ids), skip_special_tokens=True)
+
+    def _decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)  # one sequence of ids in, one text out
+        return text
 
     # ---------------------------------------------------------------- requests
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from grail.inference.builtin.batch import Batch
+from grail.inference.builtin.batch import Batch, kv
 from grail.inference.builtin.host import DecodeHost
 from grail.inference.builtin.sampling import GREEDY_EPS
 from grail.inference.builtin.sequences import EngineStopped, _running, _Sequence
@@ -220,7 +220,7 @@ class StaticDecoder:
         free = [r for r, seq in enumerate(self.rows) if seq is None]
         free += range(len(self.rows), len(self.rows) + len(new))
         dest = free[: len(new)]
-        width = batch.cache.layers[0].keys.shape[2]
+        width = kv(batch.cache.layers[0])[0].shape[2]
         live = [seq for seq in self.rows if seq is not None]
         self._ensure(self._capacity(max(dest) + 1, live + new, width))
         state = self.state
@@ -234,8 +234,8 @@ class StaticDecoder:
         index = torch.tensor(keep, device=dev)
         pads = torch.tensor([batch.pad_starts[i] for i in keep], device=dev)
         cols = (pads.unsqueeze(-1) + torch.arange(width, device=dev)).clamp(max=width - 1)
-        for layer, src in enumerate(batch.cache.layers):
-            for buffer, full in ((state.keys[layer], src.keys), (state.values[layer], src.values)):
+        for layer, (src_keys, src_values) in enumerate(map(kv, batch.cache.layers)):
+            for buffer, full in ((state.keys[layer], src_keys), (state.values[layer], src_values)):
                 part = full.index_select(0, index)
                 where = cols.view(len(keep), 1, width, 1).expand(
                     -1, part.shape[1], -1, part.shape[3]
@@ -431,8 +431,9 @@ class StaticDecoder:
         top_ids = top_logprobs = None
         if chunk.top:
             top_ids = state.ring_top_ids[:steps, :rows, : chunk.top].transpose(0, 1).tolist()
-            top_logprobs = state.ring_top_logprobs[:steps, :rows, : chunk.top].transpose(0, 1)
-            top_logprobs = top_logprobs.tolist()
+            top_logprobs = (
+                state.ring_top_logprobs[:steps, :rows, : chunk.top].transpose(0, 1).tolist()
+            )
         self.stats["reads"] += 1
         freed = []
         for r in range(rows):

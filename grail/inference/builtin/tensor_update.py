@@ -87,9 +87,9 @@ class _HandleUnpickler(pickle.Unpickler):
     def _rebuild_cuda_tensor(self, *args: Any) -> torch.Tensor:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        args = list(args)
-        args[6] = self.device_index  # storage_device: the sender's numbering, not ours
-        return rebuild_cuda_tensor(*args)
+        parts = list(args)
+        parts[6] = self.device_index  # storage_device: the sender's numbering, not ours
+        return rebuild_cuda_tensor(*parts)
 
 
 def decode_buckets(

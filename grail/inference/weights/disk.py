@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from grail.core.config import WeightSyncMode
+from grail.core.choices import WeightSyncMode
 from grail.inference.process import ServerManager, SyncResult
 from grail.inference.weights.policy import PolicyWeights, Weights, torch_dtype
 
@@ -21,7 +21,9 @@ class DiskRoute:
 
     name = "disk"
 
-    def __init__(self, server: ServerManager, mode: WeightSyncMode = "in_place") -> None:
+    def __init__(
+        self, server: ServerManager, mode: WeightSyncMode = WeightSyncMode.in_place
+    ) -> None:
         self.server = server
         self.mode = mode
         self.directory = server.lora_dir or server.model_path

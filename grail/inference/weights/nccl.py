@@ -15,6 +15,7 @@ import contextlib
 import time
 from typing import Protocol
 
+from grail.core.choices import WeightSyncMode
 from grail.inference.process import SyncResult
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.shared import FlatWeights, StagedRoute, StagingServer
@@ -40,7 +41,9 @@ class NcclRoute(StagedRoute):
     def send(self, weights: PolicyWeights, weight_version: str) -> SyncResult:
         t0 = time.perf_counter()
         self.server.update_weights_nccl(self.stage(weights), weight_version)
-        return SyncResult(time.perf_counter() - t0, "in_place", fell_back=False, transfer=self.name)
+        return SyncResult(
+            time.perf_counter() - t0, WeightSyncMode.in_place, fell_back=False, transfer=self.name
+        )
 
     def close(self) -> None:
         """Leave the NCCL group (this side) and drop the buffers."""

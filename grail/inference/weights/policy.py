@@ -3,19 +3,30 @@ the dtype the server computes in, which every route converts them to."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class PretrainedModel(Protocol):
+    """What a sync needs of the trained model: a transformers model, or a peft one under LoRA."""
+
+    def save_pretrained(self, save_directory: Path, **kwargs: Any) -> None: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
 class PolicyWeights:
     """The trainer's weights as a sync sends them. Callable as `save(directory)` (the master
     dtype), so a rollout source that only writes a directory can take it as its `save`."""
 
-    def __init__(self, model: torch.nn.Module, *, lora: bool = False) -> None:
+    def __init__(self, model: PretrainedModel, *, lora: bool = False) -> None:
         self.model = model
         self.lora = lora
 

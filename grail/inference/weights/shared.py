@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import save_file
 
+from grail.core.choices import WeightSyncMode
 from grail.inference.process import SyncResult
 from grail.inference.weights.policy import PolicyWeights, torch_dtype
 
@@ -221,4 +222,6 @@ class SharedRoute(StagedRoute):
         t0 = time.perf_counter()
         flat = self.stage(weights)
         self.server.update_weights_from_tensor(tensor_payload(flat, weight_version))
-        return SyncResult(time.perf_counter() - t0, "in_place", fell_back=False, transfer=self.name)
+        return SyncResult(
+            time.perf_counter() - t0, WeightSyncMode.in_place, fell_back=False, transfer=self.name
+        )

@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import replace
 
-from grail.core.config import WeightSyncMode
+from grail.core.choices import WeightSyncMode
 from grail.inference.process import ServerManager, ServerStartError, SyncResult
 from grail.inference.weights.disk import DiskRoute
 from grail.inference.weights.policy import PolicyWeights, Weights
@@ -54,7 +54,10 @@ class WeightSyncer:
 
     @classmethod
     def for_server(
-        cls, server: ServerManager, route: RouteChoice | str, mode: WeightSyncMode = "in_place"
+        cls,
+        server: ServerManager,
+        route: RouteChoice | str,
+        mode: WeightSyncMode = WeightSyncMode.in_place,
     ) -> WeightSyncer:
         """The syncer of `server` for `route` (its name, or the run's `RouteChoice`), the disk
         route reloading in `mode` (generation.weight_sync)."""
