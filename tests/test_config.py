@@ -105,15 +105,12 @@ def test_wrong_type_names_the_key() -> None:
     [
         ("data.rollouts_per_problem=1", "data.rollouts_per_problem"),
         ("eval.id_seed_start=10", "eval.id_seed_start"),
-        ("train.loss_type=ppo", "train.loss_type"),
         ("gpu.strategy=multi gpu.server_gpu=1 gpu.training_gpu=1", "gpu.server_gpu"),
         ("eval.report_ks=[1,64]", "eval.report_ks"),
         ("generation.temperature=0", "generation.temperature"),
         ("generation.start_timeout_s=0", "generation.start_timeout_s"),
-        ("generation.backend=tgi", "generation.backend"),
         ("train.epsilon_high=0.1", "train.epsilon_high"),
         ("train.micro_batch_tokens=-1", "train.micro_batch_tokens"),
-        ("train.is_correction=token", "train.is_correction"),
         ("train.is_clip_min=3 train.is_clip_max=2", "train.is_clip_min"),
         ("train.kl_target=0.04", "train.kl_coef"),  # adaptive KL starts from kl_coef > 0
         ("train.kl_target=0.04 train.kl_coef=0.1 train.kl_adapt_rate=1", "train.kl_adapt_rate"),
@@ -122,6 +119,30 @@ def test_wrong_type_names_the_key() -> None:
 def test_impossible_combinations_name_the_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(_compose(*override.split()))
+
+
+CHOICES_OUTSIDE_THEIR_ENUM = [
+    ("train.loss_type", "ppo"),
+    ("generation.backend", "tgi"),
+    ("train.is_correction", "token"),
+]
+
+
+@pytest.mark.parametrize("key,value", CHOICES_OUTSIDE_THEIR_ENUM)
+def test_a_choice_outside_its_enum_fails_composition_naming_the_key(key: str, value: str) -> None:
+    with pytest.raises(Exception) as err:
+        _compose(f"{key}={value}")
+    message = f"{err.value} {err.value.__cause__}"
+    assert key in message and "expected one of" in message
+
+
+@pytest.mark.parametrize("key,value", CHOICES_OUTSIDE_THEIR_ENUM)
+def test_a_choice_set_in_code_is_checked_by_validate(key: str, value: str) -> None:
+    cfg = _compose()
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg)
 
 
 def test_the_removed_tis_cap_names_the_keys_that_replace_it() -> None:
