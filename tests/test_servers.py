@@ -595,17 +595,10 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="module")
-def real_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = BuiltinServer(
-        tiny_model,
-        "tiny",
-        log_dir=tmp_path_factory.mktemp("real-server"),
-        threads=1,
-        start_timeout=180,
-    )
-    with server:
-        yield server
-    assert not process_alive(server.pid)
+def real_server(tiny_server: BuiltinServer) -> BuiltinServer:
+    """The session's built-in server on the tiny model (conftest.py, which checks that its stop
+    ends the process); the test that reloads weights in it loads the tiny model back."""
+    return tiny_server
 
 
 def _perturbed_copy(src: Path, dst: Path) -> Path:
