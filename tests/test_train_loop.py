@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_dirs import TINY_RUN
+from helpers.run_dirs import TINY_RUN
 
 from grail.core.records import read_metrics, validate_metrics
 
