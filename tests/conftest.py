@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +124,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return ensure_tiny_model()
     except PermissionError:
         return ensure_tiny_model(tmp_path_factory.mktemp("grail-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """`grail-serve` on the tiny model (CPU, one thread: batch-invariant) served as "tiny",
+    started once for the session (a start costs seconds of imports) and shared by the tests that
+    sample from it. A test that loads other weights into it loads the tiny model back."""
+    from grail.inference.backends.builtin import BuiltinServer
+
+    server = BuiltinServer(
+        tiny_model_dir,
+        "tiny",
+        log_dir=tmp_path_factory.mktemp("tiny-server"),
+        threads=1,
+        start_timeout=180,
+    )
+    with server:
+        yield server
+    assert _proc_stat(server.pid) is None, "the tiny server outlived its stop"

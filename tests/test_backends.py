@@ -6,7 +6,7 @@ The recorded answers in tests/fixtures/ were produced by the packages' own respo
 (vLLM 0.32.0 `CompletionResponse` through Starlette's JSONResponse, SGLang 0.5.23
 `CompletionResponse` through its `model_json_response`), so they carry the real field names and
 the real encodings of -inf (vLLM: -9999.0; SGLang: null). Lifecycle tests run
-tests/fake_gpu_server.py, which takes the real command lines and answers with those shapes.
+tests/helpers/fake_gpu_server.py, which takes the real command lines and answers with those shapes.
 
 When vLLM or SGLang is importable (here, or in the interpreter named by GRAIL_VLLM_PYTHON /
 GRAIL_SGLANG_PYTHON), the generated command lines are also parsed by the package's own parser.
@@ -15,21 +15,19 @@ GRAIL_SGLANG_PYTHON), the generated command lines are also parsed by the package
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import math
 import os
 import signal
-import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
-from fake_gpu_server import FakeSGLangServer, FakeVLLMServer
+from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls, flag, info, plan
+from helpers.real_packages import BACKEND_ARGV_CHECK, python_with, run_check
 
 from grail.core.config import Config, DataConfig, GenerationConfig
 from grail.core.errors import ConfigError
@@ -111,23 +109,6 @@ def make(tmp_path: Path, model_dir: Path):
     yield build
     for server in made:
         server.stop(timeout=1.0)
-
-
-def calls(server) -> list[dict]:
-    return httpx.get(f"{server.root_url}/debug/calls", timeout=5).json()
-
-
-def info(server) -> dict:
-    return httpx.get(f"{server.root_url}/debug/info", timeout=5).json()
-
-
-def plan(server, **routes: list[dict]) -> None:
-    body = {"/" + route.replace("__", "/"): actions for route, actions in routes.items()}
-    httpx.post(f"{server.root_url}/debug/plan", json=body, timeout=5).raise_for_status()
-
-
-def flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
 
 
 # ---- command lines -----------------------------------------------------------------------------
@@ -723,23 +704,11 @@ def test_failures_of_a_live_server_are_not_retried(make) -> None:
 # ---- the packages' own argument parsers --------------------------------------------------------
 
 
-def _python_with(package: str) -> str | None:
-    """An interpreter that can import `package`: this one, or GRAIL_<PACKAGE>_PYTHON."""
-    if importlib.util.find_spec(package) is not None:
-        return sys.executable
-    return os.environ.get(f"GRAIL_{package.upper()}_PYTHON") or None
-
-
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 def test_command_line_is_accepted_by_the_packages_own_parser(
     kind: str, model_dir: Path, tmp_path: Path
 ) -> None:
-    python = _python_with(kind)
-    if python is None:
-        pytest.skip(
-            f"{kind} is not installed (uv sync --extra {kind}, or set "
-            f"GRAIL_{kind.upper()}_PYTHON to an interpreter that has it)"
-        )
+    python = python_with(kind)
     cls = VLLMServer if kind == "vllm" else SGLangServer
     server = cls(
         model_dir,
@@ -754,17 +723,7 @@ def test_command_line_is_accepted_by_the_packages_own_parser(
         api_key="sekret",
     )
     argv = server.build_command()[3:]  # after `python -m MODULE`
-    result = subprocess.run(
-        [python, str(TESTS_DIR / "backend_argv_check.py"), kind],
-        input=json.dumps(argv),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
-    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stderr[-3000:]
-    parsed = json.loads(lines[-1].removeprefix("RESULT "))
+    parsed = run_check(python, [str(BACKEND_ARGV_CHECK), kind], argv, timeout=300)
     print(f"{kind} {parsed['version']} ({parsed['parser']}) accepted: {argv}")
     assert parsed["model"] == str(model_dir)
     assert (parsed["host"], parsed["port"]) == ("127.0.0.1", 8123)

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.run_dirs import grail_train
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
-from run_dirs import grail_train
 
 from grail.core.errors import UserError
 from grail.train import cli

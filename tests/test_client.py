@@ -12,7 +12,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -567,11 +566,9 @@ def test_extra_body_cannot_override_the_clients_fields(name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def builtin_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`grail-serve` on the tiny model (CPU, one thread: batch-invariant); yields its base URL."""
-    log_dir = tmp_path_factory.mktemp("server")
-    with BuiltinServer(tiny_model_dir, "tiny", log_dir=log_dir, threads=1) as server:
-        yield server.base_url
+def builtin_server(tiny_server: BuiltinServer) -> str:
+    """The base URL of `grail-serve` on the tiny model, served as "tiny" (conftest.py)."""
+    return tiny_server.base_url
 
 
 def test_complete_many_on_the_builtin_server_equals_one_request_per_prompt(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_dirs import TINY_RUN, grail_train
+from helpers.run_dirs import TINY_RUN, grail_train
 from safetensors import safe_open
 from test_trainer import _batch
 from transformers import AutoModelForCausalLM

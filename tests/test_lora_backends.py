@@ -4,8 +4,8 @@ the packages or a GPU.
 
 The answers in tests/fixtures/lora/ were recorded from vLLM 0.33.0's and SGLang 0.5.23's own
 HTTP routes (their FastAPI apps, served in-process, in front of a stand-in for the engine; see
-each file's "_source"). Lifecycle tests run tests/fake_gpu_server.py with the real command lines
-and plan those recorded answers.
+each file's "_source"). Lifecycle tests run tests/helpers/fake_gpu_server.py with the real
+command lines and plan those recorded answers.
 
 When vLLM or SGLang is importable (here, or in the interpreter named by GRAIL_VLLM_PYTHON /
 GRAIL_SGLANG_PYTHON), the command lines are also parsed by the package's own parser, and the
@@ -16,18 +16,15 @@ recorded ones): see `test_lora_against_the_real_package`.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from fake_gpu_server import FakeSGLangServer, FakeVLLMServer
-from test_backends import calls, info
+from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls, flag, info
+from helpers.real_packages import python_with, run_check
 
 from grail.inference.backends import make_server_manager
 from grail.inference.backends.sglang import SGLangServer
@@ -109,10 +106,6 @@ def make(tmp_path: Path, model_dir: Path, lora_dir: Path):
 
 def plan(server, routes: dict[str, list[dict]]) -> None:
     httpx.post(f"{server.root_url}/debug/plan", json=routes, timeout=5).raise_for_status()
-
-
-def flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
 
 
 def common(tmp_path: Path, **kwargs) -> dict:
@@ -470,10 +463,10 @@ def test_rollout_requests_name_the_adapter(make, kind: str, model: str) -> None:
 # ---- the packages' own parsers and routes --------------------------------------------------------
 
 # Run with the package's interpreter; reads {"argv", ...} on stdin, prints "RESULT <json>".
-# Argument parsing as tests/backend_argv_check.py does it; the LoRA routes are the package's own
-# FastAPI routes and request handling, served in-process, with a stand-in only for the engine
-# (vLLM: the engine client's add_lora; SGLang: the scheduler's reply, whose "already loaded" and
-# "incompatible" checks are LoRAManager.validate_new_adapter itself).
+# Argument parsing as tests/helpers/backend_argv_check.py does it; the LoRA routes are the
+# package's own FastAPI routes and request handling, served in-process, with a stand-in only for
+# the engine (vLLM: the engine client's add_lora; SGLang: the scheduler's reply, whose "already
+# loaded" and "incompatible" checks are LoRAManager.validate_new_adapter itself).
 VLLM_CHECK = r"""
 import asyncio, json, os, sys
 from types import SimpleNamespace
@@ -662,13 +655,6 @@ print("RESULT " + json.dumps(result, default=str))
 """
 
 
-def _python_with(package: str) -> str | None:
-    """An interpreter that can import `package`: this one, or GRAIL_<PACKAGE>_PYTHON."""
-    if importlib.util.find_spec(package) is not None:
-        return sys.executable
-    return os.environ.get(f"GRAIL_{package.upper()}_PYTHON") or None
-
-
 def _normalised(value, lora_dir: Path):
     return json.loads(json.dumps(value).replace(str(lora_dir), RECORDED_LORA_DIR))
 
@@ -678,12 +664,7 @@ def _normalised(value, lora_dir: Path):
 def test_lora_against_the_real_package(
     kind: str, model_dir: Path, lora_dir: Path, tmp_path: Path
 ) -> None:
-    python = _python_with(kind)
-    if python is None:
-        pytest.skip(
-            f"{kind} is not installed (uv sync --extra {kind}, or set "
-            f"GRAIL_{kind.upper()}_PYTHON to an interpreter that has it)"
-        )
+    python = python_with(kind)
     cls = VLLMServer if kind == "vllm" else SGLangServer
     server = cls(model_dir, "policy", **common(tmp_path), lora_dir=lora_dir, lora_rank=16)
     argv = server.build_command()[3:]  # after `python -m MODULE`
@@ -698,17 +679,8 @@ def test_lora_against_the_real_package(
             "unload_body": server.lora_unload_body(),
             "load_body": server.lora_load_body(lora_dir),
         }
-    result = subprocess.run(
-        [python, "-c", VLLM_CHECK if kind == "vllm" else SGLANG_CHECK],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
-    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, (result.stdout + result.stderr)[-4000:]
-    parsed = json.loads(lines[-1].removeprefix("RESULT "))
+    check = VLLM_CHECK if kind == "vllm" else SGLANG_CHECK
+    parsed = run_check(python, ["-c", check], job, timeout=540)
     print(f"{kind} {parsed['version']} accepted: {argv}")
     assert parsed["model"] == str(model_dir) and parsed["enable_lora"] is True
     assert parsed["max_lora_rank"] == 16

@@ -15,11 +15,11 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from helpers.run_dirs import TINY_RUN, eval_record, make_run
 from hydra import compose, initialize_config_dir
 from jsonschema import ValidationError
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
-from run_dirs import TINY_RUN, eval_record, make_run
 
 from grail.core.config import Config, DataConfig, EvalConfig, PruneConfig
 from grail.core.errors import ConfigError

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from run_dirs import make_run, train_record, write_hydra
+from helpers.run_dirs import make_run, train_record, write_hydra
 
 from grail.core.records import write_metrics, write_summary
 from grail.report.cli import main

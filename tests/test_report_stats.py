@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from run_dirs import eval_record, make_run
+from helpers.run_dirs import eval_record, make_run
 from scipy import stats as scipy_stats
 
 from grail.report.cli import main

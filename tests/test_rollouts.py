@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,12 +25,9 @@ from grail.rollouts.server import resample_seeds
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BuiltinServer]:
-    model_dir = ensure_tiny_model()
-    with BuiltinServer(
-        model_dir, "policy", log_dir=tmp_path_factory.mktemp("logs"), threads=1, start_timeout=120
-    ) as running:
-        yield running
+def server(tiny_server: BuiltinServer) -> BuiltinServer:
+    """The session's built-in server on the tiny model (conftest.py)."""
+    return tiny_server
 
 
 def _generator(server: BuiltinServer, base_seed: int = 0) -> RolloutGenerator:

@@ -3,7 +3,7 @@ errors, how trials become jobs and batches, a trial's value and state from its r
 interrupted study, and one real search through `grail-train -m`.
 
 Most tests drive the sweeper with a fake launcher that writes run directories the way a real run
-leaves them (tests/run_dirs.py), so no training runs; the last one trains for real.
+leaves them (tests/helpers/run_dirs.py), so no training runs; the last one trains for real.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import optuna
 import pytest
 import yaml
+from helpers.run_dirs import TINY_RUN, grail_train, make_run
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
@@ -25,7 +26,6 @@ from hydra.types import HydraContext
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
-from run_dirs import TINY_RUN, grail_train, make_run
 
 from grail.core.records import atomic_write_text, metric_records
 from grail.study.search import OptunaSearchSweeper

@@ -1,7 +1,7 @@
 """Server lifecycle: start, readiness, death detection, weight sync, and never leaking a process.
 
-These run against `tests/fake_server.py` (the built-in server's command line, no model), so they
-test the manager's logic in well under a second per server.
+These run against `tests/helpers/fake_server.py` (the built-in server's command line, no model),
+so they test the manager's logic in well under a second per server.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_server import FakeBuiltinServer
+from helpers.fake_server import FakeBuiltinServer
 
 from grail.inference import os_process
 from grail.inference.backends.builtin import BuiltinServer
@@ -320,7 +320,7 @@ PARENT_SCRIPT = """
 import signal, sys, time
 sys.path.insert(0, {tests_dir!r})
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even if launched with SIGINT ignored
-from fake_server import FakeBuiltinServer
+from helpers.fake_server import FakeBuiltinServer
 server = FakeBuiltinServer({model!r}, "tiny", log_dir={log_dir!r}, start_timeout=20,
                            extra_args={extra!r})
 {body}
@@ -595,17 +595,10 @@ def tiny_model(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="module")
-def real_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = BuiltinServer(
-        tiny_model,
-        "tiny",
-        log_dir=tmp_path_factory.mktemp("real-server"),
-        threads=1,
-        start_timeout=180,
-    )
-    with server:
-        yield server
-    assert not process_alive(server.pid)
+def real_server(tiny_server: BuiltinServer) -> BuiltinServer:
+    """The session's built-in server on the tiny model (conftest.py, which checks that its stop
+    ends the process); the test that reloads weights in it loads the tiny model back."""
+    return tiny_server
 
 
 def _perturbed_copy(src: Path, dst: Path) -> Path:

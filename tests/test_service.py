@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from run_dirs import REPO, TINY_RUN
+from helpers.run_dirs import REPO, TINY_RUN
 from transformers import AutoTokenizer
 
 from grail.core.http_api import APIError

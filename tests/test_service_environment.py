@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from run_dirs import REPO, TINY_RUN
+from helpers.run_dirs import REPO, TINY_RUN
 from test_service import Trainer
 
 from grail.core.records import read_json, train_metrics_path

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_server import FakeBuiltinServer
+from helpers.fake_server import FakeBuiltinServer
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -216,7 +216,7 @@ def test_a_directory_holding_another_sweep_point_is_not_continued() -> None:
 
 
 def test_run_record_reads_the_directory(tmp_path: Path) -> None:
-    from run_dirs import make_run
+    from helpers.run_dirs import make_run
 
     assert run_record(tmp_path / "none") == RunRecord(None, False, None)
     run = make_run(tmp_path / "r", ["train.lr=1"], iterations=4, done=2)
@@ -303,8 +303,8 @@ DRIVER = textwrap.dedent(
     def fake_run(cfg, run_dir):
         import json, os, sys, time
         sys.path.insert(0, TESTS_DIR)
-        from fake_server import FakeBuiltinServer
-        from run_dirs import eval_record, summary_record, train_record
+        from helpers.fake_server import FakeBuiltinServer
+        from helpers.run_dirs import eval_record, summary_record, train_record
         from grail.core.records import write_metrics
 
         start = time.time()

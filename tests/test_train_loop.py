@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_dirs import TINY_RUN
+from helpers.run_dirs import TINY_RUN
 
 from grail.core.records import read_metrics, validate_metrics
 
@@ -121,6 +122,16 @@ def _kill_after_checkpoint(run_dir: Path, *overrides: str) -> None:
 
 
 @pytest.fixture(scope="module")
+def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-iteration run SIGKILLed once its checkpoint iter_001 was committed, left as the kill
+    left it. The resume tests each resume a copy (run directories hold no absolute paths that
+    resume reads), so the kill, a whole run's start, happens once."""
+    run_dir = tmp_path_factory.mktemp("killed")
+    _kill_after_checkpoint(run_dir, "train.iterations=4")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 4-iteration run, shared by the tests below."""
     run_dir = tmp_path_factory.mktemp("full")
@@ -169,8 +180,10 @@ def test_same_seed_gives_same_metrics(full_run: Path, tmp_path: Path) -> None:
         )
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(full_run: Path, tmp_path: Path) -> None:
-    _kill_after_checkpoint(tmp_path, "train.iterations=4")
+def test_sigkill_then_resume_matches_uninterrupted_run(
+    full_run: Path, killed_run: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
     killed_at = max(
         int(p.name.removeprefix("iter_")) for p in (tmp_path / "checkpoints").glob("iter_*")
     )
@@ -192,8 +205,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(full_run: Path, tmp_path:
     assert summary["wall_time_s"] == pytest.approx(first["wall_time_s"] + resume["wall_time_s"])
 
 
-def test_resume_falls_back_past_a_truncated_checkpoint(full_run: Path, tmp_path: Path) -> None:
-    _kill_after_checkpoint(tmp_path, "train.iterations=4")
+def test_resume_falls_back_past_a_truncated_checkpoint(
+    full_run: Path, killed_run: Path, tmp_path: Path
+) -> None:
+    shutil.copytree(killed_run, tmp_path, dirs_exist_ok=True)
     newest = max((tmp_path / "checkpoints").glob("iter_*"))
     state = newest / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[:1000])  # a disk that filled, a copy cut short

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 import torch
-from fake_server import FakeBuiltinServer
+from helpers.fake_server import FakeBuiltinServer
 from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file

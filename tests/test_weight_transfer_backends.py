@@ -5,26 +5,23 @@ bodies against the packages' own routes and request models.
 
 The trainer's side of the group (grail/inference/backends/nccl.py) needs CUDA: here a stand-in
 sender joins and "broadcasts" by calling the server's side at once, so the HTTP side runs as it
-does on a GPU, against tests/fake_gpu_server.py answering what vLLM 0.33.0 and SGLang 0.5.23
-answered (tests/fixtures/weight_transfer/, recorded by tests/weight_transfer_check.py, which
+does on a GPU, against tests/helpers/fake_gpu_server.py answering what vLLM 0.33.0 and SGLang 0.5.23
+answered (tests/fixtures/weight_transfer/, recorded by tests/helpers/weight_transfer_check.py, which
 `test_bodies_against_the_real_package` runs again whenever the package is importable).
 tests/gpu/test_gpu_weight_transfer.py runs the real thing on GPUs.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from fake_gpu_server import FakeSGLangServer, FakeVLLMServer
-from test_backends import calls, plan
+from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls, plan
+from helpers.real_packages import WEIGHT_TRANSFER_CHECK, python_with, run_check
 
 from grail.inference.backends import nccl as nccl_module
 from grail.inference.backends import sglang as sglang_module
@@ -270,21 +267,10 @@ def test_the_stand_in_matches_the_real_senders_interface() -> None:
 # ---- the packages' own routes and request models -------------------------------------------
 
 
-def _python_with(package: str) -> str | None:
-    if importlib.util.find_spec(package) is not None:
-        return sys.executable
-    return os.environ.get(f"GRAIL_{package.upper()}_PYTHON") or None
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 def test_bodies_against_the_real_package(kind: str, model, tmp_path: Path) -> None:
-    python = _python_with(kind)
-    if python is None:
-        pytest.skip(
-            f"{kind} is not installed (uv sync --extra {kind}, or set "
-            f"GRAIL_{kind.upper()}_PYTHON to an interpreter that has it)"
-        )
+    python = python_with(kind)
     common = {"log_dir": tmp_path, "device": "cuda:0", "port": 8123, "weight_transfer": "nccl"}
     flat = FlatWeights(torch.device("cpu"))
     flat.fill(PolicyWeights(model).named_tensors()[:3], torch.bfloat16)
@@ -309,17 +295,7 @@ def test_bodies_against_the_real_package(kind: str, model, tmp_path: Path) -> No
             "update": server.distributed_update_body(flat, "iter_001"),
             "end": {},
         }
-    result = subprocess.run(
-        [python, str(TESTS_DIR / "weight_transfer_check.py"), kind],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=540,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-    )
-    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, (result.stdout + result.stderr)[-4000:]
-    parsed = json.loads(lines[-1].removeprefix("RESULT "))
+    parsed = run_check(python, [str(WEIGHT_TRANSFER_CHECK), kind], job, timeout=540)
     recorded = json.loads((FIXTURES / f"{kind}_nccl.json").read_text())
     assert parsed["answers"] == {k: v for k, v in recorded.items() if not k.startswith("_")}
     names = [name for name, _ in flat.named_views()]

@@ -3,7 +3,8 @@
 It takes the built-in server's command line, answers its control routes, and can be told to
 misbehave the ways real servers do. Standard library only, so it starts in a fraction of a second.
 
-    python tests/fake_server.py --model DIR --served-model-name NAME --host H --port P --device D
+    python tests/helpers/fake_server.py --model DIR --served-model-name NAME --host H --port P \
+        --device D
         [--start-delay S]      sleep before binding the port (connection refused meanwhile)
         [--health-status N]    answer GET /health with HTTP N (e.g. 503: never ready)
         [--die-after S]        exit with code 7 S seconds after binding, printing why

@@ -15,7 +15,7 @@ import yaml
 
 from grail.core.records import write_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The smallest real workload: a few problems and evaluation seeds, so a real run of the tiny model
 # takes seconds. Tests add their own iterations, eval interval and checkpointing.
 TINY_RUN = [

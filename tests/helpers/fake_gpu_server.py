@@ -33,7 +33,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 FAKE_GPU_SERVER = Path(__file__).resolve()
-FIXTURES = FAKE_GPU_SERVER.parent / "fixtures"
+FIXTURES = FAKE_GPU_SERVER.parents[1] / "fixtures"
 ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
     "VLLM_SERVER_DEV_MODE",
@@ -145,8 +145,25 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 else:
+    import httpx
+
     from grail.inference.backends.sglang import SGLangServer
     from grail.inference.backends.vllm import VLLMServer
+
+    # What a test reads and sets through the stand-in's /debug routes.
+
+    def calls(server) -> list[dict]:
+        return httpx.get(f"{server.root_url}/debug/calls", timeout=5).json()
+
+    def info(server) -> dict:
+        return httpx.get(f"{server.root_url}/debug/info", timeout=5).json()
+
+    def plan(server, **routes: list[dict]) -> None:
+        body = {"/" + route.replace("__", "/"): actions for route, actions in routes.items()}
+        httpx.post(f"{server.root_url}/debug/plan", json=body, timeout=5).raise_for_status()
+
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
 
     class FakeVLLMServer(VLLMServer):
         """`VLLMServer` running this script (its real argv after the script's own flags)."""

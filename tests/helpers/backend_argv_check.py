@@ -1,6 +1,6 @@
 """Parse a server command line with the installed vLLM's or SGLang's own argument parser.
 
-    python tests/backend_argv_check.py {vllm|sglang} < argv.json
+    python tests/helpers/backend_argv_check.py {vllm|sglang} < argv.json
 
 argv.json is the list of arguments after `python -m MODULE` (for vLLM it starts with `serve`).
 Prints one JSON object: the package version, the parser it used, and the parsed values of the

@@ -1,6 +1,6 @@
 """Replay the NCCL weight-transfer requests against vLLM's or SGLang's own routes and models.
 
-    python tests/weight_transfer_check.py {vllm|sglang} < job.json
+    python tests/helpers/weight_transfer_check.py {vllm|sglang} < job.json
 
 job.json: {"argv": the server's arguments after `python -m MODULE`, "init": the init body,
 "update": the update body, "finish"/"begin"/"end": the other bodies}. Prints one line
