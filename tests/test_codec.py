@@ -51,7 +51,7 @@ def _generated() -> GeneratedBatch:
 
 
 def _round_trip(data: dict[str, Any]) -> GeneratedBatch:
-    return codec.from_json(json.loads(codec.dumps(data)), make_env("copy_digits").problem)
+    return codec.from_json(json.loads(json.dumps(data)), make_env("copy_digits").problem)
 
 
 def test_a_generated_batch_round_trips_to_the_bit() -> None:
@@ -92,7 +92,7 @@ def test_advantages_are_not_stored() -> None:
     ],
 )  # fmt: skip
 def test_decoding_names_what_is_wrong(damage: Any, message: str) -> None:
-    data = json.loads(codec.dumps(codec.to_json(_generated())))
+    data = json.loads(json.dumps(codec.to_json(_generated())))
     damage(data)
     with pytest.raises(codec.CodecError) as err:
         codec.from_json(data, make_env("copy_digits").problem)

@@ -1,12 +1,12 @@
 """The one JSON form of rollouts: `Sample`, `Group`, `RolloutBatch` and `GeneratedBatch` to plain
-JSON data and back, for the study's store of iteration-0 batches (grail/rollouts/shared.py) and
-for what a checkpoint keeps of a rollout source (a pipelined run's pending batch,
-grail/rollouts/server.py `ServerRollouts.state`).
+JSON-able data (for `json.dumps`) and back, for the study's store of iteration-0 batches
+(grail/rollouts/shared.py) and for what a checkpoint keeps of a rollout source (a pipelined run's
+pending batch, grail/rollouts/server.py `ServerRollouts.state`).
 
 JSON, never a pickle: a pickle ties a file to module paths and can run code when it loads.
-Floats survive exactly: `json` writes the shortest repr that reads back to the same bits (and
--inf, a possible log-probability, as `-Infinity`), so a run that loads a batch trains on exactly
-the numbers of the run that generated it.
+Floats survive exactly: `json` writes the shortest repr that reads back to the same bits (and,
+unless told `allow_nan=False`, -inf, a possible log-probability, as `-Infinity`), so a run that
+loads a batch trains on exactly the numbers of the run that generated it.
 
 What is not stored:
 - a sample's advantage: the trainer computes it from the rewards (grail/train/trainer.py);
@@ -19,7 +19,6 @@ e.g. `groups[2].samples[0].behaviour_logprobs`): a file cut short or edited by h
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -34,12 +33,6 @@ ProblemFor = Callable[[int], Problem]
 
 class CodecError(ValueError):
     """Data that does not decode to a rollout; the message names the field and what is wrong."""
-
-
-def dumps(data: Any) -> str:
-    """`data` as compact JSON text. NaN and infinities are written (JSON's extension that `json`
-    reads back): a -inf log-probability must round-trip, not fail the write."""
-    return json.dumps(data, separators=(",", ":"))
 
 
 # ---- encoding -------------------------------------------------------------------------------

@@ -205,7 +205,8 @@ class SharedRollouts:
             **codec.batch_to_json(generated.batch),
         }
         try:
-            atomic_write_text(self.path, codec.dumps(data))
+            # allow_nan: a -inf log-probability must read back as -inf, not fail the write.
+            atomic_write_text(self.path, json.dumps(data, separators=(",", ":"), default=str))
         except (OSError, TypeError, ValueError) as exc:
             log.warning("could not store iteration 0's rollouts in %s: %s", self.path, exc)
 
