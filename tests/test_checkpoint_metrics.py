@@ -94,7 +94,7 @@ def test_an_old_checkpoint_with_a_pickled_pending_batch_is_refused_saying_what_t
     assert "\n" not in message and str(path) in message
     assert "older version of grail" in message
     assert "resume the run with the grail version that wrote it" in message
-    assert "start it fresh" in message
+    assert "start it over in a new hydra.run.dir" in message
 
 
 def test_an_old_checkpoint_without_a_pending_batch_still_loads(tmp_path: Path) -> None:

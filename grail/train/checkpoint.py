@@ -212,8 +212,7 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
         raise OldCheckpoint(
             f"{path} was written by an older version of grail and holds pickled Python objects "
             "(a pipelined run's pending batch) that this version does not load: resume the run "
-            "with the grail version that wrote it, or start it fresh (resume=false, or a new "
-            "hydra.run.dir)"
+            "with the grail version that wrote it, or start it over in a new hydra.run.dir"
         ) from None
 
 
