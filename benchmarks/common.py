@@ -189,7 +189,7 @@ def synthetic_batch(
     update's real shape without generating anything."""
     from grail.envs.base import Problem
     from grail.rollouts.batch import Group, RolloutBatch, Sample
-    from grail.rollouts.generation import assign_advantages
+    from grail.train.trainer import assign_advantages
 
     gen = torch.Generator().manual_seed(seed)
     made = []
@@ -201,4 +201,5 @@ def synthetic_batch(
             reward = float(torch.randint(0, 2, (), generator=gen))
             samples.append(Sample(ids, [-6.0] * len(ids), "length", "", reward, {}, reward > 0))
         made.append(Group(Problem(g, [], ""), prompt, samples))
-    return RolloutBatch(made, assign_advantages(made, "group"))
+    assign_advantages(made, "group")
+    return RolloutBatch(made)

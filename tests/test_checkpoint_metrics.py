@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
+from grail.core.errors import UserError
 from grail.core.records import atomic_write_text, validate_metrics, write_metrics
+from grail.envs.base import Problem
+from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample
 from grail.train.checkpoint import (
     checkpoint_problems,
     commit_checkpoint,
     latest_checkpoint,
+    load_source_state,
     load_trainer_state,
     prune_checkpoints,
     set_rng_state,
@@ -59,6 +65,61 @@ def test_rng_state_round_trips(tmp_path: Path) -> None:
     random.seed(99)
     set_rng_state(load_trainer_state(final)["rng"])
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def _old_trainer_state(checkpoint: Path, pending: GeneratedBatch | None) -> Path:
+    """trainer_state.pt as grail wrote it before rollout_source.json: numpy's RNG state as an
+    array, and a pipelined run's pending batch pickled in it."""
+    checkpoint.mkdir()
+    path = checkpoint / "trainer_state.pt"
+    state = {"iteration": 4, "config": "", "pending_rollouts": pending}
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    torch.save({**state, "rng": rng}, path)
+    return path
+
+
+def test_an_old_checkpoint_with_a_pickled_pending_batch_is_refused_saying_what_to_do(
+    tmp_path: Path,
+) -> None:
+    sample = Sample([5], [-0.5], "stop", "7", 1.0, {"correct": 1.0}, True)
+    pending = GeneratedBatch(RolloutBatch([Group(Problem(3, [], "7"), [1, 2], [sample])]), 4, 1.0)
+    path = _old_trainer_state(tmp_path / "iter_004", pending)
+    with pytest.raises(UserError) as err:
+        load_trainer_state(path.parent)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message
+    assert "older version of grail" in message
+    assert "resume the run with the grail version that wrote it" in message
+    assert "start it over in a new hydra.run.dir" in message
+
+
+def test_an_old_checkpoint_without_a_pending_batch_still_loads(tmp_path: Path) -> None:
+    """Only the pickled batch is refused: an older sync run's checkpoint (numpy's RNG state as an
+    array) resumes as before."""
+    np.random.seed(5)
+    path = _old_trainer_state(tmp_path / "iter_004", None)
+    expected = np.random.rand(3)
+    np.random.seed(99)
+    state = load_trainer_state(path.parent)
+    assert state["iteration"] == 4 and state["pending_rollouts"] is None
+    set_rng_state(state["rng"])
+    assert (np.random.rand(3) == expected).all()
+    assert load_source_state(path.parent) == {}
+
+
+def test_the_rollout_source_state_is_kept_as_json(tmp_path: Path) -> None:
+    """What the source keeps goes in its own JSON file beside trainer_state.pt (which loads with
+    weights_only=True), -inf included; nothing when it keeps nothing."""
+    state = {"pending": {"behaviour_logprobs": [-0.1, -math.inf]}}
+    kept = commit_checkpoint(stage_checkpoint(tmp_path, 1, _Saves("m"), _Saves("t"), {}, state))
+    assert load_source_state(kept) == state
+    assert json.loads((kept / "manifest.json").read_text())["files"]["rollout_source.json"]
+    empty = commit_checkpoint(stage_checkpoint(tmp_path, 2, _Saves("m"), _Saves("t"), {}, {}))
+    assert not (empty / "rollout_source.json").exists() and load_source_state(empty) == {}
 
 
 def _eval_record() -> dict[str, object]:

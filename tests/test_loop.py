@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from grail.algo.advantages import compute_advantages
 from grail.core.config import (
     CheckpointConfig,
     Config,
@@ -28,7 +26,7 @@ from grail.envs import make_env
 from grail.inference.process import SyncResult
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
 from grail.rollouts.generation import render_prompt_ids
-from grail.train.checkpoint import list_checkpoints, load_trainer_state
+from grail.train.checkpoint import list_checkpoints, load_source_state, load_trainer_state
 from grail.train.display import Display
 from grail.train.loggers import MetricLoggers
 from grail.train.loop import Recorder, iteration_record, resume_point, run_iterations
@@ -48,8 +46,8 @@ def _config(**train: Any) -> Config:
 
 
 class ScriptedSource:
-    """A RolloutSource that makes up scored groups (deterministic in the iteration) and records
-    what the loop asked of it, in order."""
+    """A RolloutSource that makes up scored groups (deterministic in the iteration; rewards only,
+    as every source delivers them) and records what the loop asked of it, in order."""
 
     def __init__(
         self, cfg: Config, tokenizer: Any, weights_root: Path, fail_at: int | None = None
@@ -58,7 +56,6 @@ class ScriptedSource:
         self.weights_root = weights_root
         self.env = make_env("copy_digits")
         self.calls: list[tuple[str, int]] = []
-        self._next: GeneratedBatch | None = None
 
     def _batch(self, iteration: int, replicas: int, policy_version: int) -> GeneratedBatch:
         rng = random.Random(iteration)
@@ -81,12 +78,7 @@ class ScriptedSource:
                     )
                 )
             groups.append(Group(problem, render_prompt_ids(self.tokenizer, problem), samples))
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-        advantages, stats = compute_advantages(rewards, "group")
-        for group, row in zip(groups, advantages.tolist(), strict=True):
-            for sample, advantage in zip(group.samples, row, strict=True):
-                sample.advantage = advantage
-        return GeneratedBatch(RolloutBatch(groups, stats), policy_version, 0.5, 0.0, 0.5)
+        return GeneratedBatch(RolloutBatch(groups), policy_version, 0.5, 0.0, 0.5)
 
     def next_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:
         self.calls.append(("next_batch", iteration))
@@ -104,8 +96,8 @@ class ScriptedSource:
         self.calls.append(("evaluate", -1))
         return self._batch(999, self.cfg.eval.replicates, 0).batch
 
-    def pending(self) -> GeneratedBatch | None:
-        return self._next
+    def state(self) -> dict[str, Any]:
+        return {}  # nothing generated ahead
 
     def checkpointed(self, iteration: int) -> None:
         self.calls.append(("checkpointed", iteration))
@@ -161,7 +153,8 @@ def test_the_loop_runs_its_steps_in_order_and_records_each(tmp_path: Path) -> No
     assert [c.iteration for c in list_checkpoints(tmp_path / "checkpoints")] == [3]
     assert not list((tmp_path / "checkpoints").glob(".*"))
     state = load_trainer_state(tmp_path / "checkpoints" / "iter_003")
-    assert state["iteration"] == 3 and state["pending_rollouts"] is None
+    assert state["iteration"] == 3 and "pending_rollouts" not in state
+    assert load_source_state(tmp_path / "checkpoints" / "iter_003") == {}
 
 
 def test_each_record_names_the_policy_that_generated_its_batch(tmp_path: Path) -> None:
@@ -198,7 +191,7 @@ def test_iteration_record_is_pure_and_reports_staleness_and_bad_norms() -> None:
     batch = ScriptedSource(_config(), _tokenizer(), Path())._batch(5, 4, policy_version=4)
     batch.generation_s = 2.0
     sync = WeightSync(SyncResult(0.1, "restart", fell_back=True, fallback_reason="x"), 0.1, 0.0)
-    train = {"loss_total": 0.5, "grad_norm": math.inf, "kl": 0.01}
+    train = {"loss_total": 0.5, "grad_norm": math.inf, "kl": 0.01, "zero_variance_group_frac": 0.5}
     timings = {"train_s": 1.0}
     record = iteration_record(5, batch, train, sync, 1e-3, timings, pipelined=True)
     assert record == iteration_record(5, batch, train, sync, 1e-3, timings, pipelined=True)

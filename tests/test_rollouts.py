@@ -22,6 +22,7 @@ from grail.rollouts.generation import (
     request_seed,
 )
 from grail.rollouts.server import resample_seeds
+from grail.train.trainer import assign_advantages
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +57,12 @@ def test_groups_are_complete(server: BuiltinServer) -> None:
             assert all(lp <= 0 for lp in s.behaviour_logprobs)
             assert s.finish_reason in ("stop", "length")
             assert set(s.components) == {"correct", "found", "brevity"}
+            assert s.advantage == 0.0  # rewards only: the trainer computes advantages
+    stats = assign_advantages(batch.groups, "group")
+    for group in batch.groups:
         # group-relative advantages: zero mean within each group
         assert sum(s.advantage for s in group.samples) == pytest.approx(0.0, abs=1e-5)
-    assert 0.0 <= batch.advantage_stats["zero_variance_group_frac"] <= 1.0
+    assert 0.0 <= stats["zero_variance_group_frac"] <= 1.0
 
 
 def test_same_seeds_give_the_same_groups(server: BuiltinServer) -> None:

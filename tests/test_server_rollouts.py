@@ -17,8 +17,10 @@ from grail.envs import make_env
 from grail.envs.rewards.plugins import RewardFunctions
 from grail.inference.backends import server_and_syncer_from_config
 from grail.models.loading import load_tokenizer
+from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch
 from grail.rollouts.server import ServerRollouts, iteration_seeds
+from grail.train.trainer import assign_advantages
 
 
 def _config(pipeline: bool = False, iterations: int = 3) -> Config:
@@ -62,7 +64,7 @@ def sync_batches(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     cfg = _config()
     with _source(cfg, tiny_model_dir, tmp_path_factory.mktemp("sync")) as source:
         first = source.next_batch(0, policy_version=0)
-        assert source.pending() is None  # nothing is generated ahead in sync mode
+        assert source.state() == {}  # nothing is generated ahead in sync mode
         source.sync_weights(_same_weights, policy_version=1)
         second = source.next_batch(1, policy_version=1)
         evaluation = source.evaluate()
@@ -96,12 +98,12 @@ def test_pipelined_source_generates_ahead_and_syncs_after_it(
     with _source(cfg, tiny_model_dir, tmp_path) as source:
         first = source.next_batch(0, policy_version=0)
         sync = source.sync_weights(save, policy_version=1)
-        ahead = source.pending()
-        assert ahead is not None and ahead.policy_version == 0  # generated with v0, stale by 1
-        assert sync.prefetched == (ahead.started, ahead.finished)
-        assert saved_at[0] >= ahead.finished  # weights written only after the batch finished
+        ahead = source.state()["pending"]  # what a checkpoint now keeps (JSON)
+        assert ahead is not None and ahead["policy_version"] == 0  # generated with v0, stale by 1
+        assert sync.prefetched == (ahead["started"], ahead["finished"])
+        assert saved_at[0] >= ahead["finished"]  # weights written only after the batch finished
         second = source.next_batch(1, policy_version=1)
-        assert second is ahead and source.pending() is None
+        assert codec.to_json(second) == ahead and source.state() == {}
         third = source.next_batch(2, policy_version=2)  # the last iteration: nothing ahead
         assert source._prefetch is None
     # Same seeds and the same weights: the same batches as synchronous mode.
@@ -159,7 +161,7 @@ def test_dynamic_sampling_trains_on_groups_with_signal_only(
     assert all(max(g.rewards) != min(g.rewards) for g in groups)
     assert r.kept_groups == len(groups) <= cfg.data.problems_per_iteration
     assert r.generated_groups == r.kept_groups + r.dropped_groups
-    assert batch.batch.advantage_stats["zero_variance_group_frac"] == 0.0
+    assert assign_advantages(groups, "group")["zero_variance_group_frac"] == 0.0
     own = iteration_seeds(cfg, 0)
     seeds = [g.problem.seed for g in groups]
     first_round = [s for s in seeds if s in own]

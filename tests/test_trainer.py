@@ -10,10 +10,8 @@ from pathlib import Path
 
 import huggingface_hub.utils
 import pytest
-import torch
 import transformers
 
-from grail.algo.advantages import compute_advantages
 from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
 from grail.core.records import validate_metrics
 from grail.envs import make_env
@@ -36,7 +34,8 @@ def _config() -> Config:
 
 
 def _batch(rewards: list[list[float]], seed: int = 0) -> RolloutBatch:
-    """Scored groups of copy_digits problems with the given rewards (a success is reward 1)."""
+    """Scored groups of copy_digits problems with the given rewards (a success is reward 1), as a
+    rollout source delivers them: without advantages (the trainer computes them)."""
     rng = random.Random(seed)
     env = make_env("copy_digits")
     groups = []
@@ -56,11 +55,7 @@ def _batch(rewards: list[list[float]], seed: int = 0) -> RolloutBatch:
         for s in samples:
             s.behaviour_logprobs = [-2.0] * len(s.completion_ids)
         groups.append(Group(env.problem(g), [rng.randrange(3, 60) for _ in range(6)], samples))
-    advantages, stats = compute_advantages(torch.tensor(rewards, dtype=torch.float64))
-    for group, row in zip(groups, advantages.tolist(), strict=True):
-        for sample, advantage in zip(group.samples, row, strict=True):
-            sample.advantage = advantage
-    return RolloutBatch(groups, stats)
+    return RolloutBatch(groups)
 
 
 TIMINGS = ("generation_s", "train_s", "weight_sync_s", "eval_s", "checkpoint_s", "iteration_s")

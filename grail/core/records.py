@@ -7,7 +7,8 @@ A run directory (Hydra's `outputs/DATE/TIME` or `multirun/DATE/TIME/N`):
 
     metrics/train_iter_XXX.json   one per iteration (schema: grail/schemas/train_iteration)
     metrics/eval_baseline.json    before any training;  metrics/eval_iter_XXX.json every interval
-    checkpoints/iter_XXX/         save_pretrained dir + tokenizer + trainer_state.pt (newest k kept)
+    checkpoints/iter_XXX/         save_pretrained dir + tokenizer + trainer_state.pt
+                                  (+ rollout_source.json when pipelined; newest k kept)
     weights/                      what the inference server loads (initial weights, then each sync)
     logs/                         the inference server's log
     parts.json                    each part of the run (the start, each resume): when, how long

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,6 +22,8 @@ class Sample:
     reward: float
     components: dict[str, float]
     success: bool
+    # Group-relative, set by the trainer just before it trains on the sample (a source delivers
+    # rewards only: grail/train/trainer.py `assign_advantages`).
     advantage: float = 0.0
 
     @property
@@ -45,7 +47,6 @@ class Group:
 @dataclass
 class RolloutBatch:
     groups: list[Group]
-    advantage_stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def samples(self) -> list[Sample]:
@@ -126,9 +127,11 @@ class RolloutSource(Protocol):
         """The held-out evaluation batch, generated with the current weights."""
         ...
 
-    def pending(self) -> GeneratedBatch | None:
-        """A batch already generated for the next iteration (pipelined), which a checkpoint keeps
-        so that a resumed run trains on exactly what the uninterrupted one would have."""
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the source, as JSON-able data (grail/rollouts/codec.py for
+        batches): e.g. a batch already generated for the next iteration (pipelined), so that a
+        resumed run trains on exactly what the uninterrupted one would have. The resumed run's
+        source is built with it."""
         ...
 
     def checkpointed(self, iteration: int) -> None:

@@ -1,5 +1,5 @@
-"""Rollouts: problem seeds in, scored groups with advantages out, and the one seam between the
-training loop and where rollouts come from (`RolloutSource`).
+"""Rollouts: problem seeds in, scored groups out (rewards only: the trainer computes the
+advantages, grail/train/trainer.py).
 
 One request per problem asks the server for `replicas` samples (`n`). The prompt travels as token
 ids rendered with the tokenizer's chat template, and the completion ids and behaviour
@@ -20,9 +20,6 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from grail.algo.advantages import ScaleRewards, compute_advantages
 from grail.envs.base import Environment, Problem
 from grail.envs.rewards.plugins import RewardFunctions, score_completions
 from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, informative
@@ -58,17 +55,6 @@ async def fill_informative(
     return groups, Resampling(rounds, generated, generated - len(groups), len(groups))
 
 
-def assign_advantages(groups: list[Group], scale_rewards: ScaleRewards) -> dict[str, float]:
-    """Set every sample's group-relative advantage (grail/algo/grpo.py); the batch's advantage
-    statistics."""
-    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-    advantages, stats = compute_advantages(rewards, scale_rewards)
-    for group, row in zip(groups, advantages.tolist(), strict=True):
-        for sample, advantage in zip(group.samples, row, strict=True):
-            sample.advantage = float(advantage)
-    return stats
-
-
 def stable_hash(key: str) -> int:
     """A 64-bit hash of `key`, the same on every machine and Python run (unlike `hash`)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
@@ -102,7 +88,6 @@ class RolloutGenerator:
         sampling: SamplingParams,
         *,
         base_seed: int = 0,
-        scale_rewards: ScaleRewards = "group",
         extra_rewards: RewardFunctions | None = None,
     ) -> None:
         self.env = env
@@ -110,7 +95,6 @@ class RolloutGenerator:
         self.client = client
         self.sampling = sampling
         self.base_seed = base_seed
-        self.scale_rewards: ScaleRewards = scale_rewards
         self.extra_rewards = extra_rewards
 
     async def generate(
@@ -121,15 +105,12 @@ class RolloutGenerator:
         round_index: int = 0,
         on_progress: Callable[[int], None] | None = None,
     ) -> RolloutBatch:
-        """Generate, score and compute advantages for `replicas` samples of each problem seed;
-        `on_progress(k)` is told as k more problems are done. Groups keep the order of
-        `problem_seeds`."""
+        """Generate and score `replicas` samples of each problem seed; `on_progress(k)` is told as
+        k more problems are done. Groups keep the order of `problem_seeds`."""
         groups = await self.generate_groups(
             problem_seeds, replicas, round_index=round_index, on_progress=on_progress
         )
-        # A single sample has no group baseline (evaluation at pass@1): no advantages.
-        stats = assign_advantages(groups, self.scale_rewards) if replicas > 1 else {}
-        return RolloutBatch(groups=groups, advantage_stats=stats)
+        return RolloutBatch(groups)
 
     async def generate_groups(
         self,
@@ -139,7 +120,7 @@ class RolloutGenerator:
         round_index: int = 0,
         on_progress: Callable[[int], None] | None = None,
     ) -> list[Group]:
-        """`generate` without the advantages: the scored groups."""
+        """`generate`'s scored groups, not yet a batch (dynamic sampling adds more rounds)."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         problems = [self.env.problem(int(seed)) for seed in problem_seeds]

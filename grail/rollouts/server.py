@@ -42,13 +42,9 @@ from grail.inference.client import CompletionClient, SamplingParams
 from grail.inference.process import ServerManager, call_with_recovery
 from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
+from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
-from grail.rollouts.generation import (
-    RolloutGenerator,
-    assign_advantages,
-    fill_informative,
-    stable_hash,
-)
+from grail.rollouts.generation import RolloutGenerator, fill_informative, stable_hash
 
 if TYPE_CHECKING:
     from grail.core.config import Config
@@ -195,9 +191,10 @@ class ServerRollouts:
         syncer: WeightSyncer,
         extra_rewards: RewardFunctions | None = None,
         progress: ProgressFactory = _no_progress,
-        pending: GeneratedBatch | None = None,
+        state: dict[str, Any] | None = None,
         shared: SharedRollouts | None = None,
     ) -> None:
+        """`state`: what a checkpoint kept of this source (`state()`), to resume from."""
         self.cfg = cfg
         self.server = server
         # How each sync hands over the weights: the run's route, disk as the fallback.
@@ -210,7 +207,7 @@ class ServerRollouts:
         self._progress = progress
         self._sampling = SamplingParams.from_config(cfg.generation)
         # A batch generated before a checkpoint (pipelined), or one generating now.
-        self._ready: GeneratedBatch | None = pending
+        self._ready: GeneratedBatch | None = self._pending_from(state or {})
         self._prefetch: _Prefetch | None = None
         self._events: EventLoopThread | None = None
         self._client: CompletionClient | None = None
@@ -231,7 +228,6 @@ class ServerRollouts:
                     self._client,
                     self._sampling,
                     base_seed=self.cfg.seed,
-                    scale_rewards=self.cfg.train.scale_rewards,  # type: ignore[arg-type]
                     extra_rewards=self._extra_rewards,
                 )
                 for env in (self._env, self._eval_env)
@@ -299,11 +295,21 @@ class ServerRollouts:
             )
         )
 
-    def pending(self) -> GeneratedBatch | None:
-        return self._ready
+    def state(self) -> dict[str, Any]:
+        """The batch prefetched for the next iteration (pipelined; `sync_weights` collected it),
+        which a resumed run trains on instead of generating it again; {} when there is none."""
+        return {} if self._ready is None else {"pending": codec.to_json(self._ready)}
 
     def checkpointed(self, iteration: int) -> None:
-        pass  # a checkpoint keeps the pending batch itself (`pending`)
+        pass  # a checkpoint keeps the pending batch itself (`state`)
+
+    def _pending_from(self, state: dict[str, Any]) -> GeneratedBatch | None:
+        # Only a pipelined run trains on it: resumed without pipelining, a run generates each
+        # batch with the weights it trains (the pending one was one update behind).
+        pending = state.get("pending")
+        if pending is None or not self.cfg.train.pipeline:
+            return None
+        return codec.from_json(pending, self._env.problem, "pending")
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -333,10 +339,9 @@ class ServerRollouts:
             groups, resampling = await fill_informative(
                 groups, data.problems_per_iteration, more, data.max_resample_rounds
             )
-        stats = assign_advantages(groups, self.cfg.train.scale_rewards)  # type: ignore[arg-type]
         finished = time.perf_counter()
         return GeneratedBatch(
-            RolloutBatch(groups, stats),
+            RolloutBatch(groups),
             policy_version,
             finished - started,
             started,

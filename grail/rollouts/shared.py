@@ -18,13 +18,13 @@ The key is a sha256 over everything that determines that batch and nothing else 
   server as started: backend, device kind, dtype, CPU threads (CPU kernels split reductions
   differently by thread count), extra arguments;
 - torch and transformers versions, the CPU architecture, and `FORMAT`.
-Advantages depend on `train.scale_rewards`, so they are not stored: a loading run computes them.
+Advantages depend on `train.scale_rewards`, so they are not stored: the loading run's trainer
+computes them, as for any batch.
 
-The file is plain JSON (never a pickle, which would tie it to module paths): per group the problem
-seed, the prompt token ids and every sample as the server returned and the environment scored it.
-Python writes floats with the shortest repr that reads back to the same bits, so a loading run
-trains on exactly the generating run's numbers. Problems are rebuilt with `env.problem(seed)` and
-their rendered prompt ids must match the stored ones. A file that cannot be read or does not match
+The file is plain JSON in the form of grail/rollouts/codec.py (never a pickle): per group the
+problem seed, the prompt token ids and every sample as the server returned and the environment
+scored it, floats exact to the bit. Problems are rebuilt with `env.problem(seed)` and their
+rendered prompt ids must match the stored ones. A file that cannot be read or does not match
 is ignored with a warning and generated again. Writes are atomic (temporary file, then rename); a
 lock file beside it makes parallel runs of a study wait for the one generating instead of
 generating the same batch at once (the OS drops the lock of a process that dies).
@@ -37,7 +37,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -47,8 +46,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grail.core.records import atomic_write_text
-from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch, Sample
-from grail.rollouts.generation import assign_advantages, render_prompt_ids
+from grail.rollouts import codec
+from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch
+from grail.rollouts.generation import render_prompt_ids
 
 if TYPE_CHECKING:
     from grail.core.config import Config
@@ -165,8 +165,8 @@ class SharedRollouts:
     def load(
         self, env: Environment, tokenizer: Any, expected_seeds: list[int], t0: float
     ) -> GeneratedBatch | None:
-        """The stored batch with fresh advantages (None when there is none, or a warning says why
-        it is unusable); its `generation_s` is the time since `t0`."""
+        """The stored batch (None when there is none, or a warning says why it is unusable); its
+        `generation_s` is the time since `t0`."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
@@ -182,11 +182,10 @@ class SharedRollouts:
         except Exception as exc:
             log.warning("ignoring stored rollouts %s (%s); generating them again", self.path, exc)
             return None
-        stats = assign_advantages(groups, self.cfg.train.scale_rewards)  # type: ignore[arg-type]
         finished = time.perf_counter()
         log.info("iteration 0: rollouts reused from %s", self.path)
         return GeneratedBatch(
-            RolloutBatch(groups, stats),
+            RolloutBatch(groups),
             policy_version=0,
             generation_s=finished - t0,
             started=t0,
@@ -203,25 +202,7 @@ class SharedRollouts:
             "identity": self.identity,  # what the key covers, for a reader wondering why a miss
             "generation_s": generated.generation_s,
             "resampling": None if generated.resampling is None else asdict(generated.resampling),
-            "groups": [
-                {
-                    "seed": group.problem.seed,
-                    "prompt_ids": group.prompt_ids,
-                    "samples": [
-                        {
-                            "completion_ids": s.completion_ids,
-                            "behaviour_logprobs": s.behaviour_logprobs,
-                            "finish_reason": s.finish_reason,
-                            "text": s.text,
-                            "reward": s.reward,
-                            "components": s.components,
-                            "success": s.success,
-                        }
-                        for s in group.samples
-                    ],
-                }
-                for group in generated.batch.groups
-            ],
+            **codec.batch_to_json(generated.batch),
         }
         try:
             # allow_nan: a -inf log-probability must read back as -inf, not fail the write.
@@ -239,10 +220,7 @@ class SharedRollouts:
             raise Unusable(f"format {stored.get('format')!r} or key differs from this run's")
         resampling = None
         if data.dynamic_sampling:
-            try:
-                resampling = Resampling(**stored["resampling"])
-            except (KeyError, TypeError) as exc:
-                raise Unusable(f"bad 'resampling': {exc}") from exc
+            resampling = codec.resampling_from_json(stored.get("resampling"))
         groups_data = stored.get("groups")
         if not isinstance(groups_data, list) or not groups_data:
             raise Unusable("no 'groups'")
@@ -260,21 +238,14 @@ class SharedRollouts:
         return groups, resampling, float(generation_s)
 
     def _group(self, stored: dict[str, Any], env: Environment, tokenizer: Any, i: int) -> Group:
-        seed, prompt_ids, samples = (stored.get(k) for k in ("seed", "prompt_ids", "samples"))
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise Unusable(f"groups[{i}].seed is {seed!r}")
-        problem = env.problem(seed)
-        if prompt_ids != render_prompt_ids(tokenizer, problem):
-            raise Unusable(f"groups[{i}].prompt_ids differ from problem {seed}'s prompt")
-        if not isinstance(samples, list) or len(samples) != self.cfg.data.rollouts_per_problem:
+        group = codec.group_from_json(stored, env.problem, f"groups[{i}]")
+        if group.prompt_ids != render_prompt_ids(tokenizer, group.problem):
+            raise Unusable(f"groups[{i}].prompt_ids differ from problem {group.problem.seed}'s")
+        if len(group.samples) != self.cfg.data.rollouts_per_problem:
             raise Unusable(
                 f"groups[{i}].samples is not {self.cfg.data.rollouts_per_problem} samples"
             )
-        return Group(
-            problem,
-            prompt_ids,
-            [_sample(s, f"groups[{i}].samples[{j}]") for j, s in enumerate(samples)],
-        )
+        return group
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
@@ -303,35 +274,3 @@ class SharedRollouts:
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _sample(stored: Any, where: str) -> Sample:
-    """A stored sample, its fields checked: a file cut or edited by hand must not train."""
-    if not isinstance(stored, dict):
-        raise Unusable(f"{where} is not an object")
-    ids, logprobs = stored.get("completion_ids"), stored.get("behaviour_logprobs")
-    components = stored.get("components")
-    ok = (
-        isinstance(ids, list)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        and isinstance(logprobs, list)
-        and len(logprobs) == len(ids)
-        and all(_number(x) and not math.isnan(x) for x in logprobs)
-        and isinstance(stored.get("finish_reason"), str)
-        and isinstance(stored.get("text"), str)
-        and _number(stored.get("reward"))
-        and isinstance(components, dict)
-        and all(isinstance(k, str) and _number(v) for k, v in components.items())
-        and isinstance(stored.get("success"), bool)
-    )
-    if not ok:
-        raise Unusable(f"{where} lacks a field or has one of the wrong type")
-    return Sample(
-        completion_ids=ids,
-        behaviour_logprobs=logprobs,
-        finish_reason=stored["finish_reason"],
-        text=stored["text"],
-        reward=stored["reward"],
-        components=components,
-        success=stored["success"],
-    )

@@ -38,7 +38,6 @@ from grail.core.records import atomic_write_text
 from grail.envs.base import Problem
 from grail.inference.client import SamplingParams
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
-from grail.rollouts.generation import assign_advantages
 from grail.rollouts.server import ServerRollouts, completion_client, wait
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
@@ -214,11 +213,9 @@ class ServiceRollouts:
         except WaitTimeout as exc:
             raise ServiceError(str(exc)) from None
         finished = time.perf_counter()
-        batch = [to_group(g) for g in groups]
-        stats = assign_advantages(batch, self.cfg.train.scale_rewards)  # type: ignore[arg-type]
         counters = vars(core.ledger.counters)
         return GeneratedBatch(
-            RolloutBatch(batch, stats),
+            RolloutBatch([to_group(g) for g in groups]),
             min(g.policy_version for g in groups),
             finished - started,
             started,
@@ -248,8 +245,8 @@ class ServiceRollouts:
     def evaluate(self, on_progress: Callable[[int], None] | None = None) -> RolloutBatch:
         return self.inner.evaluate(on_progress)
 
-    def pending(self) -> GeneratedBatch | None:
-        return None  # what is queued lives in the ledger, not in the checkpoint
+    def state(self) -> dict[str, Any]:
+        return {}  # what is queued lives in the ledger (RUN_DIR/service/), not in the checkpoint
 
     def checkpointed(self, iteration: int) -> None:
         self._call(self._core().checkpointed(iteration))

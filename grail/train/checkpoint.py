@@ -1,6 +1,8 @@
 """Checkpoints: `checkpoints/iter_XXX/` = a `save_pretrained` directory (which vLLM, SGLang and
 transformers load as it is) + tokenizer + `trainer_state.pt` (optimizer, scheduler, RNG states,
-iteration, config).
+iteration, config: tensors and plain values only, loaded with `weights_only=True`) +
+`rollout_source.json` when the rollout source keeps something (`RolloutSource.state`: a
+pipelined run's pending batch, in the JSON form of grail/rollouts/codec.py).
 
 A checkpoint is written into a hidden temporary directory and renamed into place once every file
 is on disk, so a run killed at any moment never leaves a half-written `iter_XXX`. What the rename
@@ -14,6 +16,10 @@ the ones that fail it, so a damaged directory never displaces an intact one.
 Checkpoints written before manifests existed are accepted with a warning when the files a resume
 loads are there (the model's config and weights, checked against the safetensors header, and
 trainer_state.pt): refusing them would make `resume=true` start an upgraded run over from scratch.
+So are those whose trainer_state.pt holds numpy's RNG state as an array (an older form of it). One
+that holds a pickled pending batch (older pipelined runs) is refused with an `OldCheckpoint` that
+says what to do: unpickling arbitrary objects could run code, and would tie the file to module
+paths.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -30,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grail.core.errors import UserError
 from grail.core.manifest import file_entry, file_problem
 from grail.core.records import atomic_write_text, checkpoint_iteration, iteration_name
 from grail.models.loading import model_dir_problems
@@ -37,13 +45,28 @@ from grail.models.loading import model_dir_problems
 log = logging.getLogger("grail.train")
 
 STATE_FILE = "trainer_state.pt"
+SOURCE_STATE_FILE = "rollout_source.json"
 MANIFEST = "manifest.json"
+
+# What numpy's RNG state as an array (checkpoints of older versions) needs from the unpickler.
+_NUMPY_ARRAY_GLOBALS = [
+    np.ndarray.__reduce__(np.zeros(1))[0],  # numpy's array constructor, wherever numpy keeps it
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
+
+
+class OldCheckpoint(UserError, ValueError):
+    """A checkpoint whose trainer_state.pt this version cannot load safely."""
 
 
 def rng_state() -> dict[str, Any]:
+    name, keys, position, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # Plain values, not an array: what `torch.load(weights_only=True)` reads by default.
+        "numpy": (name, keys.tolist(), position, has_gauss, gauss),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -77,10 +100,11 @@ def stage_checkpoint(
     model: Any,
     tokenizer: Any,
     trainer_state: dict[str, Any],
+    source_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint `iter_XXX` into a hidden temporary directory; `commit_checkpoint` publishes
     it. Between the two the caller writes the iteration's metrics, so a committed checkpoint
-    always has its metrics beside it."""
+    always has its metrics beside it. `source_state`: the rollout source's (JSON-able)."""
     tmp = checkpoints_dir / f".{iteration_name(iteration)}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -88,6 +112,9 @@ def stage_checkpoint(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "iteration": iteration, "rng": rng_state()}, tmp / STATE_FILE)
+        if source_state:
+            # NaN and infinities allowed: a -inf log-probability must round-trip (json reads them).
+            atomic_write_text(tmp / SOURCE_STATE_FILE, json.dumps(source_state) + "\n")
         _seal(tmp)
     except BaseException:  # Ctrl-C or a full disk mid-write: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -175,8 +202,26 @@ def latest_checkpoint(checkpoints_dir: Path) -> CheckpointRef | None:
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    # Our own file: optimizer and RNG states need full unpickling (weights_only cannot hold them).
-    return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+    """trainer_state.pt, loaded without unpickling arbitrary objects; an `OldCheckpoint` when it
+    holds some (see the module docstring)."""
+    path = checkpoint / STATE_FILE
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise OldCheckpoint(
+            f"{path} was written by an older version of grail and holds pickled Python objects "
+            "(a pipelined run's pending batch) that this version does not load: resume the run "
+            "with the grail version that wrote it, or start it over in a new hydra.run.dir"
+        ) from None
+
+
+def load_source_state(checkpoint: Path) -> dict[str, Any]:
+    """What the rollout source kept in `checkpoint`; {} when it kept nothing."""
+    path = checkpoint / SOURCE_STATE_FILE
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
 
 
 def prune_checkpoints(checkpoints_dir: Path, keep_last_k: int) -> list[Path]:

@@ -118,7 +118,7 @@ def train(
         trainer.save_weights(lora_dir)
     server, syncer = server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir)
     # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
-    fresh = trainer.start_iteration == 0 and trainer.pending_rollouts is None
+    fresh = trainer.start_iteration == 0
     shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
 
     display = Display()
@@ -131,7 +131,7 @@ def train(
         syncer=syncer,
         extra_rewards=extra_rewards,
         progress=display.task,
-        pending=trainer.pending_rollouts,
+        state=trainer.source_state,
         shared=shared,
     )
     source: ServerRollouts | ServiceRollouts = server_rollouts
@@ -189,7 +189,7 @@ def run_iterations(
 
             t0 = time.perf_counter()
             if (iteration + 1) % cfg.checkpoint.save_interval == 0 or last or pruned:
-                staged = trainer.stage_checkpoint(checkpoints_dir, iteration, source.pending())
+                staged = trainer.stage_checkpoint(checkpoints_dir, iteration, source.state())
             checkpoint_s = time.perf_counter() - t0
 
             timings = {
@@ -378,8 +378,9 @@ def overlap_s(a: tuple[float, float] | None, b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
-    """Rollout statistics of a training batch, for its iteration's record."""
+def batch_metrics(batch: RolloutBatch, zero_variance_group_frac: float) -> dict[str, Any]:
+    """Rollout statistics of a training batch, for its iteration's record
+    (`zero_variance_group_frac`: the trainer's, computed with the advantages)."""
     samples = batch.samples
     rewards = [s.reward for s in samples]
     lengths = [len(s.completion_ids) for s in samples]
@@ -388,7 +389,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, Any]:
         "reward_std": statistics.pstdev(rewards),
         "success_rate": sum(s.success for s in samples) / len(samples),
         "truncated_frac": sum(s.truncated for s in samples) / len(samples),
-        "zero_variance_group_frac": batch.advantage_stats["zero_variance_group_frac"],
+        "zero_variance_group_frac": zero_variance_group_frac,
         "completion_length": {
             "mean": statistics.fmean(lengths),
             "min": min(lengths),
@@ -426,14 +427,17 @@ def iteration_record(
     timings: dict[str, float],
     pipelined: bool,
 ) -> dict[str, Any]:
-    """The train_iteration record (grail/schemas/train_iteration.schema.json) of one iteration."""
-    rollout = batch_metrics(rollouts.batch)
-    grad_norm = train_metrics["grad_norm"]
+    """The train_iteration record (grail/schemas/train_iteration.schema.json) of one iteration;
+    `train_metrics` are `Trainer.update`'s."""
+    train = dict(train_metrics)
+    zero_variance_group_frac = train.pop("zero_variance_group_frac")
+    rollout = batch_metrics(rollouts.batch, zero_variance_group_frac)  # type: ignore[arg-type]
+    grad_norm = train.pop("grad_norm")
     return {
         "schema_version": SCHEMA_VERSION,
         "iteration": iteration,
         **rollout,
-        **{k: v for k, v in train_metrics.items() if k != "grad_norm"},
+        **train,
         "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
         "kl": train_metrics.get("kl"),  # None without a reference model (kl_coef = 0)
         "lr": lr,

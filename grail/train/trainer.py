@@ -1,5 +1,6 @@
 """The policy being trained: model, reference model, optimizer and schedule, built from the config
-(fresh, or from a checkpoint to resume) and updated one rollout batch at a time."""
+(fresh, or from a checkpoint to resume) and updated one rollout batch at a time. Rollout sources
+deliver rewards; the group-relative advantages are computed here, once, just before the update."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import huggingface_hub.utils
 import torch
@@ -15,7 +17,9 @@ import transformers
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
+from grail.algo.advantages import compute_advantages
 from grail.algo.kl_control import AdaptiveKL
+from grail.core.choices import ScaleRewards
 from grail.core.config import Config
 from grail.core.placement import cpu_threads, gpu_placement
 from grail.inference.weights.policy import PolicyWeights
@@ -28,9 +32,10 @@ from grail.models.lora import (
     with_saved_adapter,
 )
 from grail.models.tiny import resolve_model
-from grail.rollouts.batch import GeneratedBatch, RolloutBatch
+from grail.rollouts.batch import Group, RolloutBatch
 from grail.train.checkpoint import (
     CheckpointRef,
+    load_source_state,
     load_trainer_state,
     set_rng_state,
     stage_checkpoint,
@@ -62,6 +67,17 @@ def silence_library_progress_bars() -> None:
         transformers.utils.logging.disable_progress_bar()  # turns huggingface_hub's off too
     if hub_bars and sys.stderr.isatty():
         huggingface_hub.utils.enable_progress_bars()
+
+
+def assign_advantages(groups: list[Group], scale_rewards: ScaleRewards) -> dict[str, float]:
+    """Set every sample's group-relative advantage (grail/algo/grpo.py); the batch's advantage
+    statistics."""
+    rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+    advantages, stats = compute_advantages(rewards, scale_rewards)
+    for group, row in zip(groups, advantages.tolist(), strict=True):
+        for sample, advantage in zip(group.samples, row, strict=True):
+            sample.advantage = float(advantage)
+    return stats
 
 
 def no_signal_message(batch: RolloutBatch, iterations: int) -> str:
@@ -111,7 +127,8 @@ def setup_torch(cfg: Config) -> Accelerator:
 
 class Trainer:
     """Holds policy version `start_iteration` after construction and one more after each
-    `update`. `pending_rollouts` is the batch a pipelined checkpoint carried (None otherwise)."""
+    `update`. `source_state` is what the rollout source kept in the checkpoint resumed from
+    ({} for a fresh run), for the source to start from."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, resume_from: CheckpointRef | None):
         self.cfg = cfg
@@ -160,7 +177,7 @@ class Trainer:
             optimizer, lambda step: lr_multiplier(step, cfg.train.warmup_steps)
         )
         self.start_iteration = 0
-        self.pending_rollouts: GeneratedBatch | None = None
+        self.source_state: dict[str, Any] = {}
         # Iterations in a row (in this process) whose groups all had zero reward variance.
         self.no_signal_streak = 0
         self._warned_no_signal = False
@@ -178,8 +195,7 @@ class Trainer:
             self.start_iteration = state["iteration"] + 1
             if self.kl_control is not None and "kl_coef" in state:
                 self.kl_control.value = float(state["kl_coef"])
-            if cfg.train.pipeline:
-                self.pending_rollouts = state.get("pending_rollouts")
+            self.source_state = load_source_state(resume_from.path)
             log.info("resuming after iteration %d from %s", state["iteration"], resume_from.path)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
 
@@ -203,8 +219,12 @@ class Trainer:
     def update(
         self, batch: RolloutBatch, on_progress: Callable[[int], None] | None = None
     ) -> dict[str, float | bool | None]:
-        """One pass over `batch` (grail/train/update.py); the training metrics. Warns once when
-        NO_SIGNAL_WARN_ITERATIONS batches in a row had zero-variance groups only."""
+        """Set the batch's advantages (`assign_advantages`, with train.scale_rewards), then one
+        pass over it (grail/train/update.py); the training metrics and the batch's
+        `zero_variance_group_frac`. Warns once when NO_SIGNAL_WARN_ITERATIONS batches in a row
+        had zero-variance groups only."""
+        scale_rewards = self.cfg.train.scale_rewards
+        stats = assign_advantages(batch.groups, scale_rewards)  # type: ignore[arg-type]
         accelerator = self.accelerator
         metrics = policy_update(
             self.model,
@@ -221,12 +241,13 @@ class Trainer:
             kl_control=self.kl_control,
             autocast=accelerator.autocast,
         )
-        self._watch_signal(batch)
-        return metrics
+        zero_variance_group_frac = stats["zero_variance_group_frac"]
+        self._watch_signal(batch, zero_variance_group_frac)
+        return {**metrics, "zero_variance_group_frac": zero_variance_group_frac}
 
-    def _watch_signal(self, batch: RolloutBatch) -> None:
+    def _watch_signal(self, batch: RolloutBatch, zero_variance_group_frac: float) -> None:
         # Computed with the advantages (grail/algo/grpo.py): exactly 1.0 when every group is tied.
-        if batch.advantage_stats["zero_variance_group_frac"] == 1.0:
+        if zero_variance_group_frac == 1.0:
             self.no_signal_streak += 1
         else:
             self.no_signal_streak = 0
@@ -259,10 +280,11 @@ class Trainer:
         self.tokenizer.save_pretrained(directory)
 
     def stage_checkpoint(
-        self, checkpoints_dir: Path, iteration: int, pending: GeneratedBatch | None
+        self, checkpoints_dir: Path, iteration: int, source_state: dict[str, Any]
     ) -> Path:
-        """Write (not yet publish) the checkpoint after `iteration`; `pending` is a batch already
-        generated for the next iteration, so a resumed pipelined run trains on exactly it."""
+        """Write (not yet publish) the checkpoint after `iteration`, with the rollout source's
+        `state()` (e.g. a batch already generated for the next iteration, so a resumed pipelined
+        run trains on exactly it)."""
         return stage_checkpoint(
             checkpoints_dir,
             iteration,
@@ -272,8 +294,8 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "config": OmegaConf.to_yaml(OmegaConf.structured(self.cfg)),
-                "pending_rollouts": pending,
                 # The adaptive KL coefficient (None when fixed: the config has it).
                 "kl_coef": None if self.kl_control is None else self.kl_control.value,
             },
+            source_state,
         )
