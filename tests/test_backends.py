@@ -34,7 +34,7 @@ from grail.core.errors import ConfigError
 from grail.core.placement import GpuConfig
 from grail.core.validate import validate
 from grail.inference.backends import gpu as gpu_backend
-from grail.inference.backends import make_server_manager, server_manager_from_config
+from grail.inference.backends import make_server_manager
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.backends.gpu import (
     DEFAULT_MEMORY_FRACTION_OWN_GPU,
@@ -56,6 +56,7 @@ from grail.inference.process import (
     WeightSyncError,
     call_with_recovery,
 )
+from grail.train.components import server_manager_from_config
 
 TESTS_DIR = Path(__file__).resolve().parent
 FIXTURES = TESTS_DIR / "fixtures"

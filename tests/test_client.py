@@ -27,6 +27,7 @@ from grail.inference.client import (
     parse_completions,
     request_body,
 )
+from grail.rollouts.generation import sampling_params
 
 SAMPLING = SamplingParams(max_tokens=3, temperature=0.7, top_p=1.0, top_k=-1, stop=("\n\n",))
 Action = str | Callable[[dict], tuple[int, object]]
@@ -225,9 +226,7 @@ def test_choices_are_ordered_by_index_and_vllm_neg_inf_is_read_as_inf(
 
 def test_sampling_params_from_the_generation_config() -> None:
     gen = GenerationConfig(max_new_tokens=5, temperature=0.5, top_p=0.9, top_k=7)
-    assert SamplingParams.from_config(gen) == SamplingParams(
-        max_tokens=5, temperature=0.5, top_p=0.9, top_k=7
-    )
+    assert sampling_params(gen) == SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=7)
 
 
 # ---- many prompts ------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from test_builtin_server import (
 )
 
 from grail.core.config import Config, GenerationConfig
-from grail.inference.backends import server_manager_from_config
 from grail.models.tiny import ensure_tiny_model, resolve_model
+from grail.train.components import server_manager_from_config
 
 JSON = {**AUTH, "Content-Type": "application/json"}
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20

@@ -15,11 +15,11 @@ import pytest
 from grail.core.config import Config, DataConfig, EvalConfig, GenerationConfig, TrainConfig
 from grail.envs import make_env
 from grail.envs.rewards.plugins import RewardFunctions
-from grail.inference.backends import server_and_syncer_from_config
 from grail.models.loading import load_tokenizer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch
 from grail.rollouts.server import ServerRollouts, iteration_seeds
+from grail.train.components import server_and_syncer_from_config
 from grail.train.trainer import assign_advantages
 
 

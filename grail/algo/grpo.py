@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -55,9 +54,6 @@ from grail.algo.grpo_terms import (
 )
 from grail.algo.logprobs import DEFAULT_CHUNK_SIZE, token_entropy, token_logprobs
 from grail.core.choices import ImportanceSamplingLevel, ISCorrection, KLEstimator, LossType
-
-if TYPE_CHECKING:
-    from grail.core.config import Config
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -167,28 +163,6 @@ class GRPOLossConfig:
                 "loss_type 'dr_grpo' requires max_completion_length (its normaliser is "
                 "B * max_completion_length)"
             )
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> GRPOLossConfig:
-        """The objective `grail-train` optimises: `train.*`, and `generation.max_new_tokens` as
-        the dr_grpo normaliser."""
-        t = cfg.train
-        return cls(
-            loss_type=t.loss_type,  # type: ignore[arg-type]  # checked by config.validate
-            importance_sampling_level=t.importance_sampling_level,  # type: ignore[arg-type]
-            epsilon=t.epsilon,
-            epsilon_high=t.epsilon_high,
-            kl_coef=t.kl_coef,
-            kl_estimator=t.kl_estimator,  # type: ignore[arg-type]
-            kl_bias_correction=t.kl_bias_correction,
-            is_ratio_max=t.is_ratio_max,
-            logratio_clamp=t.logratio_clamp,
-            entropy_coef=t.entropy_coef,
-            is_correction=t.is_correction,  # type: ignore[arg-type]
-            is_clip_min=t.is_clip_min,
-            is_clip_max=t.is_clip_max,
-            max_completion_length=cfg.generation.max_new_tokens,
-        )
 
     @property
     def eps_high(self) -> float:

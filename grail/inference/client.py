@@ -40,14 +40,11 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import openai
 
 from grail.core.choices import BACKENDS, Backend
-
-if TYPE_CHECKING:
-    from grail.core.config import GenerationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -132,17 +129,6 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-
-    @classmethod
-    def from_config(cls, gen: GenerationConfig) -> SamplingParams:
-        """The rollout sampling of a run: `generation.max_new_tokens` (as max_tokens),
-        `temperature`, `top_p` and `top_k`."""
-        return cls(
-            max_tokens=gen.max_new_tokens,
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-        )
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from grail.envs.base import Environment, Problem
 from grail.envs.rewards.plugins import RewardFunctions, score_completions
+from grail.inference.client import SamplingParams
 from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, informative
 
 if TYPE_CHECKING:
-    from grail.inference.client import CompletionClient, SamplingParams
+    from grail.core.config import GenerationConfig
+    from grail.inference.client import CompletionClient
 
 
 async def fill_informative(
@@ -53,6 +55,14 @@ async def fill_informative(
         kept += [g for g in more if informative(g)]
     groups = kept[:wanted] if kept else first
     return groups, Resampling(rounds, generated, generated - len(groups), len(groups))
+
+
+def sampling_params(gen: GenerationConfig) -> SamplingParams:
+    """The rollout sampling of a run: `generation.max_new_tokens` (as max_tokens),
+    `temperature`, `top_p` and `top_k`."""
+    return SamplingParams(
+        max_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k
+    )
 
 
 def stable_hash(key: str) -> int:

@@ -38,13 +38,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from grail.core.records import iteration_name
-from grail.inference.client import CompletionClient, SamplingParams
+from grail.inference.client import CompletionClient
 from grail.inference.process import ServerManager, call_with_recovery
 from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
-from grail.rollouts.generation import RolloutGenerator, fill_informative, stable_hash
+from grail.rollouts.generation import (
+    RolloutGenerator,
+    fill_informative,
+    sampling_params,
+    stable_hash,
+)
 
 if TYPE_CHECKING:
     from grail.core.config import Config
@@ -177,7 +182,7 @@ class ServerRollouts:
     A context manager: entering starts the server and waits until it answers; leaving (also on
     Ctrl-C or an error) cancels a running generation, closes the client and stops the server.
     `syncer` gives the server the trainer's weights (whoever builds the server builds it:
-    `server_and_syncer_from_config`).
+    `grail.train.components.server_and_syncer_from_config`).
     """
 
     def __init__(
@@ -205,7 +210,7 @@ class ServerRollouts:
         self._tokenizer = tokenizer
         self._extra_rewards = extra_rewards
         self._progress = progress
-        self._sampling = SamplingParams.from_config(cfg.generation)
+        self._sampling = sampling_params(cfg.generation)
         # A batch generated before a checkpoint (pipelined), or one generating now.
         self._ready: GeneratedBatch | None = self._pending_from(state or {})
         self._prefetch: _Prefetch | None = None

@@ -36,8 +36,8 @@ import uvicorn
 from grail.core.errors import UserError
 from grail.core.records import atomic_write_text
 from grail.envs.base import Problem
-from grail.inference.client import SamplingParams
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
+from grail.rollouts.generation import sampling_params
 from grail.rollouts.server import ServerRollouts, completion_client, wait
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
@@ -106,7 +106,7 @@ class ServiceRollouts:
         self.store.snapshot(ledger)  # the journal starts from the (rewound) state
         api_key = cfg.service.api_key or f"sk-{secrets.token_urlsafe(24)}"
         client = completion_client(cfg, server)
-        sampling = SamplingParams.from_config(cfg.generation)
+        sampling = sampling_params(cfg.generation)
         self.core = ServiceCore(
             ledger,
             self.store,

@@ -38,19 +38,12 @@ from grail.core.records import (
     read_pruned,
     run_lock,
     train_metrics_path,
-    without_secrets,
     write_metrics,
     write_summary,
 )
-from grail.envs import Environment, env_arguments, make_env
-from grail.envs.rewards.plugins import RewardFunctions
-from grail.inference.backends import server_and_syncer_from_config
 from grail.models.loading import check_model_source
 from grail.models.tiny import resolve_model
 from grail.rollouts.batch import GeneratedBatch, RolloutBatch, RolloutSource, WeightSync
-from grail.rollouts.server import ServerRollouts
-from grail.rollouts.shared import SharedRollouts
-from grail.service.source import ServiceRollouts
 from grail.study.prune import open_trial
 from grail.train.checkpoint import (
     CheckpointRef,
@@ -58,14 +51,13 @@ from grail.train.checkpoint import (
     latest_checkpoint,
     prune_checkpoints,
 )
+from grail.train.components import build_run, open_loggers
 from grail.train.display import Display
 from grail.train.evaluate import eval_metrics
 from grail.train.loggers import MetricLoggers
-from grail.train.trainer import Trainer, setup_torch
+from grail.train.trainer import Trainer
 
 log = logging.getLogger("grail.train")
-
-ADAPTER_DIR = "adapter"  # weights/adapter/: the LoRA adapter the inference server serves
 
 
 class RunDirNotEmpty(UserError, FileExistsError):
@@ -87,9 +79,7 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
         part = RunPart(run_dir)
         try:
             # Opened before any model loads: a logging backend that is not installed fails at once.
-            config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-            config = without_secrets(config)  # type: ignore[arg-type]
-            with MetricLoggers.from_config(cfg.logging, run_dir, config) as loggers:
+            with open_loggers(cfg, run_dir) as loggers:
                 return train(cfg, run_dir, loggers, resume_from, part)
         except BaseException:
             part.save()  # the wall time of a part that failed or was interrupted
@@ -103,47 +93,8 @@ def train(
     resume_from: CheckpointRef | None,
     part: RunPart,
 ) -> dict[str, Any]:
-    """Set up the trainer and the rollout source, run the iterations, write the summary."""
-    env, eval_env = make_envs(cfg)
-    extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
-    accelerator = setup_torch(cfg)
-    trainer = Trainer(cfg, accelerator, resume_from)
-
-    # The server starts from exactly the trainer's weights, saved where later syncs go.
-    weights_dir = run_dir / "weights"
-    trainer.save_server_model(weights_dir)
-    lora_dir = None
-    if trainer.lora:  # the server serves the base with this adapter, which every sync rewrites
-        lora_dir = weights_dir / ADAPTER_DIR
-        trainer.save_weights(lora_dir)
-    server, syncer = server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir)
-    # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
-    fresh = trainer.start_iteration == 0
-    shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
-
-    display = Display()
-    server_rollouts = ServerRollouts(
-        cfg,
-        server,
-        env,
-        eval_env,
-        trainer.tokenizer,
-        syncer=syncer,
-        extra_rewards=extra_rewards,
-        progress=display.task,
-        state=trainer.source_state,
-        shared=shared,
-    )
-    source: ServerRollouts | ServiceRollouts = server_rollouts
-    if cfg.mode == "service":  # clients send the prompts and rewards (grail/service/)
-        source = ServiceRollouts(
-            cfg,
-            run_dir,
-            server_rollouts,
-            trainer.tokenizer,
-            start_iteration=trainer.start_iteration,
-            progress=display.task,
-        )
+    """Build the run's parts (grail/train/components.py), run the iterations, write the summary."""
+    trainer, source, extra_rewards, display = build_run(cfg, run_dir, resume_from)
     with display, source, extra_rewards:  # extra_rewards: remote scorers hold connections
         recorder = Recorder(run_dir, cfg, loggers, display, part)
         run_iterations(cfg, run_dir, trainer, source, recorder)
@@ -228,16 +179,6 @@ def run_iterations(
 
 
 # ---- setup ----------------------------------------------------------------------------------
-
-
-def make_envs(cfg: Config) -> tuple[Environment, Environment]:
-    """The training environment and the evaluation one: a dataset task with splits (gsm8k)
-    evaluates on its test split; procedural tasks evaluate on held-out seeds of the same task."""
-    name, kwargs = cfg.data.environment, dict(cfg.data.env_kwargs)
-    train_env = make_env(name, **kwargs)
-    if "split" in env_arguments(name):
-        return train_env, make_env(name, **{**kwargs, "split": "test"})
-    return train_env, train_env
 
 
 def resume_point(cfg: Config, run_dir: Path) -> CheckpointRef | None:

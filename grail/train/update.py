@@ -62,6 +62,28 @@ if TYPE_CHECKING:
     from grail.core.config import Config
 
 
+def loss_config(cfg: Config) -> GRPOLossConfig:
+    """The objective `grail-train` optimises: `train.*`, and `generation.max_new_tokens` as the
+    dr_grpo normaliser."""
+    t = cfg.train
+    return GRPOLossConfig(
+        loss_type=t.loss_type,
+        importance_sampling_level=t.importance_sampling_level,
+        epsilon=t.epsilon,
+        epsilon_high=t.epsilon_high,
+        kl_coef=t.kl_coef,
+        kl_estimator=t.kl_estimator,
+        kl_bias_correction=t.kl_bias_correction,
+        is_ratio_max=t.is_ratio_max,
+        logratio_clamp=t.logratio_clamp,
+        entropy_coef=t.entropy_coef,
+        is_correction=t.is_correction,
+        is_clip_min=t.is_clip_min,
+        is_clip_max=t.is_clip_max,
+        max_completion_length=cfg.generation.max_new_tokens,
+    )
+
+
 @dataclass
 class MicroBatch:
     prompt_ids: Tensor  # [P, Lp] the distinct prompts, left-padded
@@ -250,7 +272,7 @@ class UpdateSettings:
     @classmethod
     def from_config(cls, cfg: Config) -> UpdateSettings:
         return cls(
-            loss=GRPOLossConfig.from_config(cfg),
+            loss=loss_config(cfg),
             temperature=cfg.generation.temperature,
             batch_size=cfg.train.batch_size,
             grad_accum_steps=cfg.train.grad_accum_steps,

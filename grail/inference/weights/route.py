@@ -23,15 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol, cast
 
 from grail.inference.process import ServerManager, SyncResult
 from grail.inference.weights.nccl import NcclRoute, NcclServer
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.shared import SharedRoute, TensorServer
-
-if TYPE_CHECKING:
-    from grail.core.config import Config
 
 #: every route, in the order `ServerManager.weight_routes` lists them
 ROUTES = ("disk", "shared", "nccl")
@@ -107,24 +104,6 @@ def resolve_route(
             "disk", f"auto: {backend} shares the trainer's GPU, which NCCL cannot connect"
         )
     return RouteChoice("disk", f"auto: {backend} syncs from disk only")
-
-
-def route_from_config(cfg: Config, supported: tuple[str, ...], cuda_available: bool) -> RouteChoice:
-    """`resolve_route` for a run whose backend takes `supported`: the server is on the
-    trainer's device when both are on CPU, or on one CUDA index (`gpu.strategy=single`,
-    `gpu_placement`)."""
-    from grail.core.placement import gpu_placement
-
-    server_gpu, trainer_gpu = gpu_placement(cfg.gpu)
-    return resolve_route(
-        cfg.generation.weight_transfer,
-        supported,
-        backend=cfg.generation.backend,
-        strategy=cfg.gpu.strategy,
-        same_device=not cuda_available or server_gpu == trainer_gpu,
-        lora=cfg.model.lora.enabled,
-        weight_sync=cfg.generation.weight_sync,
-    )
 
 
 def make_fast_route(name: str, server: ServerManager) -> FastRoute:

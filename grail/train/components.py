@@ -1,0 +1,212 @@
+"""The Config turned into a run's parts, in one place: the trainer, the inference server with
+the weight route its backend takes and the syncer that owns it, the rollout source (the server's,
+or the service's fed by clients), the environments and the metric loggers. The layers below take
+the values they need, not the Config: the inference servers their sizes and places, the objective
+its `GRPOLossConfig`; the rollout sources read the data, eval and generation sections they serve.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from grail.core.config import Config
+from grail.core.placement import cpu_threads, gpu_placement
+from grail.core.records import without_secrets
+from grail.envs import Environment, env_arguments, make_env
+from grail.envs.rewards.plugins import RewardFunctions
+from grail.inference.backends import BACKEND_CLASSES, make_server_manager
+from grail.inference.process import ServerManager, ServerStartError
+from grail.inference.weights.route import RouteChoice, resolve_route
+from grail.inference.weights.syncer import WeightSyncer
+from grail.rollouts.server import ServerRollouts
+from grail.rollouts.shared import SharedRollouts
+from grail.service.source import ServiceRollouts
+from grail.train.checkpoint import CheckpointRef
+from grail.train.display import Display
+from grail.train.loggers import MetricLoggers
+from grail.train.trainer import Trainer, setup_torch
+
+ADAPTER_DIR = "adapter"  # weights/adapter/: the LoRA adapter the inference server serves
+
+
+@dataclass
+class RunParts:
+    trainer: Trainer
+    source: ServerRollouts | ServiceRollouts
+    extra_rewards: RewardFunctions  # closed with the run: remote scorers hold connections
+    display: Display
+
+    def __iter__(self) -> Any:
+        return iter((self.trainer, self.source, self.extra_rewards, self.display))
+
+
+def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> RunParts:
+    """Everything a run's loop works with, built from `cfg`."""
+    env, eval_env = make_envs(cfg)
+    extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
+    accelerator = setup_torch(cfg)
+    trainer = Trainer(cfg, accelerator, resume_from)
+
+    # The server starts from exactly the trainer's weights, saved where later syncs go.
+    weights_dir = run_dir / "weights"
+    trainer.save_server_model(weights_dir)
+    lora_dir = None
+    if trainer.lora:  # the server serves the base with this adapter, which every sync rewrites
+        lora_dir = weights_dir / ADAPTER_DIR
+        trainer.save_weights(lora_dir)
+    server, syncer = server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir)
+    # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
+    fresh = trainer.start_iteration == 0
+    shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
+
+    display = Display()
+    server_rollouts = ServerRollouts(
+        cfg,
+        server,
+        env,
+        eval_env,
+        trainer.tokenizer,
+        syncer=syncer,
+        extra_rewards=extra_rewards,
+        progress=display.task,
+        state=trainer.source_state,
+        shared=shared,
+    )
+    source: ServerRollouts | ServiceRollouts = server_rollouts
+    if cfg.mode == "service":  # clients send the prompts and rewards (grail/service/)
+        source = ServiceRollouts(
+            cfg,
+            run_dir,
+            server_rollouts,
+            trainer.tokenizer,
+            start_iteration=trainer.start_iteration,
+            progress=display.task,
+        )
+    return RunParts(trainer, source, extra_rewards, display)
+
+
+def open_loggers(cfg: Config, run_dir: Path) -> MetricLoggers:
+    """The metric loggers `logging.*` asks for, given the run's config (secrets redacted)."""
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return MetricLoggers.from_config(cfg.logging, run_dir, without_secrets(config))  # type: ignore[arg-type]
+
+
+def make_envs(cfg: Config) -> tuple[Environment, Environment]:
+    """The training environment and the evaluation one: a dataset task with splits (gsm8k)
+    evaluates on its test split; procedural tasks evaluate on held-out seeds of the same task."""
+    name, kwargs = cfg.data.environment, dict(cfg.data.env_kwargs)
+    train_env = make_env(name, **kwargs)
+    if "split" in env_arguments(name):
+        return train_env, make_env(name, **{**kwargs, "split": "test"})
+    return train_env, train_env
+
+
+def server_manager_from_config(
+    cfg: Config,
+    model_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str],
+    *,
+    cuda_available: bool | None = None,
+    served_model_name: str = "policy",
+    lora_dir: str | os.PathLike[str] | None = None,
+    weight_transfer: str = "disk",
+) -> ServerManager:
+    """The server `grail-train` runs for `cfg`: backend, GPU placement and sizes from the config.
+    With `model.lora.enabled`, `lora_dir` is where the adapter the server serves is written;
+    `weight_transfer` is the run's route (`server_and_syncer_from_config` picks it).
+
+    Placement: the server gets `gpu.server_gpu`; with `gpu.strategy=single` the trainer shares
+    that GPU, so the memory fraction defaults low. The built-in server runs on CPU when CUDA is
+    not available; vLLM and SGLang need CUDA and say so. `generation.start_timeout_s` null means
+    the backend's default.
+    """
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    gen = cfg.generation
+    if gen.backend != "builtin" and not cuda_available:
+        raise ServerStartError(
+            f"generation.backend={gen.backend} needs a CUDA GPU, and torch sees none "
+            "(torch.cuda.is_available() is False); on a CPU machine use generation.backend=builtin"
+        )
+    threads = None
+    if not cuda_available:
+        threads = cpu_threads(cfg.train.threads, gen.server_threads, pipelined=cfg.train.pipeline)[
+            1
+        ]
+    model_dtype = cfg.model.dtype
+    return make_server_manager(
+        gen.backend,
+        model_dir,
+        served_model_name,
+        log_dir=Path(run_dir) / "logs",
+        device=f"cuda:{gpu_placement(cfg.gpu)[0]}" if cuda_available else "cpu",
+        threads=threads,
+        start_timeout=gen.start_timeout_s,
+        dtype=None if model_dtype == "auto" else model_dtype,
+        gpu_memory_fraction=gen.gpu_memory_fraction,
+        shares_gpu_with_trainer=cfg.gpu.strategy == "single",
+        max_model_len=gen.max_model_len,
+        max_num_seqs=gen.max_num_seqs,
+        seed=cfg.seed,
+        extra_args=list(gen.extra_args),
+        lora_dir=lora_dir,
+        lora_rank=cfg.model.lora.r if lora_dir is not None else None,
+        weight_transfer=weight_transfer,
+    )
+
+
+def weight_route_from_config(cfg: Config, cuda_available: bool) -> RouteChoice:
+    """The run's weight route (grail/inference/weights/route.py): `generation.weight_transfer`
+    among the routes its backend takes (`weight_routes`), given where server and trainer are."""
+    supported = BACKEND_CLASSES[cfg.generation.backend].weight_routes
+    return route_from_config(cfg, supported, cuda_available)
+
+
+def server_and_syncer_from_config(
+    cfg: Config,
+    model_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str],
+    *,
+    cuda_available: bool | None = None,
+    lora_dir: str | os.PathLike[str] | None = None,
+) -> tuple[ServerManager, WeightSyncer]:
+    """The server of `server_manager_from_config` and the `WeightSyncer` that gives it the
+    trainer's weights, through the run's route, chosen once here: the server is started for it
+    (vLLM's nccl) and the syncer sends through it, disk as the fallback."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    route = weight_route_from_config(cfg, cuda_available)
+    server = server_manager_from_config(
+        cfg,
+        model_dir,
+        run_dir,
+        cuda_available=cuda_available,
+        lora_dir=lora_dir,
+        weight_transfer=route.name,
+    )
+    return server, WeightSyncer.for_server(server, route, cfg.generation.weight_sync)  # type: ignore[arg-type]
+
+
+def route_from_config(cfg: Config, supported: tuple[str, ...], cuda_available: bool) -> RouteChoice:
+    """`resolve_route` for a run whose backend takes `supported`: the server is on the
+    trainer's device when both are on CPU, or on one CUDA index (`gpu.strategy=single`,
+    `gpu_placement`)."""
+    server_gpu, trainer_gpu = gpu_placement(cfg.gpu)
+    return resolve_route(
+        cfg.generation.weight_transfer,
+        supported,
+        backend=cfg.generation.backend,
+        strategy=cfg.gpu.strategy,
+        same_device=not cuda_available or server_gpu == trainer_gpu,
+        lora=cfg.model.lora.enabled,
+        weight_sync=cfg.generation.weight_sync,
+    )
