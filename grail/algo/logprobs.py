@@ -103,7 +103,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return out.view(b, t)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor):
         logits, flat_ids, lse = ctx.saved_tensors
         b, t, v = logits.shape
         g = grad_out.reshape(-1).to(lse.dtype)
@@ -137,7 +137,7 @@ class _TokenEntropy(torch.autograd.Function):
         return out.view(b, t)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_out: Tensor):
         (logits,) = ctx.saved_tensors
         b, t, v = logits.shape
         acc = _acc_dtype(logits)

@@ -38,12 +38,12 @@ def peft_config(lora: LoraConfig) -> PeftLoraConfig:
 
 def with_new_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
     """`model` frozen under a fresh adapter (B = 0: the policy starts as the base)."""
-    return get_peft_model(model, peft_config(lora))  # type: ignore[arg-type]
+    return get_peft_model(model, peft_config(lora))
 
 
 def with_saved_adapter(model: torch.nn.Module, adapter_dir: Path) -> PeftModel:
     """`model` frozen under the trainable adapter saved in `adapter_dir` (a resumed run)."""
-    return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)  # type: ignore[arg-type]
+    return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
 
 
 def is_adapter_dir(path: Path) -> bool:

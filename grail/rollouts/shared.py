@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from grail.core.records import atomic_write_text
 from grail.rollouts import codec
@@ -272,5 +272,5 @@ class SharedRollouts:
             os.close(fd)  # releases the lock
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)

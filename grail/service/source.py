@@ -169,6 +169,7 @@ class ServiceRollouts:
         """A fresh ledger, or with resume=true the saved one, rewound to the checkpoint."""
         cfg = self.cfg
         path = self.dir / SNAPSHOT
+        assert self.store is not None  # opened by _start
         ledger = self.store.load() if cfg.resume else None
         if ledger is None:
             return Ledger(cfg.data.rollouts_per_problem, cfg.service.max_staleness)

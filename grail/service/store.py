@@ -94,7 +94,7 @@ def replay(ledger: Ledger, event: dict[str, Any]) -> None:
     if op == "hand_out":
         ledger.next_group = max(ledger.next_group, event["number"] + 1)
         samples = [tuple(s) for s in event["samples"]]
-        ledger.hand_out(event["number"], event["prompt_ids"], samples)  # type: ignore[arg-type]
+        ledger.hand_out(event["number"], event["prompt_ids"], samples)
     elif op == "rewards":
         ledger.add_rewards([RewardEntry(*entry) for entry in event["entries"]])
     elif op == "groups":

@@ -101,7 +101,7 @@ class SeedRun:
     def metric(self, name: str) -> float | None:
         if name not in METRICS:
             raise ValueError(f"unknown metric {name!r}; known: {', '.join(METRICS)}")
-        return getattr(self, name)  # type: ignore[no-any-return]
+        return getattr(self, name)
 
 
 def seed_run(

@@ -32,7 +32,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ SOURCE_STATE_FILE = "rollout_source.json"
 MANIFEST = "manifest.json"
 
 # What numpy's RNG state as an array (checkpoints of older versions) needs from the unpickler.
-_NUMPY_ARRAY_GLOBALS = [
+_NUMPY_ARRAY_GLOBALS: list[Any] = [
     np.ndarray.__reduce__(np.zeros(1))[0],  # numpy's array constructor, wherever numpy keeps it
     np.ndarray,
     np.dtype,
@@ -62,7 +62,9 @@ class OldCheckpoint(UserError, ValueError):
 
 
 def rng_state() -> dict[str, Any]:
-    name, keys, position, has_gauss, gauss = np.random.get_state()
+    name, keys, position, has_gauss, gauss = cast(
+        tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True)
+    )
     state: dict[str, Any] = {
         "python": random.getstate(),
         # Plain values, not an array: what `torch.load(weights_only=True)` reads by default.

@@ -193,7 +193,7 @@ def server_and_syncer_from_config(
         lora_dir=lora_dir,
         weight_transfer=route.name,
     )
-    return server, WeightSyncer.for_server(server, route, cfg.generation.weight_sync)  # type: ignore[arg-type]
+    return server, WeightSyncer.for_server(server, route, cfg.generation.weight_sync)
 
 
 def route_from_config(cfg: Config, supported: tuple[str, ...], cuda_available: bool) -> RouteChoice:

@@ -27,7 +27,7 @@ def export_merged(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Pa
         )
     config = yaml.safe_load(load_trainer_state(checkpoint)["config"])
     base = load_model(resolve_model(config["model"]["train_id"]), dtype=dtype)
-    model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()  # type: ignore[arg-type]
+    model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
     model.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(checkpoint).save_pretrained(out_dir)
     return out_dir

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -302,14 +302,14 @@ class Recorder:
             "iteration": iteration,
             "environment": self.cfg.data.environment,
             **eval_metrics(batch, self.cfg.eval.report_ks),
-            "eval_s": time.perf_counter() - t0,
+            "eval_s": (eval_s := time.perf_counter() - t0),
         }
         write_metrics(eval_metrics_path(self.run_dir, iteration), record, "eval")
         self.loggers.log("eval", record, step=iteration + 1)  # the baseline (-1) at step 0
         self.display.done(
             f"eval {name}: success {record['success_rate']:.3f} reward {record['reward_mean']:.3f}"
         )
-        return record["eval_s"]
+        return eval_s
 
 
 def overlap_s(a: tuple[float, float] | None, b: tuple[float, float]) -> float:
@@ -373,7 +373,7 @@ def iteration_record(
     train = dict(train_metrics)
     zero_variance_group_frac = train.pop("zero_variance_group_frac")
     rollout = batch_metrics(rollouts.batch, zero_variance_group_frac)  # type: ignore[arg-type]
-    grad_norm = train.pop("grad_norm")
+    grad_norm = cast(float, train.pop("grad_norm"))  # always a number (nan when not finite)
     return {
         "schema_version": SCHEMA_VERSION,
         "iteration": iteration,

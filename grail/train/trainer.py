@@ -16,6 +16,8 @@ import torch
 import transformers
 from accelerate import Accelerator
 from omegaconf import OmegaConf
+from peft import PeftModel
+from transformers import PreTrainedModel
 
 from grail.algo.advantages import compute_advantages
 from grail.algo.kl_control import AdaptiveKL
@@ -141,7 +143,9 @@ class Trainer:
         # the base the config names. The tokenizer is in every checkpoint.
         init_id = str(resume_from.path) if resume_from and not lora.enabled else base_id
         self.tokenizer = load_tokenizer(str(resume_from.path) if resume_from else base_id)
-        model = load_model(init_id, dtype=self._master_dtype(device), device=device)
+        model: PreTrainedModel | PeftModel = load_model(
+            init_id, dtype=self._master_dtype(device), device=device
+        )
         if lora.enabled:
             model = (
                 with_saved_adapter(model, resume_from.path)
@@ -159,6 +163,7 @@ class Trainer:
         self.ref_model: torch.nn.Module | None = None
         if cfg.train.kl_coef > 0:
             if lora.enabled and cfg.model.ref_id is None:
+                assert isinstance(model, PeftModel)
                 self.ref_model = AdapterOff(model)  # the base: the same weights, adapter off
             else:
                 self.ref_model = load_model(
@@ -214,7 +219,7 @@ class Trainer:
     @property
     def lr(self) -> float:
         """The learning rate the next update uses."""
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])
 
     def update(
         self, batch: RolloutBatch, on_progress: Callable[[int], None] | None = None
@@ -224,7 +229,7 @@ class Trainer:
         `zero_variance_group_frac`. Warns once when NO_SIGNAL_WARN_ITERATIONS batches in a row
         had zero-variance groups only."""
         scale_rewards = self.cfg.train.scale_rewards
-        stats = assign_advantages(batch.groups, scale_rewards)  # type: ignore[arg-type]
+        stats = assign_advantages(batch.groups, scale_rewards)
         accelerator = self.accelerator
         metrics = policy_update(
             self.model,

@@ -106,7 +106,7 @@ class ServerState:
 
 
 def _state(request: Request) -> ServerState:
-    return request.app.state.grail  # type: ignore[no-any-return]
+    return request.app.state.grail
 
 
 def create_app(

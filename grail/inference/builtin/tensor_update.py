@@ -137,7 +137,7 @@ def _bucket_views(bucket: Any, i: int, device: torch.device) -> dict[str, torch.
     views = {}
     for entry in entries:
         try:
-            name, shape, offset, numel = entry  # type: ignore[misc]
+            name, shape, offset, numel = entry
             shape = tuple(int(s) for s in shape)
             offset, numel = int(offset), int(numel)
             if offset < 0 or offset + numel > flat.numel() or numel != math.prod(shape):
