@@ -4,15 +4,15 @@ what is wrong."""
 from __future__ import annotations
 
 import json
-import math
 import random
 from typing import Any
 
 import pytest
+from helpers.samples import awkward_sample
 
 from grail.envs import make_env
 from grail.rollouts import codec
-from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch, Sample
+from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch
 
 
 def _generated() -> GeneratedBatch:
@@ -22,21 +22,7 @@ def _generated() -> GeneratedBatch:
     env = make_env("copy_digits")
     groups = []
     for seed in (3, 1, 4):
-        samples = []
-        for _ in range(3):
-            n = rng.randint(1, 4)
-            reward = rng.random()
-            samples.append(
-                Sample(
-                    completion_ids=[rng.randrange(300) for _ in range(n)],
-                    behaviour_logprobs=[-rng.random() * 7 for _ in range(n - 1)] + [-math.inf],
-                    finish_reason=rng.choice(["stop", "length"]),
-                    text='é"\n\ud800',
-                    reward=reward,
-                    components={"correct": reward, "found": float(n)},
-                    success=reward > 0.5,
-                )
-            )
+        samples = [awkward_sample(rng) for _ in range(3)]
         groups.append(Group(env.problem(seed), [rng.randrange(300) for _ in range(5)], samples))
     return GeneratedBatch(
         RolloutBatch(groups),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -14,12 +13,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_train_loop import _finish, _train
+from helpers.grail_process import finish, train_process
+from helpers.samples import awkward_sample
 
 from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
 from grail.core.records import read_metrics, validate_metrics
 from grail.envs import make_env
-from grail.rollouts.batch import GeneratedBatch, Group, Resampling, RolloutBatch, Sample
+from grail.rollouts.batch import GeneratedBatch, Group, Resampling, RolloutBatch
 from grail.rollouts.server import iteration_seeds
 from grail.rollouts.shared import SharedRollouts, identity, rollout_key, weights_digest
 
@@ -117,21 +117,7 @@ def _generated(cfg: Config, env: Any, tokenizer: Any) -> GeneratedBatch:
     groups = []
     for seed in iteration_seeds(cfg, 0):
         problem = env.problem(seed)
-        samples = []
-        for _ in range(cfg.data.rollouts_per_problem):
-            n = rng.randint(1, 4)
-            reward = rng.random()
-            samples.append(
-                Sample(
-                    completion_ids=[rng.randrange(300) for _ in range(n)],
-                    behaviour_logprobs=[-rng.random() * 7 for _ in range(n - 1)] + [-math.inf],
-                    finish_reason=rng.choice(["stop", "length"]),
-                    text='é"\n\ud800',
-                    reward=reward,
-                    components={"correct": reward, "found": float(n)},
-                    success=reward > 0.5,
-                )
-            )
+        samples = [awkward_sample(rng) for _ in range(cfg.data.rollouts_per_problem)]
         prompt_ids = CharTokenizer().apply_chat_template(problem.prompt_messages)
         groups.append(Group(problem, prompt_ids, samples))
     return GeneratedBatch(RolloutBatch(groups), 0, 1.5, 0.0, 1.5)
@@ -247,14 +233,16 @@ def test_a_run_reusing_iteration_0_records_what_generating_it_would(tmp_path: Pa
     study = tmp_path / "study"
     common = ["train.iterations=2", f"study_dir={study}"]
     other = ["train.lr=1e-2", "train.scale_rewards=batch", "train.pipeline=true"]
-    first = _train(tmp_path / "first", *common)
-    reference = _train(tmp_path / "reference", *common, *other, "data.reuse_initial_rollouts=false")
-    out = _finish(first)
+    first = train_process(tmp_path / "first", *common)
+    reference = train_process(
+        tmp_path / "reference", *common, *other, "data.reuse_initial_rollouts=false"
+    )
+    out = finish(first)
     assert (tmp_path / "first" / "summary.json").exists(), out[-3000:]
-    out = _finish(reference)
+    out = finish(reference)
     assert (tmp_path / "reference" / "summary.json").exists(), out[-3000:]
     (stored,) = (study / "rollouts").glob("*.json")
-    out = _finish(_train(tmp_path / "reusing", *common, *other))
+    out = finish(train_process(tmp_path / "reusing", *common, *other))
     assert (tmp_path / "reusing" / "summary.json").exists(), out[-3000:]
 
     first_record = read_metrics(tmp_path / "first" / "metrics" / "train_iter_000.json")

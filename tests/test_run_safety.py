@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.grail_process import alive, finish, servers_of, train_process, wait_for
 from rich.console import Console
-from test_train_loop import _alive, _finish, _servers_of, _train, _wait_for
 
 from grail.core.records import (
     RunDirLocked,
@@ -62,9 +62,9 @@ def test_a_run_directory_is_held_by_one_process_until_it_dies(
 
 def test_a_second_grail_train_into_a_running_runs_directory_fails_at_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "0"  # job 0 of the sweep below lands here too
-    first = _train(run_dir, "train.iterations=1000", "eval.enabled=false")
+    first = train_process(run_dir, "train.iterations=1000", "eval.enabled=false")
     try:
-        _wait_for(
+        wait_for(
             lambda: (
                 (run_dir / "metrics" / "train_iter_000.json").exists() or first.poll() is not None
             ),
@@ -72,8 +72,8 @@ def test_a_second_grail_train_into_a_running_runs_directory_fails_at_once(tmp_pa
             "the first run's first iteration",
         )
         assert first.poll() is None, "the first run should still be running"
-        second = _train(run_dir, "train.iterations=2", "train.lr=0.5", "eval.enabled=false")
-        out = _finish(second, timeout=180)
+        second = train_process(run_dir, "train.iterations=2", "train.lr=0.5", "eval.enabled=false")
+        out = finish(second, timeout=180)
         assert second.returncode != 0
         assert f"{run_dir} is in use by another grail-train (pid {first.pid} " in out, out[-3000:]
         assert "started builtin server" not in out
@@ -83,8 +83,8 @@ def test_a_second_grail_train_into_a_running_runs_directory_fails_at_once(tmp_pa
 
         # A sweep job into it is not run and writes nothing there (no "failed" summary, no
         # attempt, no overrides); the sweep ends non-zero, listing the run.
-        sweep = _train(tmp_path, "train.iterations=2", "train.lr=0.25", multirun=True)
-        out = _finish(sweep, timeout=180)
+        sweep = train_process(tmp_path, "train.iterations=2", "train.lr=0.25", multirun=True)
+        out = finish(sweep, timeout=180)
         assert sweep.returncode != 0
         assert (
             f"sweep job 0 not run: {run_dir} is in use by another grail-train (pid {first.pid} "
@@ -95,10 +95,10 @@ def test_a_second_grail_train_into_a_running_runs_directory_fails_at_once(tmp_pa
         assert "train.lr=0.25" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
         assert first.poll() is None, "the first run should be unharmed"
     finally:
-        server_pids = _servers_of(run_dir)
+        server_pids = servers_of(run_dir)
         first.send_signal(signal.SIGINT)
-        _finish(first, timeout=60)
-        _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the server to stop")
+        finish(first, timeout=60)
+        wait_for(lambda: not any(alive(p) for p in server_pids), 15, "the server to stop")
 
 
 # --- a model directory that cannot load ------------------------------------------------------
@@ -113,8 +113,8 @@ def test_a_model_without_tokenizer_files_fails_before_anything_starts(
         if path.name != "tokenizer.json":
             (model / path.name).write_bytes(path.read_bytes())
     run_dir = tmp_path / "run"
-    proc = _train(run_dir, f"model.train_id={model}", "train.iterations=2")
-    out = _finish(proc)
+    proc = train_process(run_dir, f"model.train_id={model}", "train.iterations=2")
+    out = finish(proc)
     assert proc.returncode != 0
     assert f"{model} has no tokenizer files" in out and "tokenizer.json" in out, out[-3000:]
     # Neither a server (its log) nor the weights it would load (with an empty tokenizer).

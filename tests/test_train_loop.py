@@ -8,53 +8,17 @@ run that fails or is interrupted.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers.run_dirs import TINY_RUN
+from helpers.grail_process import alive, finish, servers_of, train_process, wait_for
 
 from grail.core.records import read_metrics, validate_metrics
 
-SMALL = [
-    *TINY_RUN,
-    "eval.interval=2",
-    "checkpoint.save_interval=1",
-    "checkpoint.keep_last_k=2",
-]
 # Things that legitimately differ between two runs of the same config.
 VOLATILE = {"timings", "tokens_per_s", "eval_s"}
-
-
-def _train(
-    run_dir: Path, *overrides: str, multirun: bool = False, **kwargs: object
-) -> subprocess.Popen[str]:
-    """grail-train into `run_dir`; with `multirun`, a sweep (`-m`) into the sweep dir `run_dir`."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    where = ["-m", f"hydra.sweep.dir={run_dir}"] if multirun else [f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(
-        [sys.executable, "-m", "grail.train.cli", *where, *SMALL, *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        **kwargs,  # type: ignore[arg-type]
-    )
-
-
-def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"grail-train did not finish in {timeout}s:\n{out[-3000:]}")
-    return out
 
 
 def _stable(record: dict) -> dict:
@@ -72,53 +36,20 @@ def _flat(record: dict, prefix: str = "") -> dict:
     return out
 
 
-def _servers_of(run_dir: Path) -> list[int]:
-    """Live processes whose command line names the run directory (its inference server)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        pid = int(cmdline.parent.name)
-        mentions_run = any(str(run_dir).encode() in a for a in args)
-        is_server = b"grail.inference.builtin.server" in b" ".join(args)
-        if pid != os.getpid() and mentions_run and is_server and _alive(pid):
-            found.append(pid)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-
 def _kill_after_checkpoint(run_dir: Path, *overrides: str) -> None:
     """Start a run, SIGKILL it (no cleanup code runs in the trainer) once checkpoint iter_001 is
     committed, and wait for its orphaned server to die."""
-    proc = _train(run_dir, *overrides)
-    _wait_for(
+    proc = train_process(run_dir, *overrides)
+    wait_for(
         lambda: (run_dir / "checkpoints" / "iter_001").exists() or proc.poll() is not None,
         240,
         "checkpoint iter_001",
     )
-    server_pids = _servers_of(run_dir)
+    server_pids = servers_of(run_dir)
     assert server_pids, "the run should have a server process"
     proc.kill()
     proc.communicate()
-    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the orphaned server to die")
+    wait_for(lambda: not any(alive(p) for p in server_pids), 15, "the orphaned server to die")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +66,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 4-iteration run, shared by the tests below."""
     run_dir = tmp_path_factory.mktemp("full")
-    out = _finish(_train(run_dir, "train.iterations=4"))
+    out = finish(train_process(run_dir, "train.iterations=4"))
     assert (run_dir / "summary.json").exists(), out[-3000:]
     return run_dir
 
@@ -171,7 +102,7 @@ def test_run_writes_every_file_valid_against_its_schema(full_run: Path) -> None:
 
 
 def test_same_seed_gives_same_metrics(full_run: Path, tmp_path: Path) -> None:
-    out = _finish(_train(tmp_path, "train.iterations=2", "eval.enabled=false"))
+    out = finish(train_process(tmp_path, "train.iterations=2", "eval.enabled=false"))
     for it in range(2):
         name = f"train_iter_{it:03d}.json"
         assert tmp_path.joinpath("metrics", name).exists(), out[-3000:]
@@ -188,7 +119,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(
         int(p.name.removeprefix("iter_")) for p in (tmp_path / "checkpoints").glob("iter_*")
     )
 
-    out = _finish(_train(tmp_path, "train.iterations=4", "resume=true"))
+    out = finish(train_process(tmp_path, "train.iterations=4", "resume=true"))
     assert "resuming after iteration" in out, out[-3000:]
     for it in (2, 3):
         name = f"train_iter_{it:03d}.json"
@@ -213,7 +144,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint(
     state = newest / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[:1000])  # a disk that filled, a copy cut short
 
-    out = _finish(_train(tmp_path, "train.iterations=4", "resume=true"))
+    out = finish(train_process(tmp_path, "train.iterations=4", "resume=true"))
     assert f"checkpoint {newest} is damaged, falling back" in out, out[-3000:]
     assert str(state) in out
     older = int(newest.name.removeprefix("iter_")) - 1
@@ -228,8 +159,8 @@ def test_resume_falls_back_past_a_truncated_checkpoint(
 def test_resume_of_a_finished_run_says_so_without_starting_a_server(full_run: Path) -> None:
     before = json.loads((full_run / "summary.json").read_text())
     (full_run / "summary.json").unlink()
-    proc = _train(full_run, "train.iterations=4", "resume=true")
-    out = _finish(proc)
+    proc = train_process(full_run, "train.iterations=4", "resume=true")
+    out = finish(proc)
     assert proc.returncode == 0, out[-3000:]
     assert f"run {full_run} is complete" in out
     assert "started builtin server" not in out and "loaded weights" not in out
@@ -244,49 +175,49 @@ def test_resume_of_a_finished_run_says_so_without_starting_a_server(full_run: Pa
 
 
 def test_failing_run_leaves_no_server_and_names_the_plugin(tmp_path: Path) -> None:
-    proc = _train(
+    proc = train_process(
         tmp_path,
         "train.iterations=2",
         "eval.enabled=false",
         "data.rewards=[{fn: 'tests.reward_plugins:raises', weight: 1.0}]",
         cwd=Path(__file__).resolve().parents[1],
     )
-    out = _finish(proc)
+    out = finish(proc)
     assert proc.returncode != 0
     assert "tests.reward_plugins:raises" in out, out[-3000:]
     assert (tmp_path / "logs").is_dir(), "the server should have started before the failure"
-    assert not _servers_of(tmp_path)
+    assert not servers_of(tmp_path)
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["sync", "pipelined"])
 def test_ctrl_c_stops_the_run_and_its_server(tmp_path: Path, pipeline: bool) -> None:
-    proc = _train(
+    proc = train_process(
         tmp_path, "train.iterations=50", f"train.pipeline={pipeline}", "eval.enabled=false"
     )
     # Once iteration 0 is written, a pipelined run trains iteration 1 while iteration 2 generates.
-    _wait_for(
+    wait_for(
         lambda: any((tmp_path / "metrics").glob("train_iter_*.json")) or proc.poll() is not None,
         240,
         "the first iteration",
     )
-    server_pids = _servers_of(tmp_path)
+    server_pids = servers_of(tmp_path)
     assert server_pids, "the run should have a server process"
     proc.send_signal(signal.SIGINT)
-    out = _finish(proc, timeout=60)
+    out = finish(proc, timeout=60)
     assert proc.returncode != 0
     # What the harness logs when it restarts a server (a traceback may quote the source line that
     # names `max_restarts`, which is no restart).
     restarts = [m for m in ("restarting the", "and retry", "falling back to a restart") if m in out]
     assert not restarts, f"a cancelled generation must not restart the server: {restarts}"
     assert out.count("started builtin server") == 1, out[-3000:]
-    _wait_for(lambda: not any(_alive(p) for p in server_pids), 15, "the server to stop")
+    wait_for(lambda: not any(alive(p) for p in server_pids), 15, "the server to stop")
     assert not list(tmp_path.rglob("*.tmp"))
 
 
 def test_fresh_run_refuses_a_directory_that_holds_a_run(full_run: Path) -> None:
     before = sorted(p.name for p in (full_run / "metrics").iterdir())
-    proc = _train(full_run, "train.iterations=4")
-    out = _finish(proc)
+    proc = train_process(full_run, "train.iterations=4")
+    out = finish(proc)
     assert proc.returncode != 0
     assert "resume=true" in out, out[-3000:]
     assert sorted(p.name for p in (full_run / "metrics").iterdir()) == before  # nothing lost
@@ -298,8 +229,10 @@ def test_fresh_run_refuses_a_directory_that_holds_a_run(full_run: Path) -> None:
 @pytest.fixture(scope="module")
 def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("pipelined")
-    out = _finish(
-        _train(run_dir, "train.iterations=4", "train.pipeline=true", "logging.tensorboard=true")
+    out = finish(
+        train_process(
+            run_dir, "train.iterations=4", "train.pipeline=true", "logging.tensorboard=true"
+        )
     )
     assert (run_dir / "summary.json").exists(), out[-3000:]
     return run_dir
@@ -359,7 +292,9 @@ def test_pipelined_run_is_deterministic_and_resumes_exactly(
 ) -> None:
     _kill_after_checkpoint(tmp_path, "train.iterations=4", "train.pipeline=true")
 
-    out = _finish(_train(tmp_path, "train.iterations=4", "train.pipeline=true", "resume=true"))
+    out = finish(
+        train_process(tmp_path, "train.iterations=4", "train.pipeline=true", "resume=true")
+    )
     assert "resuming after iteration" in out, out[-3000:]
     # 0-1 ran before the kill (same seed, same metrics); 2-3 after the resume, which trains on the
     # prefetched batch saved in the checkpoint, exactly as the uninterrupted run did.
