@@ -1,5 +1,5 @@
 """What grail's two HTTP APIs share (the built-in inference server in
-grail/inference/builtin/server.py, the trainer as a service in grail/service/app.py): errors in
+grail/inference/builtin/app.py, the trainer as a service in grail/service/app.py): errors in
 the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` and the gate in front of
 every route (Bearer key, body size)."""
 
