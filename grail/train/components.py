@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -40,9 +39,6 @@ class RunParts:
     source: ServerRollouts | ServiceRollouts
     extra_rewards: RewardFunctions  # closed with the run: remote scorers hold connections
     display: Display
-
-    def __iter__(self) -> Any:
-        return iter((self.trainer, self.source, self.extra_rewards, self.display))
 
 
 def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> RunParts:

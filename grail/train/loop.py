@@ -94,13 +94,13 @@ def train(
     part: RunPart,
 ) -> dict[str, Any]:
     """Build the run's parts (grail/train/components.py), run the iterations, write the summary."""
-    trainer, source, extra_rewards, display = build_run(cfg, run_dir, resume_from)
-    with display, source, extra_rewards:  # extra_rewards: remote scorers hold connections
-        recorder = Recorder(run_dir, cfg, loggers, display, part)
-        run_iterations(cfg, run_dir, trainer, source, recorder)
+    parts = build_run(cfg, run_dir, resume_from)
+    with parts.display, parts.source, parts.extra_rewards:
+        recorder = Recorder(run_dir, cfg, loggers, parts.display, part)
+        run_iterations(cfg, run_dir, parts.trainer, parts.source, recorder)
 
     part.save()  # its wall time in parts.json, then in the summary
-    return summarize(cfg, run_dir, part.wall_time_s, display)
+    return summarize(cfg, run_dir, part.wall_time_s, parts.display)
 
 
 def run_iterations(
