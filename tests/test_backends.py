@@ -49,13 +49,9 @@ from grail.inference.client import (
     SamplingParams,
     parse_completions,
 )
+from grail.inference.errors import ServerDiedError, ServerStartError, WeightSyncError
 from grail.inference.os_process import visible_devices
-from grail.inference.process import (
-    ServerDiedError,
-    ServerStartError,
-    WeightSyncError,
-    call_with_recovery,
-)
+from grail.inference.recovery import call_with_recovery
 from grail.train.components import server_manager_from_config
 
 TESTS_DIR = Path(__file__).resolve().parent

@@ -30,7 +30,7 @@ from grail.inference.backends import make_server_manager
 from grail.inference.backends.sglang import SGLangServer
 from grail.inference.backends.vllm import VLLM_LORA_RANKS, VLLMServer, vllm_max_lora_rank
 from grail.inference.client import CompletionClient, SamplingParams
-from grail.inference.process import ServerStartError, WeightSyncError
+from grail.inference.errors import ServerStartError, WeightSyncError
 
 TESTS_DIR = Path(__file__).resolve().parent
 LORA_FIXTURES = TESTS_DIR / "fixtures" / "lora"

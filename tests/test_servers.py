@@ -28,13 +28,8 @@ from helpers.fake_server import FakeBuiltinServer
 
 from grail.inference import os_process
 from grail.inference.backends.builtin import BuiltinServer
+from grail.inference.errors import ServerDiedError, ServerError, ServerStartError, WeightSyncError
 from grail.inference.os_process import parse_device
-from grail.inference.process import (
-    ServerDiedError,
-    ServerError,
-    ServerStartError,
-    WeightSyncError,
-)
 
 TESTS_DIR = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(

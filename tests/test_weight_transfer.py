@@ -25,7 +25,8 @@ from grail.core.records import load_schema
 from grail.core.validate import validate
 from grail.inference.backends import BACKEND_CLASSES
 from grail.inference.backends.builtin import BuiltinServer
-from grail.inference.process import SyncResult, WeightSyncError
+from grail.inference.errors import WeightSyncError
+from grail.inference.process import SyncResult
 from grail.inference.weights.disk import DiskRoute
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.route import make_fast_route, resolve_route

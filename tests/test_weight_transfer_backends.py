@@ -29,7 +29,7 @@ from grail.inference.backends import vllm as vllm_module
 from grail.inference.backends.nccl import SGLangSender, VLLMSender
 from grail.inference.backends.sglang import SGLangServer
 from grail.inference.backends.vllm import VLLMServer
-from grail.inference.process import WeightSyncError
+from grail.inference.errors import WeightSyncError
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.shared import FlatWeights
 from grail.inference.weights.syncer import WeightSyncer

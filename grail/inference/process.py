@@ -35,36 +35,21 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self
 
 import httpx
 
 from grail.core.choices import WeightSyncMode
 from grail.core.placement import prefer_passive_openmp
 from grail.inference import os_process
+from grail.inference.errors import ServerDiedError, ServerError, ServerStartError, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
-
-
-class ServerError(RuntimeError):
-    """Base class of every server lifecycle error."""
-
-
-class ServerStartError(ServerError):
-    """The server exited during start-up, or did not become ready in time."""
-
-
-class ServerDiedError(ServerError):
-    """The server process exited while it was supposed to be serving."""
-
-
-class WeightSyncError(ServerError):
-    """New weights could not be loaded into the server."""
 
 
 @dataclass(frozen=True)
@@ -614,59 +599,3 @@ class ServerManager(ABC):
             fell_back=reason is not None,
             fallback_reason=reason,
         )
-
-
-# --------------------------------------------------------------------------------------------
-# surviving a server that dies mid-run
-
-T = TypeVar("T")
-
-
-def call_with_recovery(
-    server: ServerManager,
-    call: Callable[[], T],
-    *,
-    max_restarts: int,
-    what: str = "generation",
-    recover: Callable[[], object] | None = None,
-) -> T:
-    """Run `call` (e.g. one generation batch); if it fails because the server died, restart the
-    server from its newest weights (`recover`: `ServerManager.recover` unless given, e.g.
-    `WeightSyncer.recover`, which writes the weights a fast route served first) and run `call`
-    again, at most `max_restarts` times.
-
-    "Because the server died" means the failure is a `ServerDiedError` (the completion client's
-    liveness check raises it) or the server process is gone when the failure arrives. Any other
-    failure (a bad request, a bug in scoring) is re-raised at once: restarting would not help.
-    The retried call starts over, so `call` must be safe to repeat (a generation batch is: its
-    seeds are fixed). Raises `ServerDiedError` naming the attempts once restarts are used up, and
-    `ServerStartError` if a restart itself fails.
-    """
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
-    restarts = 0
-    while True:
-        try:
-            return call()
-        except Exception as exc:
-            died = isinstance(exc, ServerDiedError) or (
-                server.pid is not None and not server.is_alive() and not server._stopped_by_us
-            )
-            if not died:
-                raise
-            if restarts >= max_restarts:
-                raise ServerDiedError(
-                    f"{what} failed: the {server.kind} server died {restarts + 1} time(s) and "
-                    f"was restarted {restarts} time(s) (max_restarts={max_restarts}); giving "
-                    f"up. Last failure: {exc}"
-                ) from exc
-            restarts += 1
-            logger.warning(
-                "%s failed because the %s server died (%s); restart %d/%d and retry",
-                what,
-                server.kind,
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                restarts,
-                max_restarts,
-            )
-            (recover or server.recover)()

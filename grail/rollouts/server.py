@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from grail.core.records import iteration_name
 from grail.inference.client import CompletionClient
-from grail.inference.process import ServerManager, call_with_recovery
+from grail.inference.process import ServerManager
+from grail.inference.recovery import call_with_recovery
 from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts import codec

@@ -19,7 +19,8 @@ from grail.core.records import without_secrets
 from grail.envs import Environment, env_arguments, make_env
 from grail.envs.rewards.plugins import RewardFunctions
 from grail.inference.backends import BACKEND_CLASSES, make_server_manager
-from grail.inference.process import ServerManager, ServerStartError
+from grail.inference.errors import ServerStartError
+from grail.inference.process import ServerManager
 from grail.inference.weights.route import RouteChoice, resolve_route
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts.server import ServerRollouts

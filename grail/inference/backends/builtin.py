@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grail.inference.process import ServerError, ServerManager, WeightSyncError
+from grail.inference.errors import ServerError, WeightSyncError
+from grail.inference.process import ServerManager
 
 logger = logging.getLogger(__name__)
 

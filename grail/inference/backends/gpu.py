@@ -34,7 +34,8 @@ import httpx
 from grail.inference.backends.nccl import DEFAULT_TIMEOUT_S as DEFAULT_NCCL_TIMEOUT_S
 from grail.inference.backends.nccl import NcclSender
 from grail.inference.client import error_message
-from grail.inference.process import ServerError, ServerManager, ServerStartError, WeightSyncError
+from grail.inference.errors import ServerError, ServerStartError, WeightSyncError
+from grail.inference.process import ServerManager
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from grail.inference import os_process
-from grail.inference.process import WeightSyncError
+from grail.inference.errors import WeightSyncError
 
 DEFAULT_TIMEOUT_S = 120.0
 SGLANG_GROUP_NAME = "grail_weight_sync"

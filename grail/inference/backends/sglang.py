@@ -30,7 +30,7 @@ from typing import Any
 
 from grail.inference.backends.gpu import GpuServer, server_error
 from grail.inference.backends.nccl import SGLANG_GROUP_NAME, SGLangSender, dtype_name
-from grail.inference.process import WeightSyncError
+from grail.inference.errors import WeightSyncError
 from grail.inference.weights.shared import FlatWeights
 
 #: adapter slots: the adapter's, and the one SGLang counts for base-only requests

@@ -31,7 +31,7 @@ from typing import Any
 
 from grail.inference.backends.gpu import GpuServer, server_error
 from grail.inference.backends.nccl import VLLMSender, dtype_name
-from grail.inference.process import ServerStartError, WeightSyncError
+from grail.inference.errors import ServerStartError, WeightSyncError
 from grail.inference.weights.shared import FlatWeights
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ import time
 from dataclasses import replace
 
 from grail.core.choices import WeightSyncMode
-from grail.inference.process import ServerManager, ServerStartError, SyncResult
+from grail.inference.errors import ServerStartError
+from grail.inference.process import ServerManager, SyncResult
 from grail.inference.weights.disk import DiskRoute
 from grail.inference.weights.policy import PolicyWeights, Weights
 from grail.inference.weights.route import FastRoute, RouteChoice, make_fast_route
