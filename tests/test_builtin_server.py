@@ -9,16 +9,11 @@ one thread, where the engine is batch-invariant, so results are compared bitwise
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,84 +21,17 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers.builtin_server import (
+    API_KEY,
+    AUTH,
+    NAME,
+    ServerProcess,
+    require_batch_invariance,
+    side_by_side,
+)
 from safetensors.torch import load_file, save_file
 
 from grail.models.tiny import ensure_tiny_model
-
-API_KEY = "test-key"
-NAME = "tiny"
-STARTUP_TIMEOUT = 120.0
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-# --------------------------------------------------------------------------- server processes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m grail.inference.builtin.server` as a subprocess, logging to a file."""
-
-    def __init__(self, model_dir: Path | str, log_path: Path, *extra: str) -> None:
-        self.port = _free_port()
-        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        command = [
-            sys.executable, "-m", "grail.inference.builtin.server",
-            "--model", str(model_dir), "--served-model-name", NAME,
-            "--port", str(self.port), "--threads", "1", "--max-batch-size", "16", *extra,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-
-
-@contextlib.contextmanager
-def side_by_side(
-    logs: Path, **specs: tuple[Path | str, tuple[str, ...]]
-) -> Iterator[dict[str, ServerProcess]]:
-    """Servers started side by side, name=(model, extra args), each logging to `logs`/name.log;
-    yielded once all are ready, all stopped on exit."""
-    started: dict[str, ServerProcess] = {}
-    try:
-        for name, (model, extra) in specs.items():
-            started[name] = ServerProcess(model, logs / f"{name}.log", *extra)
-        for server in started.values():
-            server.wait_ready()
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +92,6 @@ def hf_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def require_batch_invariance(server: ServerProcess) -> None:
-    """Skip what follows where this CPU's BLAS offers no batch-invariant linear layers."""
-    card = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]
-    if not card["batch_invariant"]:
-        pytest.skip("the server reports no batch invariance on this BLAS (see engine docstring)")
 
 
 def complete(client: openai.OpenAI, prompt: Any, **kw: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers.loggers import read_scalars
 
 from grail.core.config import LoggingConfig
 from grail.core.errors import ConfigError
@@ -116,19 +117,6 @@ def test_log_rejects_unknown_kind_and_bad_steps(tmp_path: Path) -> None:
 
 
 # --- TensorBoard ----------------------------------------------------------------------------------
-
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars as TensorBoard loads them: every event file in the directory, purges applied."""
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(log_dir))
-    accumulator.Reload()
-    return {
-        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
-        for tag in accumulator.Tags()["scalars"]
-    }
 
 
 def test_tensorboard_scalars_read_back_with_tags_steps_values(tmp_path: Path) -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.batches import scored_batch
 from helpers.run_dirs import TINY_RUN, grail_train
 from safetensors import safe_open
-from test_trainer import _batch
 from transformers import AutoModelForCausalLM
 
 from grail.core.config import (
@@ -71,7 +71,7 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir: P
     assert optimized and all("lora_" in names[id(p)] for p in optimized)
     assert isinstance(trainer.ref_model, AdapterOff)  # no second model in memory
 
-    metrics = trainer.update(_batch([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]]))
+    metrics = trainer.update(scored_batch([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]]))
     assert metrics["kl"] is not None and not metrics["update_skipped"]
     # The adapter moved the policy; the base (and so the reference) did not move.
     assert not torch.allclose(logits(trainer.model), logits(base))
@@ -83,7 +83,7 @@ def test_the_server_gets_the_base_and_the_adapter_apart(
 ) -> None:
     cfg = lora_config()
     trainer = Trainer(cfg, setup_torch(cfg), None)
-    trainer.update(_batch([[1.0, 0.0, 0.0, 1.0]]))
+    trainer.update(scored_batch([[1.0, 0.0, 0.0, 1.0]]))
     trainer.save_server_model(tmp_path / "base")
     trainer.save_weights(tmp_path / "adapter")
     served = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)

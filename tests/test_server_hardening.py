@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_builtin_server import (
+from helpers.builtin_server import (
     API_KEY,
     AUTH,
     ServerProcess,

@@ -6,19 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from helpers.run_dirs import REPO, TINY_RUN
+from helpers.service_run import ServiceRun
 from transformers import AutoTokenizer
 
 from grail.core.http_api import APIError
@@ -421,50 +419,9 @@ def test_an_iteration_waits_for_its_groups_within_the_timeout(
 # ---- real runs: grail-train mode=service, clients in other processes ------------------------
 
 
-class Trainer:
-    """`grail-train mode=service ARGS` in the background, killed (with its process group) if a
-    test leaves it running."""
-
-    def __init__(self, run_dir: Path, *args: str) -> None:
-        self.run_dir = run_dir
-        self.endpoint = run_dir / "service" / "endpoint.json"
-        self.endpoint.unlink(missing_ok=True)
-        self.log = (run_dir.parent / f"{run_dir.name}.log").open("a")
-        command = [sys.executable, "-m", "grail.train.cli", "mode=service", "service.port=0"]
-        self.process = subprocess.Popen(
-            [*command, *args, f"hydra.run.dir={run_dir}"],
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    def connect(self, timeout_s: float = 120) -> httpx.Client:
-        """A client of the service, once it listens."""
-        deadline = time.monotonic() + timeout_s
-        while not self.endpoint.exists():
-            assert self.process.poll() is None, self.output()
-            assert time.monotonic() < deadline, "the service did not start"
-            time.sleep(0.1)
-        endpoint = json.loads(self.endpoint.read_text())
-        headers = {"Authorization": f"Bearer {endpoint['api_key']}"}
-        return httpx.Client(base_url=endpoint["url"], headers=headers, timeout=60)
-
-    def output(self) -> str:
-        self.log.flush()
-        return (self.run_dir.parent / f"{self.run_dir.name}.log").read_text()[-4000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(30)
-        self.log.close()
-
-
 @pytest.fixture
-def trainers() -> Iterator[list[Trainer]]:
-    started: list[Trainer] = []
+def trainers() -> Iterator[list[ServiceRun]]:
+    started: list[ServiceRun] = []
     yield started
     for trainer in started:
         trainer.stop()
@@ -490,13 +447,13 @@ def held_out(run_dir: Path, iteration: int) -> tuple[float, float]:
 
 
 def test_a_client_in_another_process_teaches_the_default_task(
-    tmp_path: Path, trainers: list[Trainer]
+    tmp_path: Path, trainers: list[ServiceRun]
 ) -> None:
     """The default task, its rewards computed and sent by examples/service_client.py alone:
     held-out success (evaluated by the trainer on seeds the client never sees) rises."""
     run_dir = tmp_path / "run"
     iterations = 100
-    trainer = Trainer(run_dir, f"train.iterations={iterations}", "eval.interval=50")
+    trainer = ServiceRun(run_dir, f"train.iterations={iterations}", "eval.interval=50")
     trainers.append(trainer)
     trainer.connect().close()
     printed = run_client(trainer.endpoint, "--workers", "8")
@@ -521,13 +478,13 @@ def test_a_client_in_another_process_teaches_the_default_task(
 
 
 def test_a_killed_trainer_resumes_with_every_reward_it_accepted(
-    tmp_path: Path, trainers: list[Trainer]
+    tmp_path: Path, trainers: list[ServiceRun]
 ) -> None:
     """SIGKILL while groups wait in the queue and samples wait for rewards: resume=true has them
     all, and the first iteration trains on the group queued before the kill."""
     run_dir = tmp_path / "run"
     args = [*TINY_RUN, "train.iterations=2", "checkpoint.save_interval=1", "eval.enabled=false"]
-    first = Trainer(run_dir, *args)
+    first = ServiceRun(run_dir, *args)
     trainers.append(first)
     env = make_env("copy_digits")
     with first.connect() as http:
@@ -547,7 +504,7 @@ def test_a_killed_trainer_resumes_with_every_reward_it_accepted(
     first.process.send_signal(signal.SIGKILL)  # the trainer only: its server dies with it
     first.process.wait(30)
 
-    second = Trainer(run_dir, *args, "resume=true")
+    second = ServiceRun(run_dir, *args, "resume=true")
     trainers.append(second)
     with second.connect() as http:
         after = http.get("/v1/status").json()

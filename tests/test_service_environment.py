@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers.run_dirs import REPO, TINY_RUN
-from test_service import Trainer
+from helpers.service_run import ServiceRun
 
 from grail.core.records import read_json, train_metrics_path
 
@@ -19,7 +19,7 @@ PROBLEMS = 4  # data.problems_per_iteration in TINY_RUN
 
 
 @pytest.fixture
-def trainer(tmp_path: Path) -> Iterator[Trainer]:
+def trainer(tmp_path: Path) -> Iterator[ServiceRun]:
     # max_staleness=0: every group trained was sampled by the very weights that train on it (a
     # group labelled with the version before a sync is refused or dropped), so the trainer's
     # log-probabilities of its tokens must equal the behaviour ones the environment sent.
@@ -29,7 +29,7 @@ def trainer(tmp_path: Path) -> Iterator[Trainer]:
         "eval.enabled=false",
         "service.max_staleness=0",
     ]
-    started = Trainer(tmp_path / "run", *args)
+    started = ServiceRun(tmp_path / "run", *args)
     try:
         yield started
     finally:
@@ -37,7 +37,7 @@ def trainer(tmp_path: Path) -> Iterator[Trainer]:
 
 
 @pytest.mark.timeout(120)
-def test_an_environment_that_samples_itself_trains_the_policy(trainer: Trainer) -> None:
+def test_an_environment_that_samples_itself_trains_the_policy(trainer: ServiceRun) -> None:
     """Every group the trainer takes is one the environment pushed, and the behaviour
     log-probabilities it sent (the inference server's, read from chat completions) are the trained
     policy's: the trainer's own log-probabilities of those tokens agree with them."""

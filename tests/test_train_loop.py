@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers.grail_process import alive, finish, servers_of, train_process, wait_for
+from helpers.loggers import read_scalars
 
 from grail.core.records import read_metrics, validate_metrics
 
@@ -239,8 +240,6 @@ def pipelined_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_tensorboard_gets_the_same_numbers_as_the_json_files(pipelined_run: Path) -> None:
-    from test_loggers import read_scalars
-
     scalars = read_scalars(pipelined_run / "tensorboard")
     rewards = [
         read_metrics(pipelined_run / "metrics" / f"train_iter_{i:03d}.json") for i in range(4)

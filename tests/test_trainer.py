@@ -4,19 +4,18 @@ carry no learning signal."""
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub.utils
 import pytest
 import transformers
+from helpers.batches import scored_batch
 
 from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
 from grail.core.records import validate_metrics
-from grail.envs import make_env
 from grail.inference.process import SyncResult
-from grail.rollouts.batch import GeneratedBatch, Group, Resampling, RolloutBatch, Sample, WeightSync
+from grail.rollouts.batch import GeneratedBatch, Resampling, WeightSync
 from grail.train import trainer as trainer_module
 from grail.train.checkpoint import CheckpointRef
 from grail.train.loop import iteration_record
@@ -31,31 +30,6 @@ def _config() -> Config:
         generation=GenerationConfig(max_new_tokens=4),
         train=TrainConfig(batch_size=4, lr=1e-2),
     )
-
-
-def _batch(rewards: list[list[float]], seed: int = 0) -> RolloutBatch:
-    """Scored groups of copy_digits problems with the given rewards (a success is reward 1), as a
-    rollout source delivers them: without advantages (the trainer computes them)."""
-    rng = random.Random(seed)
-    env = make_env("copy_digits")
-    groups = []
-    for g, row in enumerate(rewards):
-        samples = [
-            Sample(
-                completion_ids=[rng.randrange(3, 60) for _ in range(rng.randint(1, 4))],
-                behaviour_logprobs=[],
-                finish_reason="stop",
-                text="7",
-                reward=r,
-                components={"correct": r},
-                success=r == 1.0,
-            )
-            for r in row
-        ]
-        for s in samples:
-            s.behaviour_logprobs = [-2.0] * len(s.completion_ids)
-        groups.append(Group(env.problem(g), [rng.randrange(3, 60) for _ in range(6)], samples))
-    return RolloutBatch(groups)
 
 
 TIMINGS = ("generation_s", "train_s", "weight_sync_s", "eval_s", "checkpoint_s", "iteration_s")
@@ -106,14 +80,14 @@ def test_a_batch_without_signal_is_skipped_and_recorded_as_such() -> None:
     trainer.model.register_forward_hook(lambda *_: forwards.append(1))
     progress: list[int] = []
 
-    metrics = trainer.update(_batch(NO_SIGNAL), progress.append)
+    metrics = trainer.update(scored_batch(NO_SIGNAL), progress.append)
     assert forwards == [] and metrics["update_skipped"] is True
     assert sum(progress) == 3  # the display's bar still completes: 12 samples, micro-batch 4
     # one optimizer step per micro-batch (grad_accum_steps 1), as a full update takes
     assert trainer.scheduler.last_epoch == 3 and metrics["optimizer_steps"] == 3
     record = iteration_record(
         0,
-        GeneratedBatch(_batch(NO_SIGNAL), 0, 0.5),
+        GeneratedBatch(scored_batch(NO_SIGNAL), 0, 0.5),
         metrics,
         WeightSync(SyncResult(0.01, "in_place", fell_back=False), 0.02, 0.0),
         trainer.lr,
@@ -124,11 +98,11 @@ def test_a_batch_without_signal_is_skipped_and_recorded_as_such() -> None:
     assert record["update_skipped"] is True and record["entropy"] is None
     assert record["loss_total"] == 0.0 and record["grad_norm"] == 0.0
 
-    metrics = trainer.update(_batch(SIGNAL), progress.append)
+    metrics = trainer.update(scored_batch(SIGNAL), progress.append)
     assert forwards and metrics["update_skipped"] is False
     assert trainer.scheduler.last_epoch == 6
     # A batch that dynamic sampling filled says what it took (data.dynamic_sampling).
-    resampled = GeneratedBatch(_batch(SIGNAL), 1, 0.5, resampling=Resampling(2, 9, 6, 3))
+    resampled = GeneratedBatch(scored_batch(SIGNAL), 1, 0.5, resampling=Resampling(2, 9, 6, 3))
     record = iteration_record(
         1, resampled, metrics, WeightSync(SyncResult(0.01, "in_place", fell_back=False), 0.02, 0.0),
         trainer.lr, dict.fromkeys(TIMINGS, 0.1), pipelined=False,
@@ -152,19 +126,19 @@ def test_the_trainer_warns_once_after_many_iterations_without_signal(
 
     with caplog.at_level(logging.WARNING, logger="grail.train"):
         for _ in range(n - 1):
-            trainer.update(_batch(NO_SIGNAL))
-        trainer.update(_batch(SIGNAL))  # one batch with signal starts the count again
+            trainer.update(scored_batch(NO_SIGNAL))
+        trainer.update(scored_batch(SIGNAL))  # one batch with signal starts the count again
         for _ in range(n - 1):
-            trainer.update(_batch(NO_SIGNAL))
+            trainer.update(scored_batch(NO_SIGNAL))
         assert warnings() == [] and trainer.no_signal_streak == n - 1
-        trainer.update(_batch(NO_SIGNAL))
+        trainer.update(scored_batch(NO_SIGNAL))
         assert len(warnings()) == 1
         message = warnings()[0]
         assert f"{n} iterations in a row had zero reward variance" in message
         assert "the model never solves the task" in message
         assert "model=qwen2.5-0.5b" in message
         for _ in range(n + 1):  # once per run, not once per streak
-            trainer.update(_batch(NO_SIGNAL))
+            trainer.update(scored_batch(NO_SIGNAL))
         assert len(warnings()) == 1
 
 
@@ -176,7 +150,7 @@ def test_the_trainer_warns_once_after_many_iterations_without_signal(
     ],
 )
 def test_the_warning_names_the_likely_cause(rewards: list[list[float]], cause: str) -> None:
-    message = trainer_module.no_signal_message(_batch(rewards), 10)
+    message = trainer_module.no_signal_message(scored_batch(rewards), 10)
     assert cause in message and "never solves" not in message
 
 
@@ -190,7 +164,7 @@ def test_adaptive_kl_adapts_after_each_step_is_recorded_and_resumes(tmp_path: Pa
     cfg.train.kl_adapt_rate = 2.0
     cfg.train.kl_coef_min = 0.01
     trainer = Trainer(cfg, setup_torch(cfg), resume_from=None)
-    metrics = trainer.update(_batch(SIGNAL))
+    metrics = trainer.update(scored_batch(SIGNAL))
     assert metrics["optimizer_steps"] == 3.0
     assert metrics["kl_coef"] == pytest.approx(max(0.05 / 2**3, 0.01))
     assert trainer.kl_control is not None and trainer.kl_control.value == metrics["kl_coef"]
@@ -201,4 +175,4 @@ def test_adaptive_kl_adapts_after_each_step_is_recorded_and_resumes(tmp_path: Pa
 
     fixed = _config()
     fixed.train.kl_coef = 0.05
-    assert Trainer(fixed, setup_torch(fixed), None).update(_batch(SIGNAL))["kl_coef"] == 0.05
+    assert Trainer(fixed, setup_torch(fixed), None).update(scored_batch(SIGNAL))["kl_coef"] == 0.05
