@@ -134,9 +134,9 @@ def server_manager_from_config(
         )
     threads = None
     if not cuda_available:
-        threads = cpu_threads(cfg.train.threads, gen.server_threads, pipelined=cfg.train.pipeline)[
-            1
-        ]
+        _, threads = cpu_threads(
+            cfg.train.threads, gen.server_threads, pipelined=cfg.train.pipeline
+        )
     model_dtype = cfg.model.dtype
     return make_server_manager(
         gen.backend,
@@ -161,9 +161,18 @@ def server_manager_from_config(
 
 def weight_route_from_config(cfg: Config, cuda_available: bool) -> RouteChoice:
     """The run's weight route (grail/inference/weights/route.py): `generation.weight_transfer`
-    among the routes its backend takes (`weight_routes`), given where server and trainer are."""
-    supported = BACKEND_CLASSES[cfg.generation.backend].weight_routes
-    return route_from_config(cfg, supported, cuda_available)
+    among the routes its backend takes (`weight_routes`), given where server and trainer are:
+    on the same device when both are on CPU, or on one CUDA index (`gpu_placement`)."""
+    server_gpu, trainer_gpu = gpu_placement(cfg.gpu)
+    return resolve_route(
+        cfg.generation.weight_transfer,
+        BACKEND_CLASSES[cfg.generation.backend].weight_routes,
+        backend=cfg.generation.backend,
+        strategy=cfg.gpu.strategy,
+        same_device=not cuda_available or server_gpu == trainer_gpu,
+        lora=cfg.model.lora.enabled,
+        weight_sync=cfg.generation.weight_sync,
+    )
 
 
 def server_and_syncer_from_config(
@@ -191,19 +200,3 @@ def server_and_syncer_from_config(
         weight_transfer=route.name,
     )
     return server, WeightSyncer.for_server(server, route, cfg.generation.weight_sync)
-
-
-def route_from_config(cfg: Config, supported: tuple[str, ...], cuda_available: bool) -> RouteChoice:
-    """`resolve_route` for a run whose backend takes `supported`: the server is on the
-    trainer's device when both are on CPU, or on one CUDA index (`gpu.strategy=single`,
-    `gpu_placement`)."""
-    server_gpu, trainer_gpu = gpu_placement(cfg.gpu)
-    return resolve_route(
-        cfg.generation.weight_transfer,
-        supported,
-        backend=cfg.generation.backend,
-        strategy=cfg.gpu.strategy,
-        same_device=not cuda_available or server_gpu == trainer_gpu,
-        lora=cfg.model.lora.enabled,
-        weight_sync=cfg.generation.weight_sync,
-    )

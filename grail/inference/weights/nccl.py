@@ -12,12 +12,8 @@ and tied to its process (a restarted server has left the group, which `stop()` c
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Protocol
 
-from grail.core.choices import WeightSyncMode
-from grail.inference.process import SyncResult
-from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.shared import FlatWeights, StagedRoute, StagingServer
 
 
@@ -38,12 +34,8 @@ class NcclRoute(StagedRoute):
         super().__init__(server)
         self.server: NcclServer = server
 
-    def send(self, weights: PolicyWeights, weight_version: str) -> SyncResult:
-        t0 = time.perf_counter()
-        self.server.update_weights_nccl(self.stage(weights), weight_version)
-        return SyncResult(
-            time.perf_counter() - t0, WeightSyncMode.in_place, fell_back=False, transfer=self.name
-        )
+    def push(self, flat: FlatWeights, weight_version: str) -> None:
+        self.server.update_weights_nccl(flat, weight_version)
 
     def close(self) -> None:
         """Leave the NCCL group (this side) and drop the buffers."""

@@ -30,9 +30,6 @@ from grail.inference.weights.nccl import NcclRoute, NcclServer
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.shared import SharedRoute, TensorServer
 
-#: every route, in the order `ServerManager.weight_routes` lists them
-ROUTES = ("disk", "shared", "nccl")
-
 
 class WeightRoute(Protocol):
     """One way of moving the trainer's weights into one server."""

@@ -20,6 +20,7 @@ import io
 import math
 import os
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,7 @@ class StagingServer(Protocol):
     def served_dtype(self) -> str | None: ...
 
 
-class StagedRoute:
+class StagedRoute(ABC):
     """What the fast routes share: the trainer's weights staged in `FlatWeights` (made once per
     device, refilled at each sync) before they go to `server`, and written from there into the
     server's directory before a restart (`write_served`)."""
@@ -193,6 +194,19 @@ class StagedRoute:
             self._flat = FlatWeights(weights.device)
         self._flat.fill(weights.named_tensors(), dtype)
         return self._flat
+
+    def send(self, weights: PolicyWeights, weight_version: str) -> SyncResult:
+        """Stage `weights` and push them to the server (`push`, each route's own); seconds of
+        both."""
+        t0 = time.perf_counter()
+        self.push(self.stage(weights), weight_version)
+        return SyncResult(
+            time.perf_counter() - t0, WeightSyncMode.in_place, fell_back=False, transfer=self.name
+        )
+
+    @abstractmethod
+    def push(self, flat: FlatWeights, weight_version: str) -> None:
+        """Hand the staged buffers to the server (the route's own request or broadcast)."""
 
     def write_served(self, directory: Path) -> None:
         """Write the weights last sent (what the server serves) into `directory`."""
@@ -218,10 +232,5 @@ class SharedRoute(StagedRoute):
         super().__init__(server)
         self.server: TensorServer = server
 
-    def send(self, weights: PolicyWeights, weight_version: str) -> SyncResult:
-        t0 = time.perf_counter()
-        flat = self.stage(weights)
+    def push(self, flat: FlatWeights, weight_version: str) -> None:
         self.server.update_weights_from_tensor(tensor_payload(flat, weight_version))
-        return SyncResult(
-            time.perf_counter() - t0, WeightSyncMode.in_place, fell_back=False, transfer=self.name
-        )
