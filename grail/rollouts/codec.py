@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeGuard
 
 from grail.envs.base import Problem
 from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch, Sample
@@ -87,14 +87,14 @@ def sample_from_json(data: Any, where: str = "sample") -> Sample:
     if (
         not isinstance(logprobs, list)
         or len(logprobs) != len(ids)
-        or not all(_number(x) and not math.isnan(x) for x in logprobs)
+        or not all(is_number(x) and not math.isnan(x) for x in logprobs)
     ):
         raise CodecError(
             f"{where}.behaviour_logprobs is not {len(ids)} numbers (one per completion id)"
         )
     components = _field(obj, "components", where)
     if not isinstance(components, dict) or not all(
-        isinstance(k, str) and _number(v) for k, v in components.items()
+        isinstance(k, str) and is_number(v) for k, v in components.items()
     ):
         raise CodecError(f"{where}.components is not an object of numbers")
     return Sample(
@@ -163,7 +163,8 @@ def from_json(data: Any, problem: ProblemFor, where: str = "batch") -> Generated
     )
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
+    """A JSON number (true and false are not)."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -192,7 +193,7 @@ def _typed(obj: dict[str, Any], key: str, kind: type, where: str) -> Any:
 
 def _typed_number(obj: dict[str, Any], key: str, where: str) -> float:
     value = _field(obj, key, where)
-    if not _number(value):
+    if not is_number(value):
         raise CodecError(f"{where}.{key} is {value!r:.60}, not a number")
     return value
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 from grail.core.records import atomic_write_text
 from grail.rollouts import codec
@@ -233,7 +233,7 @@ class SharedRollouts:
             raise Unusable(f"problem seeds {seeds[:4]}... are not iteration 0's")
         groups = [self._group(g, env, tokenizer, i) for i, g in enumerate(groups_data)]
         generation_s = stored.get("generation_s")
-        if not _number(generation_s) or generation_s < 0:
+        if not codec.is_number(generation_s) or generation_s < 0:
             raise Unusable(f"bad 'generation_s' {generation_s!r}")
         return groups, resampling, float(generation_s)
 
@@ -270,7 +270,3 @@ class SharedRollouts:
             yield
         finally:
             os.close(fd)  # releases the lock
-
-
-def _number(value: Any) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -72,7 +72,7 @@ def silence_library_progress_bars() -> None:
 
 
 def assign_advantages(groups: list[Group], scale_rewards: ScaleRewards) -> dict[str, float]:
-    """Set every sample's group-relative advantage (grail/algo/grpo.py); the batch's advantage
+    """Set every sample's group-relative advantage (grail/algo/advantages.py); the batch's advantage
     statistics."""
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
     advantages, stats = compute_advantages(rewards, scale_rewards)
@@ -251,7 +251,7 @@ class Trainer:
         return {**metrics, "zero_variance_group_frac": zero_variance_group_frac}
 
     def _watch_signal(self, batch: RolloutBatch, zero_variance_group_frac: float) -> None:
-        # Computed with the advantages (grail/algo/grpo.py): exactly 1.0 when every group is tied.
+        # Computed with the advantages (grail/algo/advantages.py): 1.0 exactly when all are tied.
         if zero_variance_group_frac == 1.0:
             self.no_signal_streak += 1
         else:
