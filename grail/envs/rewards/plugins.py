@@ -44,6 +44,7 @@ from grail.core.errors import ConfigError
 from grail.envs.base import Environment, Problem, Score
 from grail.envs.rewards.base import IMPORTABLE, RewardError, RewardFn, check_reward_values
 from grail.envs.rewards.builtins import correctness, keyword_match, strict_format
+from grail.envs.rewards.remote import REMOTE_OPTIONS, RemoteReward, is_remote_spec
 
 # ---------------------------------------------------------------------------------------------
 # Built-ins
@@ -91,9 +92,6 @@ def load_reward_fn(spec: str) -> RewardFn:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    # Imported here: remote_rewards builds on RewardError and check_reward_values from this module.
-    from grail.envs.rewards.remote import RemoteReward, is_remote_spec
-
     if is_remote_spec(spec):
         return RemoteReward(spec)
     module_name, sep, attr_path = spec.partition(":")
@@ -194,7 +192,6 @@ class RewardFunctions:
         entries may not. Nothing is contacted here: URLs are only parsed.
         """
         # Imported here: remote_rewards builds on RewardError and check_reward_values from here.
-        from grail.envs.rewards.remote import REMOTE_OPTIONS, RemoteReward, is_remote_spec
 
         if specs is None:
             return cls()
@@ -241,7 +238,6 @@ class RewardFunctions:
 
     def close(self) -> None:
         """Release the remote scorers' HTTP connections (idempotent); plugins are left alone."""
-        from grail.envs.rewards.remote import RemoteReward
 
         for r in self.rewards:
             if isinstance(r.fn, RemoteReward):
