@@ -191,8 +191,6 @@ class RewardFunctions:
         "remote" for a URL. A URL entry may also set the options in `REMOTE_OPTIONS`; other
         entries may not. Nothing is contacted here: URLs are only parsed.
         """
-        # Imported here: remote_rewards builds on RewardError and check_reward_values from here.
-
         if specs is None:
             return cls()
         if isinstance(specs, str | bytes | Mapping) or not isinstance(specs, Sequence):
