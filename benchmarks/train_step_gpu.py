@@ -107,6 +107,14 @@ SHAPES: dict[str, dict[str, int]] = {
         "num_kv_heads": 2,
         "intermediate_size": 4864,
     },
+    # Qwen/Qwen2.5-1.5B's config.json (tied embeddings too)
+    "qwen2.5-1.5b": {
+        "hidden_size": 1536,
+        "num_layers": 28,
+        "num_heads": 12,
+        "num_kv_heads": 2,
+        "intermediate_size": 8960,
+    },
     "mid": _preset(MID_PRESET),
     "tiny": _preset(TINY_PRESET),
 }

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/benchmarks.md in one go, for a GPU lent for a few minutes:
+#
+#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup mfu mfu_compile mfu15 decode loop tests
+#
+# Every stage runs under its own time limit (a hung stage loses only itself) and writes its log
+# to $OUT/<stage>.log (OUT defaults to /tmp/gpu-out); the last lines of each log are printed at
+# the end. Runs with the machine's python3 (torch, transformers, accelerate, peft preinstalled) and
+# the pure-Python dependencies it lacks carried as wheels in .whl/ (docs/gpu.md, "Checking a GPU
+# machine"): `setup` installs them into /tmp/site; grail itself runs from this checkout.
+# DEADLINE (seconds, default 570) bounds the whole session: a stage gets at most the time left
+# before it, and is skipped when under 30 s are left, so the command ends inside a device call's
+# limit with the logs of what ran; put the stages in order of value.
+set -u
+DEADLINE=${DEADLINE:-570}
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="/tmp/site:$PWD:$PWD/benchmarks" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+RUNS=/tmp/gpu-runs
+PY=${PY:-python3}
+
+stage() {  # stage NAME SECONDS COMMAND...: run COMMAND under a time limit, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local left=$((DEADLINE - SECONDS - 10))
+    if [ "$left" -lt 30 ]; then
+        echo "=== $name skipped: ${left}s left before the deadline" | tee -a "$OUT/$name.log"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/$name.log"
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" >>"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$OUT/$name.log"
+}
+
+mfu() {  # one train_step_gpu.py measurement, appended to $OUT/mfu.jsonl
+    local name=$1 limit=$2
+    shift 2
+    stage "$name" "$limit" $PY benchmarks/train_step_gpu.py "$@"
+    grep -h '^{' "$OUT/$name.log" | tail -1 >>"$OUT/mfu.jsonl" || true
+}
+
+for s in "$@"; do
+    case $s in
+    setup)
+        if ls .whl/*.whl >/dev/null 2>&1; then
+            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site .whl/*.whl >"$OUT/setup.log" 2>&1 || echo "pip install failed"
+        fi
+        { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+          $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+          nproc; } 2>&1 | tee -a "$OUT/setup.log"
+        ;;
+    mfu)  # the update on the Qwen2.5-0.5B shape, 151,936-token vocab, completions uniform mean 512
+        A="--json --warmup 2 --steps 4"
+        mfu mfu_default 100 $A                                    # grail-train's defaults (sdpa, 4096)
+        mfu mfu_flex 120 $A --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention
+        mfu mfu_flex_compile 150 $A --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention --compile --warmup 3
+        ;;
+    mfu_compile)  # the same with the body compiled (train.compile)
+        A="--json --warmup 3 --steps 4 --micro-batch-tokens 16384 --batch-size 64 --compile"
+        mfu mfu_sdpa_compile 150 $A
+        ;;
+    mfu15)  # the Qwen2.5-1.5B shape
+        mfu mfu15_flex_compile 200 --json --warmup 3 --steps 3 --shape qwen2.5-1.5b --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention --compile
+        ;;
+    decode)  # the built-in engine, ~0.47B preset in bf16: eager vs static KV + CUDA graphs
+        # eager only at the small shape: at 64x16x512 it takes minutes (8.2k tok/s measured before)
+        stage decode 100 $PY benchmarks/engine_decode.py --preset mid --device cuda --shapes 8x8x256 --out "$OUT/decode_small.json"
+        stage decode 100 $PY benchmarks/engine_decode.py --preset mid --device cuda --modes graph --shapes 64x16x512 --out "$OUT/decode_large.json"
+        ;;
+    tests)
+        stage tests 200 $PY -m pytest tests/gpu -n 0 -p no:cacheprovider -q -rA --durations=10 -o addopts=""
+        ;;
+    loop)  # grail-train end to end on the GPU: the default job, and the ~0.47B preset
+        rm -rf "$RUNS"
+        stage loop_default 150 $PY -m grail.train.cli train.iterations=10 "hydra.run.dir=$RUNS/default"
+        stage loop_mid_model 60 $PY -c "from grail.models.tiny import build_random_qwen2, MID_PRESET; build_random_qwen2('$RUNS/mid-model', seed=0, **MID_PRESET)"
+        stage loop_mid 200 $PY -m grail.train.cli train.iterations=6 "model.train_id=$RUNS/mid-model" train.lr=1e-5 "hydra.run.dir=$RUNS/mid"
+        stage loop_split 30 $PY benchmarks/iteration_times.py "$RUNS/default" "$RUNS/mid"
+        ;;
+    *) echo "unknown stage $s (setup mfu mfu_compile mfu15 decode loop tests)" ;;
+    esac
+done
+
+echo "######## summary"
+for f in "$OUT"/*.log; do echo "--- $(basename "$f")"; tail -n 14 "$f"; done
+if [ -f "$OUT/mfu.jsonl" ]; then
+    $PY - "$OUT/mfu.jsonl" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['shape']:<13} {r['attn_implementation']:<15} mbt={r['micro_batch_tokens']:<6} bs={r['batch_size']:<3} "
+          f"compile={r['compile']!s:<5} update={r['update_s_median']:.3f}s tok/s={r['tokens_per_s']:,.0f} "
+          f"MFU={100 * (r['mfu'] or 0):.1f}% peak={r['peak_memory_gib']:.1f}GiB")
+EOF
+fi
