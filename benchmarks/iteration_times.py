@@ -22,7 +22,7 @@ FIELDS = ("generation_s", "train_s", "weight_sync_s", "eval_s", "checkpoint_s", 
 
 
 def split(records: list[dict[str, Any]]) -> dict[str, tuple[float, float | None]]:
-    """field -> (first iteration's seconds, median over the later ones or None if there are none)."""
+    """field -> (first iteration's seconds, median over the later ones; None if none)."""
     out: dict[str, tuple[float, float | None]] = {}
     for field in FIELDS:
         values = [float(r["timings"].get(field) or 0.0) for r in records]
