@@ -30,8 +30,10 @@ the packed pieces of one micro-batch never mix with the next one's, so pieces bi
 micro-batch's tokens need a bigger `--batch-size`), `accelerator.autocast` is passed as the
 trainer passes it, `--compile` compiles the transformer body as `train.compile` does, and
 `--gradient-checkpointing` is `model.gradient_checkpointing`. Gradient accumulation covers the
-whole batch, so one update is one optimizer step. `--attn-implementation` (transformers' default,
-sdpa, is what grail-train runs) is a diagnostic; `--threads` sets torch's CPU threads.
+whole batch, so one update is one optimizer step. Attention is what grail-train runs: packed
+pieces without `--compile` attend per sample (grail/models/packed_attention.py), else sdpa;
+`--attn-implementation` overrides it as a diagnostic (`sdpa`: the dense block-diagonal mask of
+packed pieces, as before packed sdpa); `--threads` sets torch's CPU threads.
 
 Numbers printed (one line per measurement; `--json`: one JSON object instead):
   layout        padded or packed, and the padding fraction: padded token slots / all token slots
@@ -269,7 +271,8 @@ def _parser() -> argparse.ArgumentParser:
         "--attn-implementation",
         default=None,
         help="transformers attention (sdpa, flex_attention, flash_attention_2, eager); default: "
-        "the model's default (sdpa), which is what grail-train runs; others are diagnostics",
+        "what grail-train runs (packed sdpa, sdpa per sample, for packed pieces without "
+        "--compile; sdpa otherwise); sdpa here gives packed pieces the dense block-diagonal mask",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -306,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from grail.algo.grpo import GRPOLossConfig
     from grail.models.loading import load_model
+    from grail.models.packed_attention import use_packed_sdpa
     from grail.models.tiny import build_random_qwen2
     from grail.train.packing import decoder_and_head, resolve_micro_batch_tokens
     from grail.train.update import UpdateSettings, microbatches, policy_update
@@ -333,8 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     if model.config.vocab_size != args.vocab_size:
         torch.manual_seed(args.seed)
         model.resize_token_embeddings(args.vocab_size, mean_resizing=False)
+    budget = resolve_micro_batch_tokens(args.micro_batch_tokens, torch.device(args.device))
     if args.attn_implementation:
         model.set_attn_implementation(args.attn_implementation)
+    elif budget and not args.compile:
+        use_packed_sdpa(model)  # as the trainer does (grail/train/trainer.py)
     model = model.to(device)
     # As the trainer does (grail/train/trainer.py): compile the body, then checkpointing.
     if args.compile:
@@ -362,7 +369,6 @@ def main(argv: list[str] | None = None) -> int:
         grad_clip=1.0,
         micro_batch_tokens=args.micro_batch_tokens,
     )
-    budget = resolve_micro_batch_tokens(args.micro_batch_tokens, accelerator.device)
 
     gen = torch.Generator().manual_seed(args.seed)
 

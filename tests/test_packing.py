@@ -15,6 +15,7 @@ from grail.algo.logprobs import token_entropy
 from grail.envs.base import Problem
 from grail.models.loading import load_model
 from grail.models.lora import AdapterOff, with_new_adapter
+from grail.models.packed_attention import PACKED_SDPA, packed_sdpa_enabled, use_packed_sdpa
 from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train.packing import (
     DEFAULT_CUDA_MICRO_BATCH_TOKENS,
@@ -75,10 +76,15 @@ def test_packed_row_restarts_positions_and_predicts_each_completion_token() -> N
     assert row.target_ids.tolist() == [20, 21, 22, 30]
 
 
-def test_packed_log_probs_equal_each_sample_run_alone(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_SDPA])
+def test_packed_log_probs_equal_each_sample_run_alone(tiny_model_dir: Path, attention: str) -> None:
     """No token attends across samples in the packed row, and the chunked output layer gives
-    each token's log-probability and entropy: those of the sample run alone, unpadded."""
+    each token's log-probability and entropy: those of the sample run alone, unpadded. With
+    sdpa's block-diagonal mask and with packed sdpa (sdpa per sample)."""
     model = load_model(tiny_model_dir).eval()
+    if attention == PACKED_SDPA:
+        assert use_packed_sdpa(model)
+    assert packed_sdpa_enabled(model) == (attention == PACKED_SDPA)
     batch = _batch(groups=3, replicas=3, seed=1)
     items = microbatches(batch, batch_size=64)[0]
     with torch.no_grad():
@@ -106,10 +112,16 @@ def _grads_of(model: torch.nn.Module, loss: Tensor) -> Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def test_packed_and_padded_log_probs_have_the_same_gradients(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", PACKED_SDPA])
+def test_packed_and_padded_log_probs_have_the_same_gradients(
+    tiny_model_dir: Path, attention: str
+) -> None:
     """The chunked, checkpointed output layer back-propagates what the padded forward does,
-    entropy included (several chunks, several pieces)."""
+    entropy included (several chunks, several pieces); packed sdpa's padded passes fall back to
+    sdpa with the mask, its packed ones attend per sample."""
     model = load_model(tiny_model_dir).train()
+    if attention == PACKED_SDPA:
+        assert use_packed_sdpa(model)
     items = microbatches(_batch(groups=4, replicas=3, seed=2), batch_size=64)[0]
     padded = microbatch_pieces(items, 0, torch.device("cpu"), micro_batch_tokens=0)[0]
     weights = torch.randn(padded.completion_mask.shape, generator=torch.Generator().manual_seed(3))
@@ -165,20 +177,28 @@ def _update(
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "kl_coef", "entropy_coef", "grad_accum"),
+    ("loss_type", "kl_coef", "entropy_coef", "grad_accum", "per_sample"),
     [
-        ("dapo", 0.0, 0.0, 1),
-        ("grpo", 0.05, 0.0, 2),
-        ("bnpo", 0.0, 0.01, 1),
-        ("dr_grpo", 0.05, 0.01, 2),
+        ("dapo", 0.0, 0.0, 1, False),
+        ("grpo", 0.05, 0.0, 2, False),
+        ("bnpo", 0.0, 0.01, 1, False),
+        ("dr_grpo", 0.05, 0.01, 2, False),
+        ("dapo", 0.0, 0.0, 1, True),
+        ("dr_grpo", 0.05, 0.01, 2, True),
     ],
 )
 def test_packed_update_equals_the_padded_update(
-    tiny_model_dir: Path, loss_type: str, kl_coef: float, entropy_coef: float, grad_accum: int
+    tiny_model_dir: Path,
+    loss_type: str,
+    kl_coef: float,
+    entropy_coef: float,
+    grad_accum: int,
+    per_sample: bool,
 ) -> None:
     """train.micro_batch_tokens changes how the forward passes run, not the update: every
     optimizer step's gradient and the loss metrics equal the padded update's, for each loss
-    type's normaliser, with the KL term and the entropy bonus, over several optimizer steps."""
+    type's normaliser, with the KL term and the entropy bonus, over several optimizer steps;
+    `per_sample`: policy and reference on packed sdpa, as the trainer runs them."""
     torch.manual_seed(0)
     base = load_model(tiny_model_dir)
     ref = copy.deepcopy(base).eval().requires_grad_(False) if kl_coef > 0 else None
@@ -191,7 +211,10 @@ def test_packed_update_equals_the_padded_update(
         return UpdateSettings(loss, 1.0, 4, grad_accum, 1.0, micro_batch_tokens=tokens)
 
     want, want_grads = _update(copy.deepcopy(base), ref, batch, settings(0))
-    got, got_grads = _update(copy.deepcopy(base), ref, batch, settings(20))
+    policy, packed_ref = copy.deepcopy(base), copy.deepcopy(ref)
+    if per_sample:
+        assert use_packed_sdpa(policy) and (packed_ref is None or use_packed_sdpa(packed_ref))
+    got, got_grads = _update(policy, packed_ref, batch, settings(20))
     assert len(got_grads) == len(want_grads) == 4 // grad_accum
     for g, w in zip(got_grads, want_grads, strict=True):
         assert float((g - w).norm() / w.norm()) < 1e-5  # float rounding, elementwise near 0
@@ -229,3 +252,20 @@ def test_micro_batch_tokens_default_is_on_for_cuda_only() -> None:
     assert resolve_micro_batch_tokens(None, torch.device("cpu")) == 0
     assert resolve_micro_batch_tokens(None, torch.device("cuda")) == DEFAULT_CUDA_MICRO_BATCH_TOKENS
     assert resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
+
+
+def test_packed_sdpa_leaves_other_attentions_and_refuses_lengths_that_do_not_fit(
+    tiny_model_dir: Path,
+) -> None:
+    eager = load_model(tiny_model_dir)
+    eager.set_attn_implementation("eager")
+    assert not use_packed_sdpa(eager)  # eager reads the samples from the position ids itself
+    assert eager.config._attn_implementation == "eager"
+    model = load_model(tiny_model_dir).eval()
+    assert use_packed_sdpa(model)
+    with pytest.raises(ValueError, match="segment_lengths sum to 7"):
+        model.get_decoder()(
+            input_ids=torch.tensor([[5, 6, 7, 8, 9]]),
+            position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
+            segment_lengths=(3, 4),
+        )

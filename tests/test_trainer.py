@@ -176,3 +176,23 @@ def test_adaptive_kl_adapts_after_each_step_is_recorded_and_resumes(tmp_path: Pa
     fixed = _config()
     fixed.train.kl_coef = 0.05
     assert Trainer(fixed, setup_torch(fixed), None).update(scored_batch(SIGNAL))["kl_coef"] == 0.05
+
+
+@pytest.mark.parametrize(
+    ("tokens", "compile_body", "want"),
+    [(0, False, "sdpa"), (64, False, "grail_packed_sdpa"), (64, True, "sdpa")],
+)
+def test_packed_pieces_attend_per_sample_unless_the_body_is_compiled(
+    tokens: int, compile_body: bool, want: str
+) -> None:
+    """train.micro_batch_tokens > 0 switches policy and reference from sdpa's dense
+    block-diagonal mask to sdpa per sample (grail/models/packed_attention.py); a compiled body
+    keeps sdpa (the samples' lengths, new every batch, would recompile it)."""
+    cfg = _config()
+    cfg.train.micro_batch_tokens = tokens
+    cfg.train.compile = compile_body
+    cfg.train.kl_coef = 0.05
+    trainer = Trainer(cfg, setup_torch(cfg), None)
+    assert trainer.model.config._attn_implementation == want
+    assert trainer.ref_model is not None
+    assert trainer.ref_model.config._attn_implementation == want

@@ -3,11 +3,13 @@
 With `train.micro_batch_tokens` set, each micro-batch of `train.batch_size` samples (what the
 loss normalises over and the optimizer steps on) is run in pieces of at most that many tokens.
 A piece is ONE row holding its samples one after the other, prompt then completion, with
-position ids starting again at 0 for every sample. transformers reads that layout from the
-position ids alone (attention_mask=None, no cache): `masking_utils.find_packed_sequence_indices`
-gives sdpa/eager a block-diagonal causal mask and flash-attention its varlen sequence starts, so
-no token attends across samples and padding costs nothing. A sample longer than the budget is a
-piece of its own.
+position ids starting again at 0 for every sample, so no token attends across samples and
+padding costs nothing. A model on sdpa (transformers' default) is switched to packed sdpa
+(grail/models/packed_attention.py: sdpa per sample, told the samples' lengths); eager, flash and
+flex attention read the layout from the position ids alone (attention_mask=None, no cache:
+`masking_utils.find_packed_sequence_indices` gives eager a block-diagonal causal mask and
+flash-attention its varlen sequence starts). A sample longer than the budget is a piece of its
+own.
 
 The output layer runs on the completion-predicting positions only, `head_chunk_tokens` rows at a
 time, each chunk under activation checkpointing: the [tokens, vocabulary] logits of one chunk
@@ -37,19 +39,20 @@ from torch.utils.checkpoint import checkpoint
 
 from grail.algo.logprobs import token_entropy, token_logprobs
 from grail.models.lora import AdapterOff
+from grail.models.packed_attention import packed_sdpa_enabled
 from grail.rollouts.batch import Sample
 
 # Completion-predicting positions per output-layer chunk: at a 152k vocabulary one chunk's
 # logits are 4096 x 152k x 2 B = 1.2 GB in bf16 (chunks of 4096 measured in docs/gpu.md).
 DEFAULT_HEAD_CHUNK_TOKENS = 4096
 
-# train.micro_batch_tokens=null on CUDA. Bounded by attention, not memory: with sdpa the packed
-# row gets a dense [T, T] block-diagonal mask, so sdpa cannot use its flash kernel and computes
-# every score of the row. At the 0.5B shape that masked work is ~T/25,000 of the linear layers'
-# (24 layers x 4 x 896 x T against 6 x 0.36B per token): ~16% at 4096 tokens, ~65% at 16384
-# (measured on CPU: 4096-token pieces 5x slower per token than 512-token pieces at the tiny
-# shape; docs/benchmarks.md). On CPU null means 0 (unpacked micro-batches, which share each
-# prompt's forward pass among its completions: faster for short completions).
+# train.micro_batch_tokens=null on CUDA. Chosen when the packed row's attention was sdpa with a
+# dense [T, T] block-diagonal mask (no flash kernel, every score of the row computed: ~16% of the
+# linear layers' work at 4096 tokens, ~65% at 16384 at the 0.5B shape; 3.6% MFU measured on an
+# H200, docs/benchmarks.md). Packed sdpa attends per sample, so the budget now bounds memory
+# only; 4096 stays until a larger one is measured on a GPU. On CPU null means 0 (unpacked
+# micro-batches, which share each prompt's forward pass among its completions: faster for short
+# completions).
 DEFAULT_CUDA_MICRO_BATCH_TOKENS = 4096
 
 
@@ -69,6 +72,7 @@ class PackedRow:
     position_ids: Tensor  # [1, T] 0, 1, ... again from 0 at each sample
     predict_at: Tensor  # [N] positions whose output predicts a completion token, sample-major
     target_ids: Tensor  # [N] the completion tokens they predict
+    segment_lengths: tuple[int, ...]  # the samples' lengths (prompt + completion), in row order
 
 
 def split_by_tokens(
@@ -97,6 +101,7 @@ def packed_row(items: Sequence[tuple[list[int], Sample]], device: torch.device |
     positions: list[int] = []
     predict_at: list[int] = []
     targets: list[int] = []
+    lengths: list[int] = []
     for prompt, sample in items:
         if not prompt:
             raise ValueError("a sample has an empty prompt: nothing predicts its first token")
@@ -105,6 +110,7 @@ def packed_row(items: Sequence[tuple[list[int], Sample]], device: torch.device |
         sequence = list(prompt) + completion
         ids += sequence
         positions += range(len(sequence))
+        lengths.append(len(sequence))
         # Position p's output predicts token p + 1: the last prompt token predicts the first
         # completion token, and so on up to the completion's second-to-last token.
         first = start + len(prompt) - 1
@@ -115,6 +121,7 @@ def packed_row(items: Sequence[tuple[list[int], Sample]], device: torch.device |
         position_ids=torch.tensor([positions], device=device),
         predict_at=torch.tensor(predict_at, dtype=torch.long, device=device),
         target_ids=torch.tensor(targets, dtype=torch.long, device=device),
+        segment_lengths=tuple(lengths),
     )
 
 
@@ -168,12 +175,16 @@ def packed_logprobs(
     directly rather than through the model's wrapped forward.
     """
     decoder, head, context = decoder_and_head(model)
+    # With packed sdpa (grail/models/packed_attention.py) each sample attends alone, told by
+    # its length; other attentions read the samples from the position ids.
+    per_sample = {"segment_lengths": row.segment_lengths} if packed_sdpa_enabled(decoder) else {}
     with context, autocast():
         hidden = decoder(
             input_ids=row.input_ids,
             position_ids=row.position_ids,
             attention_mask=None,  # packed: the position ids separate the samples
             use_cache=False,
+            **per_sample,
         ).last_hidden_state[0, row.predict_at]  # [N, H]
         pieces: list[tuple[Tensor, Tensor]] = []
         for start in range(0, hidden.shape[0], head_chunk_tokens):

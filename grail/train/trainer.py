@@ -33,6 +33,7 @@ from grail.models.lora import (
     with_new_adapter,
     with_saved_adapter,
 )
+from grail.models.packed_attention import use_packed_sdpa
 from grail.models.tiny import resolve_model
 from grail.rollouts.batch import Group, RolloutBatch
 from grail.train.checkpoint import (
@@ -42,7 +43,7 @@ from grail.train.checkpoint import (
     set_rng_state,
     stage_checkpoint,
 )
-from grail.train.packing import decoder_and_head
+from grail.train.packing import decoder_and_head, resolve_micro_batch_tokens
 from grail.train.update import UpdateSettings, policy_update
 
 log = logging.getLogger("grail.train")
@@ -152,6 +153,13 @@ class Trainer:
                 if resume_from is not None
                 else with_new_adapter(model, lora)
             )
+        packed = resolve_micro_batch_tokens(cfg.train.micro_batch_tokens, device) > 0
+        # Packed pieces attend per sample (grail/models/packed_attention.py) rather than through
+        # sdpa's dense block-diagonal mask. Not under compile: the samples' lengths, different
+        # every batch, would make the compiled body recompile.
+        per_sample = packed and not cfg.train.compile
+        if per_sample:
+            use_packed_sdpa(model)
         if cfg.train.compile:
             # The body only: the output layer runs in checkpointed chunks (packing.py), and the
             # body is what both the padded and the packed forward passes call.
@@ -172,6 +180,8 @@ class Trainer:
                     device=device,
                 )
                 self.ref_model.eval().requires_grad_(False)
+                if per_sample:
+                    use_packed_sdpa(self.ref_model)
         optimizer = torch.optim.AdamW(
             trainable_parameters(model),
             lr=cfg.train.lr,

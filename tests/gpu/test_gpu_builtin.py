@@ -48,7 +48,14 @@ def _check_run(run_dir: Path, iterations: int) -> list[dict]:
         assert record["tokens"]["completion"] > 0
         assert math.isfinite(record["loss_total"])
         assert record["grad_norm"] is not None  # finite: bf16 training did not blow up
-        assert record["weight_sync"] == {"mode": "in_place", "fell_back": False}
+        # In place, carried by CUDA IPC handles (the shared route: built-in server on the
+        # trainer's GPU), and never fell back to disk.
+        assert record["weight_sync"] == {
+            "mode": "in_place",
+            "fell_back": False,
+            "transfer": "shared",
+            "transfer_fallbacks": 0,
+        }
         records.append(record)
     validate_metrics(read_metrics(run_dir / "summary.json"), "summary")
     assert (run_dir / "metrics" / f"eval_iter_{iterations - 1:03d}.json").exists()
