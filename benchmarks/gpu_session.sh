@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md in one go, for a GPU lent for a few minutes:
 #
-#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup mfu mfu_compile mfu15 decode loop tests
+#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup attention mfu mfu_compile mfu15 decode loop tests
 #
 # Every stage runs under its own time limit (a hung stage loses only itself) and writes its log
 # to $OUT/<stage>.log (OUT defaults to /tmp/gpu-out); the last lines of each log are printed at
@@ -53,11 +53,17 @@ for s in "$@"; do
           $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
           nproc; } 2>&1 | tee -a "$OUT/setup.log"
         ;;
+    attention)  # one packed row's attention: dense mask vs per sample vs varlen (seconds)
+        stage attention 60 $PY benchmarks/attention_gpu.py
+        ;;
     mfu)  # the update on the Qwen2.5-0.5B shape, 151,936-token vocab, completions uniform mean 512
         A="--json --warmup 2 --steps 4"
-        mfu mfu_default 100 $A                                    # grail-train's defaults (sdpa, 4096)
-        mfu mfu_flex 120 $A --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention
-        mfu mfu_flex_compile 150 $A --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention --compile --warmup 3
+        mfu mfu_default 100 $A                             # grail-train's defaults (packed sdpa, 4096)
+        mfu mfu_16k 100 $A --micro-batch-tokens 16384 --batch-size 64
+        mfu mfu_dense_mask 100 $A --attn-implementation sdpa  # before packed sdpa: 3.6% on an H200
+        ;;
+    mfu_flex)  # flex_attention: its compilation took > 120 s here (2026-11-26)
+        mfu mfu_flex_compile 240 --json --warmup 3 --steps 4 --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention --compile
         ;;
     mfu_compile)  # the same with the body compiled (train.compile)
         A="--json --warmup 3 --steps 4 --micro-batch-tokens 16384 --batch-size 64 --compile"
@@ -81,7 +87,7 @@ for s in "$@"; do
         stage loop_mid 200 $PY -m grail.train.cli train.iterations=6 "model.train_id=$RUNS/mid-model" train.lr=1e-5 "hydra.run.dir=$RUNS/mid"
         stage loop_split 30 $PY benchmarks/iteration_times.py "$RUNS/default" "$RUNS/mid"
         ;;
-    *) echo "unknown stage $s (setup mfu mfu_compile mfu15 decode loop tests)" ;;
+    *) echo "unknown stage $s (setup attention mfu mfu_compile mfu15 decode loop tests)" ;;
     esac
 done
 
