@@ -121,6 +121,43 @@ def test_impossible_combinations_name_the_key(override: str, key: str) -> None:
         validate(_compose(*override.split()))
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=inf",
+        "train.weight_decay=inf",
+        "train.kl_coef=nan",
+        "train.kl_coef=inf",
+        "train.entropy_coef=inf",
+        "train.epsilon=inf",
+        "generation.temperature=inf",
+        "train.grad_clip=-inf",
+        "train.is_clip_max=nan",
+        "generation.request_timeout_s=inf",
+    ],
+)
+def test_a_non_finite_float_is_refused_naming_the_key(override: str) -> None:
+    """inf passes `> 0`: these trained an iteration and crashed writing its metrics, or failed
+    in the sampler, before validation checked every float for finiteness."""
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')} must be a finite number"):
+        validate(_compose(override))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.lr=1e308", r"train\.lr must be <= 1"),
+        ("train.weight_decay=-0.1", r"train\.weight_decay must be >= 0"),
+        ("train.grad_clip=0", r"train\.grad_clip must be > 0"),
+        ("generation.request_timeout_s=0", r"generation\.request_timeout_s must be > 0"),
+    ],
+)
+def test_a_float_out_of_its_range_is_refused(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(_compose(override))
+
+
 CHOICES_OUTSIDE_THEIR_ENUM = [
     ("train.loss_type", "ppo"),
     ("generation.backend", "tgi"),
@@ -178,12 +215,17 @@ def test_logging_backends_are_accepted() -> None:
     assert cfg.logging.tensorboard and cfg.logging.wandb and cfg.logging.wandb_project == "p"
 
 
-def test_cli_rejects_bad_config_before_loading_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "override,key", [("data.rollouts_per_problem=1", "data.rollouts_per_problem"),
+                     ("train.lr=inf", "train.lr")],
+)  # fmt: skip
+def test_cli_rejects_bad_config_before_loading_anything(
+    tmp_path: Path, override: str, key: str
+) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "grail.train.cli", "data.rollouts_per_problem=1",
-         f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "grail.train.cli", override, f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "data.rollouts_per_problem" in result.stdout + result.stderr
+    assert key in result.stdout + result.stderr
     assert not (tmp_path / "weights").exists()

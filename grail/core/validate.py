@@ -5,7 +5,8 @@ ranges and combinations that cannot work, each error naming the key. One functio
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
 
 from grail.core.choices import (
@@ -83,10 +84,32 @@ def check_known_keys(cfg: Config) -> None:
         )
 
 
+def float_values(node: object, prefix: str = "") -> Iterator[tuple[str, float]]:
+    """(key, value) of every float in `node` (a config dataclass) and its sections, e.g.
+    ("train.lr", 0.001). Free-form fields (reward entries, env kwargs) are checked by what
+    takes them."""
+    for f in fields(node):  # type: ignore[arg-type]
+        key, value = prefix + f.name, getattr(node, f.name)
+        if isinstance(value, float):
+            yield key, value
+        elif is_dataclass(value) and not isinstance(value, type):
+            yield from float_values(value, key + ".")
+
+
+def check_finite(cfg: Config) -> None:
+    """nan and inf pass every `> 0` check that NaN does not fail (inf > 0), and then crash the
+    run after it started: train.lr=inf trained an iteration and lost its metrics, temperature=inf
+    failed in the sampler. No key of the schema means anything at inf or nan."""
+    for key, value in float_values(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+
+
 def validate(cfg: Config) -> None:
     """Reject keys outside the schema and combinations that cannot work, naming the key. Types
     were checked by OmegaConf."""
     check_known_keys(cfg)
+    check_finite(cfg)
     validate_gpu(cfg)
     validate_generation(cfg)
     validate_weight_transfer(cfg)
@@ -137,6 +160,7 @@ def validate_generation(cfg: Config) -> None:
         raise ConfigError(f"generation.max_restarts must be >= 0, got {gen.max_restarts}")
     if gen.start_timeout_s is not None:
         _positive("generation.start_timeout_s", gen.start_timeout_s)
+    _positive("generation.request_timeout_s", gen.request_timeout_s)
 
 
 def validate_train(cfg: Config) -> None:
@@ -174,8 +198,10 @@ def validate_train(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be > 0 or null, got {bound}")
     if lo is not None and hi is not None and lo >= hi:
         raise ConfigError(f"train.is_clip_min ({lo}) must be < train.is_clip_max ({hi})")
-    for key in ("iterations", "lr", "batch_size", "grad_accum_steps", "epsilon"):
+    for key in ("iterations", "lr", "batch_size", "grad_accum_steps", "epsilon", "grad_clip"):
         _positive(f"train.{key}", getattr(t, key))
+    if t.lr > 1:  # AdamW steps each weight by ~lr: past 1 the weights are noise (1e308 overflowed)
+        raise ConfigError(f"train.lr must be <= 1, got {t.lr}")
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
@@ -184,7 +210,7 @@ def validate_train(cfg: Config) -> None:
             "train.micro_batch_tokens must be >= 0 (0: off) or null (4096 on CUDA, 0 on CPU), "
             f"got {t.micro_batch_tokens}"
         )
-    for key in ("kl_coef", "entropy_coef", "warmup_steps"):
+    for key in ("kl_coef", "entropy_coef", "warmup_steps", "weight_decay"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.epsilon_high is not None and t.epsilon_high < t.epsilon:
