@@ -70,11 +70,6 @@ def leaked_processes() -> dict[int, str]:
             if stat is not None:
                 stats[int(entry)] = stat
     for pid, (_, ppid, pgid) in stats.items():
-        if ppid == me and _cmdline(pid) == "torch_shm_manager":
-            # torch's shared-memory daemon (the weight transfer's "file_system" strategy,
-            # grail/inference/weights/shared.py): this process is its client until it exits, and it
-            # exits once its last client has.
-            continue
         if ppid == me:
             leaked[pid] = _cmdline(pid)
             if pgid != os.getpgid(0):

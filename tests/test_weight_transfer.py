@@ -7,7 +7,10 @@ served weights written back before a restart."""
 from __future__ import annotations
 
 import base64
+import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -31,6 +34,7 @@ from grail.inference.weights.disk import DiskRoute
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.route import make_fast_route, resolve_route
 from grail.inference.weights.shared import FlatWeights, tensor_payload
+from grail.inference.weights.shm_file import PREFIX, remove_stale, shm_dir
 from grail.inference.weights.syncer import MAX_FAILURES_IN_A_ROW, WeightSyncer
 from grail.models.loading import load_model
 from grail.rollouts.batch import WeightSync
@@ -239,6 +243,59 @@ def test_shared_route_serves_exactly_the_new_weights(server: BuiltinServer) -> N
     assert all(torch.equal(tensor, state[name]) for name, tensor in on_disk.items())
     assert (server.model_path / "model.safetensors").read_bytes() != before
     transfer.before_restart()  # once written, never again
+
+
+def _children_named(name: str) -> list[int]:
+    me = str(os.getpid())
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if rest.split()[1] == me and comm.endswith(f"({name}"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_shared_route_leaves_no_process_and_no_file_behind(server: BuiltinServer) -> None:
+    """torch's "file_system" strategy started torch_shm_manager, a child that outlived every
+    in-process run (the smoke test failed on it); the buffers are now files in /dev/shm that
+    the route unlinks when it closes."""
+    model = load_model(str(server.model_path), dtype="float32", device="cpu")
+    _perturb(model, seed=4)
+    transfer = WeightSyncer.for_server(server, "shared")
+    assert transfer.sync(PolicyWeights(model), "iter_008").transfer == "shared"
+    files = list(shm_dir().glob(f"{PREFIX}{os.getpid()}-*"))
+    assert files, "the buffers live in the shared-memory directory while the route is open"
+    assert _children_named("torch_shm_manager") == []
+    transfer.close()
+    assert [f for f in files if f.exists()] == []
+
+
+def test_buffer_files_of_dead_trainers_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{PREFIX}{dead.pid}-0a1b"
+    mine = tmp_path / f"{PREFIX}{os.getpid()}-0a1b"
+    other = tmp_path / "unrelated-file"
+    for path in (stale, mine, other):
+        path.write_bytes(b"x")
+    assert remove_stale(tmp_path) == [stale]
+    assert not stale.exists() and mine.exists() and other.exists()
+
+
+def test_tensor_route_maps_weight_buffer_files_only(server: BuiltinServer, tmp_path: Path) -> None:
+    url = f"{server.root_url}/update_weights_from_tensor"
+    for path in ("/etc/passwd", str(shm_dir() / "not-ours"), str(tmp_path / f"{PREFIX}1-x")):
+        bucket = {"file": path, "dtype": "float32", "numel": 4, "entries": []}
+        payload = base64.b64encode(pickle.dumps(bucket)).decode()
+        answer = httpx.post(
+            url, json={"serialized_named_tensors": [payload]}, headers=server._headers(), timeout=10
+        )
+        assert answer.status_code == 400
+        assert "is not a weight buffer file" in answer.json()["message"], answer.json()
 
 
 def test_refused_tensors_leave_the_old_weights_serving(server: BuiltinServer) -> None:

@@ -4,8 +4,9 @@ Modelled on SGLang's route of the same name (``serialized_named_tensors``: base6
 tensors whose storage travels as a handle, never as data; ``load_format: flattened_bucket``: one
 flat tensor per dtype with the entries that cut it): the trainer fills one buffer per dtype on
 its device (grail/inference/weights/shared.py ``FlatWeights``) and sends handles to them, CUDA IPC
-handles on a GPU, shared-memory segment names on CPU (torch's "file_system" strategy). This
-server maps them and copies into its parameters, between batches, exactly as the disk route:
+handles on a GPU, the path of the buffer's file in /dev/shm on CPU
+(grail/inference/weights/shm_file.py). This server maps them and copies into its parameters,
+between batches, exactly as the disk route:
 
 - every bucket is unpickled and every tensor checked against the served model (names, shapes,
   each parameter covered) before anything is copied, so a refused update leaves the old weights
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from grail.inference.builtin.weights import WeightUpdateError, check_tensors
+from grail.inference.weights.shm_file import open_shared
 
 ROUTE = "/update_weights_from_tensor"
 _REDUCTIONS = "torch.multiprocessing.reductions"
@@ -68,7 +70,6 @@ class _HandleUnpickler(pickle.Unpickler):
         ("torch.storage", "TypedStorage"),
         (_REDUCTIONS, "rebuild_tensor"),
         (_REDUCTIONS, "rebuild_typed_storage"),
-        (_REDUCTIONS, "rebuild_storage_filename"),
     }
 
     def __init__(self, data: bytes, device_index: int | None) -> None:
@@ -125,9 +126,20 @@ def decode_buckets(
 
 def _bucket_views(bucket: Any, i: int, device: torch.device) -> dict[str, torch.Tensor]:
     where = f"serialized_named_tensors[{i}]"
-    if not isinstance(bucket, dict) or set(bucket) != {"tensor", "entries"}:
-        raise WeightUpdateError(f"{where} must hold {{'tensor', 'entries'}}")
-    flat, entries = bucket["tensor"], bucket["entries"]
+    if isinstance(bucket, dict) and set(bucket) == {"file", "dtype", "numel", "entries"}:
+        if device.type != "cpu":
+            raise WeightUpdateError(f"{where}: a CPU buffer file for a {device} server")
+        try:
+            flat = open_shared(str(bucket["file"]), str(bucket["dtype"]), int(bucket["numel"]))
+        except (OSError, ValueError, TypeError) as exc:
+            raise WeightUpdateError(f"{where}: {exc}") from exc
+    elif isinstance(bucket, dict) and set(bucket) == {"tensor", "entries"}:
+        flat = bucket["tensor"]
+    else:
+        raise WeightUpdateError(
+            f"{where} must hold {{'tensor', 'entries'}} or {{'file', 'dtype', 'numel', 'entries'}}"
+        )
+    entries = bucket["entries"]
     if not isinstance(flat, torch.Tensor) or flat.dim() != 1:
         raise WeightUpdateError(f"{where}: 'tensor' must be a flat tensor")
     if flat.device.type != device.type:

@@ -2,8 +2,8 @@
 
 shared (the built-in server on the trainer's device): the weights are copied, in the server's
 dtype, into one flat buffer per dtype on the trainer's device (`FlatWeights`), which the server
-opens through `torch.multiprocessing.reductions` handles (CUDA IPC on a GPU, the "file_system"
-shared-memory strategy on CPU) and copies from, between batches (`POST
+opens through CUDA IPC handles (`torch.multiprocessing.reductions`) on a GPU, or by the name of
+its file in /dev/shm on CPU (shm_file.py), and copies from, between batches (`POST
 /update_weights_from_tensor`, grail/inference/builtin/tensor_update.py). On CPU its metrics are
 bitwise those of the disk route, float32 in both.
 
@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from grail.core.choices import WeightSyncMode
 from grail.inference.process import SyncResult
 from grail.inference.weights.policy import PolicyWeights, torch_dtype
+from grail.inference.weights.shm_file import SharedFile, remove_stale
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,14 @@ class FlatWeights:
     buffers, the nccl route broadcasts their views; until the next sync they hold exactly the
     weights the server serves (what a restart must write to disk first: `write_dir`).
 
-    On CPU the buffers live in shared memory (torch's "file_system" strategy: a named segment
-    another process maps by name; the default "file_descriptor" strategy passes descriptors
-    over a socket between related processes only)."""
+    On CPU the buffers are files in /dev/shm that the server maps by name (shm_file.py: no
+    helper process, unlike torch's "file_system" strategy), unlinked by `close`."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.entries: dict[torch.dtype, list[Entry]] = {}
+        self._files: dict[torch.dtype, SharedFile] = {}
         self._layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
 
     def fill(self, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
@@ -76,20 +77,30 @@ class FlatWeights:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _allocate(self, layout: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
-        self.buffers.clear()
+        self.close()
         self.entries = {}
         for name, dtype, shape in layout:
             entries = self.entries.setdefault(dtype, [])
             offset = entries[-1].offset + entries[-1].numel if entries else 0
             entries.append(Entry(name, shape, offset, math.prod(shape)))
+        if self.device.type == "cpu":
+            remove_stale()  # the files of trainers killed before they could unlink theirs
         for dtype, entries in self.entries.items():
             total = entries[-1].offset + entries[-1].numel
-            buffer = torch.empty(total, dtype=dtype, device=self.device)
             if self.device.type == "cpu":
-                with sharing_strategy("file_system"):
-                    buffer.share_memory_()
-            self.buffers[dtype] = buffer
+                self._files[dtype] = SharedFile(total, dtype)
+                self.buffers[dtype] = self._files[dtype].tensor
+            else:
+                self.buffers[dtype] = torch.empty(total, dtype=dtype, device=self.device)
         self._layout = layout
+
+    def close(self) -> None:
+        """Drop the buffers and unlink their files (CPU); `fill` makes new ones."""
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+        self.buffers.clear()
+        self._layout = None
 
     def views(self) -> Iterator[tuple[Entry, torch.Tensor]]:
         """(entry, view of its buffer) for every tensor, in the order `fill` was given them."""
@@ -105,22 +116,28 @@ class FlatWeights:
         return [(entry.name, view) for entry, view in self.views()]
 
     def serialized(self) -> list[str]:
-        """One base64 string per buffer: a pickle (torch's `ForkingPickler` reductions:
-        `reduce_tensor`) of {"tensor": buffer, "entries": [[name, shape, offset, numel]...]}.
-        The tensor pickles as a handle (CUDA IPC, or a shared-memory segment's name), never as
-        its data. The server unpickles it with an allow-list (grail/inference/builtin/
-        tensor_update.py)."""
+        """One base64 string per buffer: a pickle of {"tensor": buffer, "entries": [[name,
+        shape, offset, numel]...]} on a GPU (torch's `ForkingPickler` reductions: the tensor
+        pickles as a CUDA IPC handle, never as its data), or of {"file": path, "dtype": name,
+        "numel": n, "entries": ...} on CPU (plain values: the buffer's file, shm_file.py). The
+        server unpickles it with an allow-list (grail/inference/builtin/tensor_update.py)."""
         from multiprocessing.reduction import ForkingPickler
 
         import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
 
         out = []
-        with sharing_strategy("file_system"):
-            for dtype, buffer in self.buffers.items():
-                entries = [[e.name, list(e.shape), e.offset, e.numel] for e in self.entries[dtype]]
-                stream = io.BytesIO()
-                ForkingPickler(stream).dump({"tensor": buffer, "entries": entries})
-                out.append(base64.b64encode(stream.getvalue()).decode("ascii"))
+        for dtype, buffer in self.buffers.items():
+            entries = [[e.name, list(e.shape), e.offset, e.numel] for e in self.entries[dtype]]
+            bucket: dict[str, Any]
+            if dtype in self._files:
+                file = self._files[dtype]
+                name = str(dtype).removeprefix("torch.")
+                bucket = {"file": str(file.path), "dtype": name, "numel": file.numel}
+            else:
+                bucket = {"tensor": buffer}
+            stream = io.BytesIO()
+            ForkingPickler(stream).dump({**bucket, "entries": entries})
+            out.append(base64.b64encode(stream.getvalue()).decode("ascii"))
         return out
 
     def device_uuid(self) -> str | None:
@@ -140,20 +157,6 @@ class FlatWeights:
             with contextlib.suppress(FileNotFoundError):
                 old.unlink()
         os.replace(tmp, directory / "model.safetensors")
-
-
-@contextlib.contextmanager
-def sharing_strategy(strategy: str) -> Iterator[None]:
-    """torch.multiprocessing's sharing strategy set to `strategy` for the block (it is process
-    wide; the trainer's other uses keep the default)."""
-    import torch.multiprocessing as mp
-
-    previous = mp.get_sharing_strategy()
-    mp.set_sharing_strategy(strategy)
-    try:
-        yield
-    finally:
-        mp.set_sharing_strategy(previous)
 
 
 def tensor_payload(flat: FlatWeights, weight_version: str) -> dict[str, Any]:
@@ -214,6 +217,8 @@ class StagedRoute(ABC):
         self._flat.write_dir(directory)
 
     def close(self) -> None:
+        if self._flat is not None:
+            self._flat.close()
         self._flat = None
 
 
