@@ -36,9 +36,11 @@ from grail.core.validate import validate
 from grail.inference.builtin.engine import Engine
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.weights import WeightUpdateError
+from grail.models.loading import load_model
 from grail.models.lora import AdapterOff, with_new_adapter
 from grail.report.cli import main as report_main
 from grail.train.export_merged import export_merged
+from grail.train.export_merged import main as export_main
 from grail.train.trainer import Trainer, setup_torch
 
 PROMPT = [3, 17, 42, 9, 11]
@@ -201,6 +203,47 @@ def test_a_checkpoint_exports_as_a_merged_model(lora_run: Path, tmp_path: Path) 
     assert (out / "tokenizer.json").exists()
     with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
         export_merged(tmp_path / "merged", tmp_path / "again")
+
+
+def test_export_refuses_a_missing_checkpoint_a_used_out_dir_and_the_checkpoint_itself(
+    lora_run: Path, tmp_path: Path
+) -> None:
+    checkpoint = lora_run / "checkpoints" / "iter_003"
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
+        export_merged(tmp_path / "nowhere", tmp_path / "out")
+    with pytest.raises(ValueError, match="is the checkpoint itself"):
+        export_merged(checkpoint, checkpoint, force=True)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="is not empty"):
+        export_merged(checkpoint, used)
+    # The command line says so in one line, and --force writes anyway.
+    with pytest.raises(SystemExit, match="grail-export-merged: .*is not empty"):
+        export_main([str(checkpoint), str(used)])
+    export_main([str(checkpoint), str(used), "--force"])
+    assert (used / "notes.txt").read_text() == "mine" and (used / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("lora", "match"),
+    [
+        ({"target_modules": ["bogus_proj"]}, r"target_modules: 'bogus_proj' names no layer"),
+        ({"target_modules": ["q_proj", "bogus_proj"]}, "'bogus_proj'"),  # peft took it silently
+        ({"target_modules": ["mlp"]}, "'mlp' names no layer LoRA can wrap"),  # not a linear layer
+        ({"modules_to_save": ["bogus"]}, r"modules_to_save: 'bogus' matches no module"),
+    ],
+)
+def test_lora_module_names_are_checked_against_the_model(
+    tiny_model_dir: Path, lora: dict[str, list[str]], match: str
+) -> None:
+    model = load_model(tiny_model_dir)
+    with pytest.raises(ConfigError, match=match) as error:
+        with_new_adapter(model, LoraConfig(enabled=True, **lora))  # type: ignore[arg-type]
+    assert "q_proj" in str(error.value) or "input_layernorm" in str(error.value)  # the names
+    with_new_adapter(
+        load_model(tiny_model_dir), LoraConfig(enabled=True, target_modules=["q_proj"])
+    )
 
 
 @pytest.mark.parametrize(

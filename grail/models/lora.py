@@ -10,6 +10,7 @@ built-in server adds it to its base in place (grail/inference/builtin/lora.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 
 from grail.core.config import LoraConfig
+from grail.core.errors import ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -36,8 +38,47 @@ def peft_config(lora: LoraConfig) -> PeftLoraConfig:
     )
 
 
+# The layers peft's LoRA can wrap (peft/tuners/lora/model.py dispatches on these).
+_LORA_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+
+
+def _lora_layer(module: torch.nn.Module) -> bool:
+    return isinstance(module, _LORA_LAYERS) or type(module).__name__ == "Conv1D"  # GPT-2's
+
+
+def module_suffixes(model: torch.nn.Module, keep: Callable[[torch.nn.Module], bool]) -> list[str]:
+    """The last name part of `model`'s modules that pass `keep` (q_proj, input_layernorm, ...),
+    sorted: how a user names them in model.lora.*."""
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and keep(m)}
+    )
+
+
+def check_lora_modules(model: torch.nn.Module, lora: LoraConfig) -> None:
+    """Refuse, naming them and the model's names, entries of model.lora.target_modules that
+    match no layer LoRA can wrap, and of model.lora.modules_to_save that match no module. peft
+    raised a traceback for a list that matched nothing, and silently ignored unknown names in a
+    list that matched something ([q_proj, bogus_proj]). Matching is peft's: a target matches a
+    module whose name is it or ends in `.<target>`, a module to save one whose name ends in it."""
+    names = [(name, m) for name, m in model.named_modules() if name]
+    for target in lora.target_modules or []:
+        if not any((n == target or n.endswith("." + target)) and _lora_layer(m) for n, m in names):
+            raise ConfigError(
+                f"model.lora.target_modules: {target!r} names no layer LoRA can wrap in this "
+                f"model; its linear layers are: {', '.join(module_suffixes(model, _lora_layer))}"
+            )
+    for saved in lora.modules_to_save:
+        if not any(n.endswith(saved) for n, _ in names):
+            raise ConfigError(
+                f"model.lora.modules_to_save: {saved!r} matches no module of this model; its "
+                f"modules are named: {', '.join(module_suffixes(model, lambda m: True))}"
+            )
+
+
 def with_new_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
-    """`model` frozen under a fresh adapter (B = 0: the policy starts as the base)."""
+    """`model` frozen under a fresh adapter (B = 0: the policy starts as the base), after
+    `check_lora_modules`."""
+    check_lora_modules(model, lora)
     return get_peft_model(model, peft_config(lora))
 
 

@@ -9,10 +9,13 @@ from peft import PeftModel
 from grail.models.lora import ADAPTER_CONFIG, is_adapter_dir
 
 
-def export_merged(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Path:
+def export_merged(
+    checkpoint: Path, out_dir: Path, dtype: str = "float32", *, force: bool = False
+) -> Path:
     """Write the model of a LoRA checkpoint (`RUN_DIR/checkpoints/iter_XXX`) as one plain
     `save_pretrained` directory, base and adapter merged, with the tokenizer: what transformers,
-    vLLM or SGLang load as any model. The base is the one the run's config names."""
+    vLLM or SGLang load as any model. The base is the one the run's config names. `out_dir`
+    must be new or empty (`force`: written into anyway), and never the checkpoint."""
     import yaml
 
     from grail.models.loading import load_model, load_tokenizer
@@ -20,6 +23,15 @@ def export_merged(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> Pa
     from grail.train.checkpoint import load_trainer_state
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"{checkpoint} does not exist")
+    if out_dir.exists() and out_dir.resolve() == checkpoint.resolve():
+        raise ValueError(f"{out_dir} is the checkpoint itself: write the merged model elsewhere")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise FileExistsError(
+            f"{out_dir} is not empty: its files would mix with the merged model's; choose a new "
+            "directory, or pass --force to write into it"
+        )
     if not is_adapter_dir(checkpoint):
         raise FileNotFoundError(
             f"{checkpoint} holds no LoRA adapter ({ADAPTER_CONFIG}): a full fine-tuning "
@@ -45,12 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="RUN_DIR/checkpoints/iter_XXX")
     parser.add_argument("out_dir", type=Path, help="where to write the merged model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--force", action="store_true", help="write into OUT_DIR even if it is not empty"
+    )
     args = parser.parse_args(argv)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     try:
-        out = export_merged(args.checkpoint, args.out_dir, args.dtype)
+        out = export_merged(args.checkpoint, args.out_dir, args.dtype, force=args.force)
     except (OSError, ValueError, KeyError) as exc:
         raise SystemExit(f"grail-export-merged: {exc}") from None
     print(f"merged model written to {out}")
