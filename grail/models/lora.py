@@ -49,9 +49,8 @@ def _lora_layer(module: torch.nn.Module) -> bool:
 def module_suffixes(model: torch.nn.Module, keep: Callable[[torch.nn.Module], bool]) -> list[str]:
     """The last name part of `model`'s modules that pass `keep` (q_proj, input_layernorm, ...),
     sorted: how a user names them in model.lora.*."""
-    return sorted(
-        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and keep(m)}
-    )
+    last = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and keep(m)}
+    return sorted(n for n in last if not n.isdigit())  # not the layers' indices
 
 
 def check_lora_modules(model: torch.nn.Module, lora: LoraConfig) -> None:
