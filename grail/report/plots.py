@@ -271,9 +271,9 @@ def plot_seeds(
     settings: VerdictSettings = REPORT_SETTINGS,
 ) -> None:
     """Eval success rate over policy versions per setting: each seed a thin line (a pruned one
-    dash-dotted, ending in x where it stopped, then held there), the mean over the seeds bold with
-    the table's interval as a band (inside [0, 1] by construction: nothing is clipped). The legend
-    gives each setting's ranking metric and verdict."""
+    dash-dotted, ending in x where it stopped, then dotted at the value it counts with), the mean
+    over the seeds bold with the table's interval as a band (inside [0, 1] by construction:
+    nothing is clipped). The legend gives each setting's ranking metric and verdict."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,12 +288,14 @@ def plot_seeds(
         if not curves:
             continue
         color = colors[i % len(colors)]
-        for r, _ in curves:
+        for r, counted in curves:
             seed_xs, seed_ys = zip(*r.curve, strict=True)
             style = _LINESTYLE[r.status]
             ax.plot(seed_xs, seed_ys, linestyle=style, linewidth=0.7, alpha=0.45, color=color)
-            if r.status == "pruned":
+            if r.status == "pruned":  # where it stopped, then the value it counts with, dotted
                 ax.plot(seed_xs[-1], seed_ys[-1], marker="x", markersize=6, color=color, alpha=0.7)
+                held_xs, held_ys = zip(*counted[len(r.curve) - 1 :], strict=True)
+                ax.plot(held_xs, held_ys, linestyle=":", linewidth=0.7, alpha=0.45, color=color)
         points = mean_curve([curve for _, curve in curves], settings)
         xs = [p.version for p in points]
         ys = [cast(float, p.interval.mean) for p in points]  # each point has >= 1 value

@@ -6,7 +6,7 @@ Pure math (numpy and scipy, no I/O), shared by `grail-report`, racing and seed-a
 outcomes against it:
 
 - WORSE: shown worse than the best by a paired test over the seeds both share, with the family-wise
-  error over all the comparisons held at `alpha` (Holm, see `_holm`);
+  error over all the comparisons held at `alpha` (Holm, see `holm`);
 - EQUIVALENT: shown within `delta` of the best by a paired equivalence test (TOST);
 - NOT_SEPARATED: neither yet; `seeds_to_separate` estimates how many seeds per setting would show
   it worse with probability `power` (None when that would take more than SEEDS_CAP: the difference
@@ -35,12 +35,14 @@ tests/test_verdicts.py:
    - t, because nothing distribution-free can decide on 4-6 seeds: the exact sign-flip test's
      smallest two-sided p is 2 / 2^n (0.125 with 4 seeds), before any multiplicity. The t test
      separates the issue's 1e-3 from 5e-3 on 4 seeds and 2e-2 on 5-6 (82% / 97% of simulated
-     studies). Its level holds on symmetric differences (Efron 1969), which is what the null
-     "both settings draw from the same per-seed distribution" gives;
-   - two-sided and over all pairs, because the best is picked after seeing the data: testing the
-     post hoc best one-sided against k - 1 others rejected 6-9% of null studies even on normal
-     data. Any "worse" then lies in the family of all pairwise two-sided tests, and Holm over that
-     family (the comparisons with the best are a subset, see `_holm`) bounds the error by alpha;
+     studies). Under the null "both settings draw from the same per-seed distribution" the
+     paired differences are symmetric, where the t test is conservative at the usual levels
+     (Efron 1969) except for the ties below;
+   - two-sided and over all pairs, because the best is picked after seeing the data: Holm over
+     only the k - 1 comparisons with the post hoc best called a setting worse in 6-9% of null
+     studies of 3-5 settings, even on normal data. Any "worse" lies in the family of all
+     pairwise two-sided tests, whichever setting is best, and Holm over that family (the
+     comparisons with the best are a subset, see `holm`) bounds the error by alpha;
    - the minimum seeds, because the t test calls differences that are identical on every seed
      (0/1 outcomes: seeds that either solve the task or not) certain, p = 0. For a fair coin that
      happens to one pair of settings with probability 2 * 4^-n; the minimum keeps it below alpha
