@@ -102,3 +102,26 @@ def test_plot_heatmap_writes_a_png(tmp_path: Path) -> None:
     assert out.name == "curves_heatmap.png"
     plot_heatmap(grid, out, "study")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_seeds_draws_every_seed_and_a_pruned_one(tmp_path: Path) -> None:
+    from grail.report.plots import plot_seeds
+    from grail.study.stats import summarize
+
+    def run(name: str, seed: int, status: str, curve: list[tuple[int, float]]) -> SeedRun:
+        last = curve[-1][1]
+        return SeedRun(name, [f"seed={seed}"], status, final=last, best=last, auc=last, curve=curve)
+
+    groups = {
+        "a": [
+            run("0", 0, "done", [(0, 0.0), (2, 0.5), (4, 1.0)]),
+            run("1", 1, "pruned", [(0, 0.0), (2, 0.2)]),
+        ],
+        "b": [run("2", 0, "done", [(0, 0.0), (2, 0.1), (4, 0.0)])],
+    }
+    out = tmp_path / "curves.png"
+    plot_seeds(summarize(groups, "final"), out, "study")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.png"
+    plot_seeds([], empty, "nothing yet")
+    assert empty.stat().st_size > 0
