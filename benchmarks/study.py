@@ -8,7 +8,7 @@ whether it changed the answer.
 Each study is one `grail-train -m train.lr=... train.kl_coef=... seed=...` (Hydra's basic
 launcher: one run after another, so wall times are comparable), the second with `+prune=<pruner>`
 added. Prints, for each: runs completed and pruned, iterations trained, wall time, grail-report's
-statistics table (ranked by --metric, ties by Wilcoxon signed-rank over shared seeds); then
+statistics table (ranked by --metric, verdicts of grail/study/verdicts.py); then
 whether both name the same best setting and the same set of settings tied with it, and the
 compute pruning saved. Writes benchmarks/results/study.json.
 """
@@ -32,6 +32,7 @@ from grail.core.records import METRICS_DIR
 from grail.report.load import load_runs
 from grail.report.seeds import seed_stats
 from grail.study.stats import METRICS, SettingStats
+from grail.study.verdicts import Outcome
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,15 @@ class StudyOutcome:
     iterations_trained: int  # train metrics files written, over every run
     wall_s: float
     best: str | None  # label of the best setting
-    tied: frozenset[str]  # settings statistically indistinguishable from the best (best included)
+    tied: frozenset[str]  # settings not shown worse than the best (best included)
     stats: list[SettingStats]
 
 
 def tied_set(stats: Sequence[SettingStats]) -> frozenset[str]:
-    """The best setting and every setting the report marks as tied with it."""
+    """The best setting and every setting the report does not call worse than it (not separated
+    yet, or equivalent)."""
     return frozenset(
-        s.label for s in stats if s.is_best or (s.rank > 0 and s.tie is not None and s.tie.tied)
+        s.label for s in stats if s.verdict is not None and s.verdict.outcome is not Outcome.WORSE
     )
 
 

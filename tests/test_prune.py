@@ -338,16 +338,17 @@ def test_run_status_and_report_on_a_study_with_every_kind_of_run(
     assert "6 runs: 3 done, 1 failed, 1 incomplete, 1 pruned" in text
     table_row = next(line for line in text.splitlines() if line.startswith("│ 2 "))
     assert "pruned" in table_row and "2/4" in table_row  # the run table: status, iterations
-    assert "not in the statistics (3 runs)" in text
-    assert "pruned 2 (train.lr=1e-2, seed 0)" in text
-    assert "pruned runs (stopped early by the pruner) are not counted" in text
+    assert "not in the statistics (2 runs)" in text  # the failed and the running one
+    assert "pruned runs count, censored" in text
 
     rows = {r["setting"]: r for r in _csv(stats_csv)}
     hi, lo = rows["train.lr=1e-2"], rows["train.lr=1e-3"]
-    # train.lr=1e-2: only seed 2 completed; its pruned seed 0 (0.1) is not averaged in.
-    assert (hi["n"], hi["pruned"], hi["failed"], hi["incomplete"]) == ("1", "1", "0", "1")
-    assert float(hi["mean"]) == pytest.approx(0.8) and hi["seeds"] == "2"
-    assert (lo["n"], lo["pruned"], lo["failed"], lo["incomplete"]) == ("2", "0", "1", "0")
+    # train.lr=1e-2: seed 2 completed (0.8), seed 0 pruned at 0.1 counts, censored: the setting
+    # is not scored on its survivor alone.
+    assert (hi["n_seeds"], hi["n_censored"], hi["censored_seeds"]) == ("2", "1", "0")
+    assert (hi["pruned"], hi["failed"], hi["incomplete"]) == ("1", "0", "1")
+    assert float(hi["mean"]) == pytest.approx((0.1 + 0.8) / 2) and hi["seeds"] == "0 2"
+    assert (lo["n_seeds"], lo["pruned"], lo["failed"], lo["incomplete"]) == ("2", "0", "1", "0")
     per_run = {r["run"]: r["status"] for r in _csv(runs_csv)}
     assert per_run["2"] == "pruned"
     assert {r["run"]: r["status"] for r in _csv(tmp_path / "summary.csv")}["2"] == "pruned"

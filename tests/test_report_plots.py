@@ -82,11 +82,12 @@ def test_a_grid_with_a_hole_and_a_setting_without_completed_seeds() -> None:
     grid = grid_of(summarize(runs_by_setting, "auc"))
     assert grid is not None and len(grid.cells) == 4
     assert cell_text(grid.cells[("1e-2", "0.1")]) == "n/a"  # its only seed failed
-    # one seed: no interval; the best mean, so marked best
-    assert cell_text(grid.cells[("1e-2", "0")]) == "0.900\nn=1\nbest"
+    # one seed: an interval all the same (valid for any distribution); the best mean, so best
+    one = cell_text(grid.cells[("1e-2", "0")]).splitlines()
+    assert one[0] == "0.900" and one[1].startswith("[0.") and one[2:] == ["n=1", "best"]
     two = cell_text(grid.cells[("1e-3", "0")]).splitlines()
     assert two[0] == "0.600" and two[1].startswith("[") and two[2] == "n=2"
-    assert two[3] == "tied"  # one shared seed with the best: no test, counted as tied
+    assert two[3] == "not separated"  # one shared seed with the best: no test
 
 
 def test_plot_heatmap_writes_a_png(tmp_path: Path) -> None:
@@ -101,3 +102,26 @@ def test_plot_heatmap_writes_a_png(tmp_path: Path) -> None:
     assert out.name == "curves_heatmap.png"
     plot_heatmap(grid, out, "study")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_seeds_draws_every_seed_and_a_pruned_one(tmp_path: Path) -> None:
+    from grail.report.plots import plot_seeds
+    from grail.study.stats import summarize
+
+    def run(name: str, seed: int, status: str, curve: list[tuple[int, float]]) -> SeedRun:
+        last = curve[-1][1]
+        return SeedRun(name, [f"seed={seed}"], status, final=last, best=last, auc=last, curve=curve)
+
+    groups = {
+        "a": [
+            run("0", 0, "done", [(0, 0.0), (2, 0.5), (4, 1.0)]),
+            run("1", 1, "pruned", [(0, 0.0), (2, 0.2)]),
+        ],
+        "b": [run("2", 0, "done", [(0, 0.0), (2, 0.1), (4, 0.0)])],
+    }
+    out = tmp_path / "curves.png"
+    plot_seeds(summarize(groups, "final"), out, "study")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.png"
+    plot_seeds([], empty, "nothing yet")
+    assert empty.stat().st_size > 0

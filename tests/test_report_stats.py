@@ -13,17 +13,19 @@ from helpers.run_dirs import eval_record, make_run
 from scipy import stats as scipy_stats
 
 from grail.report.cli import main
+from grail.report.plots import seed_curves
 from grail.study.stats import (
     Interval,
     SeedRun,
+    censored_value,
     group_by_setting,
     mean_curve,
     metric_of,
-    paired_tie,
     seed_of,
     summarize,
     t_interval,
 )
+from grail.study.verdicts import Outcome, VerdictSettings, kl_interval
 
 # ---- pure statistics ----------------------------------------------------------------------------
 
@@ -78,72 +80,66 @@ def test_grouping_drops_the_seed_and_labels_by_what_differs() -> None:
     assert list(group_by_setting([["seed=0"], ["seed=1"]], lambda r: r)) == ["(defaults)"]
 
 
-def test_paired_tie_agrees_with_scipy_and_handles_degenerate_cases() -> None:
-    best = {str(s): 0.5 + 0.01 * s for s in range(6)}
-    worse = {str(s): v - 0.1 - 0.001 * i for i, (s, v) in enumerate(best.items())}
-    tie = paired_tie(best, worse, test="wilcoxon")
-    expected = scipy_stats.wilcoxon(list(best.values()), list(worse.values())).pvalue
-    assert tie.p == pytest.approx(expected)
-    assert tie.p == pytest.approx(2 / 2**6)  # exact: every difference has the same sign
-    assert not tie.tied and tie.n_shared == 6
-
-    five = {k: best[k] for k in list(best)[:5]}
-    # 5 shared seeds: p >= 0.0625, cannot be separated
-    tie5 = paired_tie(five, worse, test="wilcoxon")
-    assert tie5.p == pytest.approx(0.0625) and tie5.tied
-
-    same = paired_tie(best, dict(best))
-    assert same.tied and same.p == 1.0 and "identical" in same.reason
-
-    one = paired_tie(best, {"0": 0.0, "99": 1.0})
-    assert one.tied and one.p is None and one.reason.startswith("n/a")
-
-
-def test_paired_t_test_matches_its_closed_form_and_separates_few_seeds() -> None:
-    # differences 0.05, 0.1, 0.05: mean 1/15, sd 0.05/sqrt(3), t = 4 with 2 degrees of freedom,
-    # where the two-sided p is exactly 1 - t / sqrt(t^2 + 2)
-    best, other = {"0": 0.5, "1": 0.6, "2": 0.7}, {"0": 0.45, "1": 0.5, "2": 0.65}
-    tie = paired_tie(best, other)  # the default test
-    assert tie.test == "t" and tie.n_shared == 3
-    assert tie.p == pytest.approx(1 - 4 / math.sqrt(18))
-    assert tie.p == pytest.approx(scipy_stats.ttest_rel([0.5, 0.6, 0.7], [0.45, 0.5, 0.65]).pvalue)
-    assert tie.tied  # 0.057 >= 0.05
-    # the same setting worse by 0.3 on each of 3 seeds: Wilcoxon cannot tell (p = 0.25), t can
-    worse = {k: v - 0.3 - 0.01 * int(k) for k, v in best.items()}
-    assert paired_tie(best, worse, test="wilcoxon").tied
-    assert not paired_tie(best, worse).tied
-    # no spread in the differences: a consistent difference, p = 0
-    assert paired_tie(best, {k: v - 0.1 for k, v in best.items()}).p == 0.0
-    with pytest.raises(ValueError, match="unknown test"):
-        paired_tie(best, other, test="bootstrap")
-
-
-def test_summarize_ranks_by_mean_and_only_counts_completed_runs() -> None:
-    def run(seed: int, status: str, auc: float | None) -> SeedRun:
-        return SeedRun(f"r{seed}", [f"seed={seed}"], status, auc=auc)
+def test_summarize_ranks_by_verdict_and_counts_pruned_seeds_censored() -> None:
+    def run(seed: int, status: str, auc: float | None, final: float | None = None) -> SeedRun:
+        return SeedRun(f"r{seed}", [f"seed={seed}"], status, final=final, auc=auc)
 
     groups = {
         "a": [run(0, "done", 0.2), run(1, "done", 0.4), run(2, "failed", 0.9)],
-        "b": [run(0, "done", 0.6), run(1, "done", 0.7), run(2, "incomplete", 0.0)],
-        "c": [run(0, "failed", None)],
+        # seed 2 pruned: its auc over the evals it had (0.8) capped at its last eval (0.3)
+        "b": [run(0, "done", 0.6), run(1, "done", 0.7), run(2, "pruned", 0.8, final=0.3)],
+        "c": [run(0, "failed", None), run(1, "incomplete", 0.9)],
     }
-    a, b, c = sorted(summarize(groups, "auc"), key=lambda s: s.label)
     ranked = summarize(groups, "auc")
     assert [s.label for s in ranked] == ["b", "a", "c"]
-    assert ranked[0].is_best and ranked[0].tie is None
-    assert (b.n, b.interval.mean, b.failed, b.incomplete) == (2, pytest.approx(0.65), 0, 1)
-    assert (a.n, a.interval.mean, a.failed) == (2, pytest.approx(0.3), 1)
-    # differences 0.4 and 0.3: paired t = 7 with 1 degree of freedom, p = 1 - 2 atan(7) / pi
-    assert a.tie is not None and a.tie.n_shared == 2 and a.tie.tied
-    assert a.tie.p == pytest.approx(1 - 2 * math.atan(7) / math.pi)
-    assert c.n == 0 and c.rank == 0 and c.interval.mean is None
+    b, a, c = ranked
+    assert b.is_best and b.verdict is not None and b.verdict.outcome is Outcome.BEST
+    # the pruned seed counts, censored: b is not scored on its survivors alone
+    assert b.values_by_seed == {"0": 0.6, "1": 0.7, "2": 0.3} and b.censored == {"2"}
+    assert (b.n, b.n_censored, b.pruned, b.interval.mean) == (3, 1, 1, pytest.approx(1.6 / 3))
+    assert (b.interval.lo, b.interval.hi) == pytest.approx(kl_interval([0.6, 0.7, 0.3]))
+    assert (a.n, a.interval.mean, a.failed, a.n_censored) == (2, pytest.approx(0.3), 1, 0)
+    assert a.verdict is not None and a.verdict.outcome is Outcome.NOT_SEPARATED
+    assert a.verdict.n_shared == 2 and a.verdict.effect == pytest.approx(-0.35)
+    assert c.n == 0 and c.rank == 0 and c.verdict is None and c.interval.mean is None
+    # a later completed run of a pruned seed replaces it
+    resumed = summarize({"b": [*groups["b"], run(2, "done", 0.75)]}, "auc")[0]
+    assert resumed.values_by_seed["2"] == 0.75 and resumed.n_censored == 0
 
 
-def test_mean_curve_per_version() -> None:
+def test_censored_value_is_at_most_the_success_where_it_stopped() -> None:
+    pruned = SeedRun("p", ["seed=0"], "pruned", final=0.2, best=0.6, auc=0.4)
+    assert censored_value(pruned, "auc") == 0.2
+    assert censored_value(pruned, "best") == 0.2
+    assert censored_value(pruned, "final") == 0.2
+    low = SeedRun("q", ["seed=0"], "pruned", final=0.5, best=0.5, auc=0.1)
+    assert censored_value(low, "auc") == 0.1
+    assert censored_value(SeedRun("r", ["seed=0"], "pruned"), "auc") is None
+
+
+def test_seed_curves_hold_a_pruned_seed_at_its_last_eval() -> None:
+    done = SeedRun("d", ["seed=0"], "done", auc=0.5, curve=[(0, 0.0), (2, 0.4), (4, 0.8)])
+    pruned = SeedRun("p", ["seed=1"], "pruned", auc=0.1, final=0.1, curve=[(0, 0.0), (2, 0.1)])
+    failed = SeedRun("f", ["seed=2"], "failed", curve=[(0, 0.0), (2, 0.9)])
+    [stats] = summarize({"x": [done, pruned, failed]}, "auc")
+    curves = {r.name: curve for r, curve in seed_curves(stats)}
+    assert set(curves) == {"d", "p"}  # a failed run is not counted
+    assert curves["p"] == [(0, 0.0), (2, 0.1), (4, 0.1)]
+    points = mean_curve(list(curves.values()))
+    assert points[-1].interval.mean == pytest.approx(0.45)
+
+
+def test_mean_curve_per_version_with_the_verdicts_interval() -> None:
     points = mean_curve([[(0, 0.0), (2, 0.4)], [(0, 0.2), (2, 0.6)], [(0, 0.1)]])
     assert [p.version for p in points] == [0, 2]
     assert points[0].interval.mean == pytest.approx(0.1) and points[0].interval.n == 3
     assert points[1].interval.mean == pytest.approx(0.5)
+    assert (points[1].interval.lo, points[1].interval.hi) == pytest.approx(kl_interval([0.4, 0.6]))
+    for p in points:  # inside [0, 1]: nothing for a plot to clip
+        assert p.interval.lo is not None and p.interval.hi is not None
+        assert 0.0 <= p.interval.lo <= p.interval.hi <= 1.0
+    unbounded = mean_curve([[(0, 5.0)], [(0, 7.0)]], VerdictSettings(bounds=None))
+    assert unbounded[0].interval.lo is not None and unbounded[0].interval.lo < 5.0
 
 
 # ---- the CLI on run directories -----------------------------------------------------------------
@@ -186,27 +182,26 @@ def test_report_over_seeds_with_failed_and_incomplete_runs(
     out = tmp_path / "out"
     stats_csv, runs_csv, png = out / "stats.csv", out / "runs.csv", out / "curves.png"
     argv = [str(sweep), "--out", str(out), "--metric", "final", "--csv", str(stats_csv)]
-    argv += ["--test", "wilcoxon"]
     assert main([*argv, "--runs-csv", str(runs_csv), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    assert "95% CI: Student t over seeds" in text
-    assert "Wilcoxon signed-rank over shared seeds" in text
-    assert "0.0625" in text  # few seeds: the caption says why nothing can be separated
+    assert "95% CI: Chernoff-Hoeffding (KL) interval" in text
+    assert "Holm over all pairs of settings" in text and "needs >= 3 shared seeds" in text
+    assert "worse p=0 (-0.300)" in text  # lost by 0.3 on each of 3 seeds
     assert "not in the statistics (2 runs)" in text
     assert "CUDA OOM" in text
-    assert png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     rows = {r["setting"]: r for r in _read_csv(stats_csv)}
     hi, lo = rows["train.lr=3e-3"], rows["train.lr=1e-3"]
-    assert hi["rank"] == "1" and hi["tied_with_best"] == "best"
-    assert (hi["n"], hi["failed"], hi["incomplete"]) == ("3", "1", "0")
-    assert (lo["n"], lo["failed"], lo["incomplete"]) == ("3", "0", "1")
+    assert hi["rank"] == "1" and hi["outcome"] == "best" and hi["p"] == hi["effect"] == ""
+    assert (hi["n_seeds"], hi["n_censored"], hi["failed"], hi["incomplete"]) == ("3", "0", "1", "0")
+    assert (lo["n_seeds"], lo["failed"], lo["incomplete"]) == ("3", "0", "1")
     # final = success after 4 iterations = level + 0.1; mean over seeds 0, 1, 2
     assert float(hi["mean"]) == pytest.approx(0.6 + 0.05)
     assert float(lo["mean"]) == pytest.approx(0.3 + 0.05)
-    assert float(hi["ci_lo"]) < float(hi["mean"]) < float(hi["ci_hi"])
-    assert lo["tied_with_best"] == "True"  # 3 seeds: Wilcoxon p = 0.25
-    assert float(lo["p_vs_best"]) == pytest.approx(0.25)
+    assert 0.0 <= float(hi["ci_lo"]) < float(hi["mean"]) < float(hi["ci_hi"]) <= 1.0
+    assert lo["outcome"] == "worse" and float(lo["p"]) == 0.0
+    assert float(lo["effect"]) == pytest.approx(-0.3) and lo["seeds_to_separate"] == ""
     assert hi["seeds"] == "0 1 2"  # the incomplete and failed seeds excluded
 
     runs = _read_csv(runs_csv)
@@ -219,7 +214,7 @@ def test_report_over_seeds_with_failed_and_incomplete_runs(
     assert float(first["best"]) == pytest.approx(0.3)
 
 
-def test_six_seeds_separate_a_clearly_better_setting_and_equal_ones_tie(
+def test_six_seeds_separate_a_worse_setting_and_equal_ones_are_equivalent(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     sweep = tmp_path / "sweep"
@@ -227,29 +222,65 @@ def test_six_seeds_separate_a_clearly_better_setting_and_equal_ones_tie(
     job = 0
     for name, base in levels.items():
         for seed in range(6):
-            _run(sweep, job, [f"+tag={name}", f"seed={seed}"], base + 0.02 * seed)
+            noise = 0.02 * seed + (0.01 if name == "c" and seed % 2 else 0.0)
+            _run(sweep, job, [f"+tag={name}", f"seed={seed}"], base + noise)
             job += 1
-    stats_csv = tmp_path / "stats.csv"
-    argv = [str(sweep), "--out", str(tmp_path), "--csv", str(stats_csv), "--test", "wilcoxon"]
-    assert main(argv) == 0
+    assert main([str(sweep), "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "metric auc" in text  # the default
-    assert "Wilcoxon signed-rank over shared seeds" in text
-    assert "0.0625" not in text  # 6 shared seeds: the caption on few seeds is not needed
+    assert "equivalent within 0.02 (+0.000)" in text
 
-    rows = {r["setting"]: r for r in _read_csv(stats_csv)}
+    rows = {r["setting"]: r for r in _read_csv(tmp_path / "stats.csv")}  # written by default
     assert {r["metric"] for r in rows.values()} == {"auc"}
-    best = rows["+tag=a"] if rows["+tag=a"]["rank"] == "1" else rows["+tag=b"]
-    other = rows["+tag=b"] if best is rows["+tag=a"] else rows["+tag=a"]
-    assert best["tied_with_best"] == "best"
-    assert other["tied_with_best"] == "True" and float(other["p_vs_best"]) == 1.0
+    assert [rows[k]["outcome"] for k in ("+tag=a", "+tag=b")] == ["best", "equivalent"]
     worse = rows["+tag=c"]
-    assert worse["rank"] == "3" and worse["tied_with_best"] == "False"
-    # the same p as scipy on the same numbers: auc = level + 0.05 for each seed
+    assert worse["rank"] == "3" and worse["outcome"] == "worse"
+    # Holm over the 3 pairs: c has the smallest p of the two comparisons, times 3
     a_auc = [0.6 + 0.02 * s + 0.05 for s in range(6)]
-    c_auc = [0.3 + 0.02 * s + 0.05 for s in range(6)]
-    assert float(worse["p_vs_best"]) == pytest.approx(scipy_stats.wilcoxon(a_auc, c_auc).pvalue)
-    assert float(worse["p_vs_best"]) < 0.05
+    c_auc = [0.3 + 0.02 * s + 0.01 * (s % 2) + 0.05 for s in range(6)]
+    expected = 3 * scipy_stats.ttest_rel(c_auc, a_auc).pvalue
+    assert float(worse["p"]) == pytest.approx(expected) and float(worse["p"]) < 0.05
+    assert int(worse["n_shared"]) == 6
+
+    # a zero margin: a and b can never be shown equivalent, nor apart
+    assert main([str(sweep), "--out", str(tmp_path), "--delta", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "not within 0 to call equivalent" in text
+    assert _read_csv(tmp_path / "stats.csv")[1]["outcome"] == "not_separated"
+
+
+def test_the_issues_grid_is_not_separated_yet_with_an_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    finals = {"1e-3": [0.016, 0.016, 0.031], "5e-3": [1.0, 0.996, 1.0], "2e-2": [0.273, 0.824, 0]}
+    job = 0
+    for lr, values in finals.items():
+        for seed, v in enumerate(values):
+            make_run(
+                tmp_path / "sweep" / str(job),
+                [f"train.lr={lr}", f"seed={seed}"],
+                iterations=2,
+                done=2,
+                success=lambda i, v=v: v,
+                completed=True,
+            )
+            job += 1
+    assert main([str(tmp_path / "sweep"), "--metric", "final"]) == 0
+    text = capsys.readouterr().out
+    assert "not separated yet (-0.633): ~4 more seeds" in text  # 2e-2
+    assert "not separated yet (-0.978): ~1 more seed" in text  # 1e-3: 3 settings need 4 seeds
+    rows = _read_csv(tmp_path / "sweep" / "stats.csv")
+    assert [r["setting"] for r in rows] == ["train.lr=5e-3", "train.lr=2e-2", "train.lr=1e-3"]
+    for r in rows:  # inside [0, 1], unlike the old [-0.677, 1.409]
+        assert 0.0 <= float(r["ci_lo"]) <= float(r["ci_hi"]) <= 1.0
+
+
+def test_bad_verdict_options_are_named(tmp_path: Path) -> None:
+    _run(tmp_path / "sweep", 0, ["seed=0"], 0.2)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "sweep"), "--alpha", "1.5"])
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "sweep"), "--delta", "-1"])
 
 
 def test_plain_report_without_seeds_shows_no_statistics(
@@ -259,6 +290,9 @@ def test_plain_report_without_seeds_shows_no_statistics(
     _run(tmp_path / "sweep", 1, ["train.lr=3e-3"], 0.4)
     assert main([str(tmp_path / "sweep")]) == 0
     assert "statistics over seeds" not in capsys.readouterr().out
+    assert not (tmp_path / "sweep" / "stats.csv").exists()
     assert main([str(tmp_path / "sweep"), "--metric", "best"]) == 0
     text = capsys.readouterr().out
-    assert "statistics over seeds" in text and "n/a" in text  # one seed each: no interval
+    # one seed each: an interval all the same (valid for any distribution), but no test
+    assert "statistics over seeds" in text and "0 shared seeds, a test needs 2" not in text
+    assert "1 shared seeds, a test needs 2" in text

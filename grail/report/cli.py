@@ -6,12 +6,17 @@ prints a table of every run (its distinguishing overrides, status, final and bes
 reward's trend, time), and writes `summary.csv` (the same table, full precision) and `report.png`
 (one panel per key metric over training, one line per run) into DIR (default: the directory given).
 
+When the runs have seeds (or a statistics option is given), it adds the statistics over seeds:
+per setting (overrides minus seed) n, mean, an interval inside [0, 1] and a verdict against the
+best (best / worse / not separated yet / equivalent, grail/study/verdicts.py), written to
+`stats.csv` beside summary.csv (or `--csv PATH`).
+
 It reads only what runs write (`.hydra/overrides.yaml`, `metrics/*.json`, `summary.json`), each
 file atomically, so it works on a sweep that is still running and on runs that failed or were
 killed: a run is "done" (summary says completed), "failed" (summary says failed, with the error),
 "pruned" (stopped early by the pruner, grail/study/prune.py: its metrics up to there are shown, and
-it is left out of the statistics over seeds, listed apart), or "incomplete" (no summary yet: still
-running, or killed; `resume=true` continues it).
+it counts in the statistics over seeds as censored, at its value where it stopped), or
+"incomplete" (no summary yet: still running, or killed; `resume=true` continues it).
 
 The x axis of every panel is the policy version, i.e. the number of updates applied: train metrics
 of iteration i were measured on rollouts of version i, the eval after iteration i is version i + 1,
@@ -33,19 +38,15 @@ from grail.report.load import SORT_KEYS, RunReport, load_runs
 from grail.report.plots import grid_of, heatmap_path, plot, plot_heatmap, plot_seeds
 from grail.report.seeds import (
     METRIC_HELP,
+    STATS_CSV_NAME,
     print_seed_stats,
     runs_csv_text,
     seed_stats,
     stats_csv_text,
 )
 from grail.report.table import CSV_NAME, build_table, sort_runs, write_csv
-from grail.study.stats import (
-    DEFAULT_SEED,
-    DEFAULT_TEST,
-    METRICS,
-    TESTS,
-    seed_of,
-)
+from grail.study.stats import DEFAULT_SEED, METRICS, REPORT_SETTINGS, seed_of
+from grail.study.verdicts import VerdictSettings
 
 PNG_NAME = "report.png"
 
@@ -84,7 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "is given)",
     )
     parser.add_argument(
-        "--csv", type=Path, default=None, help="write the statistics over seeds, one row a setting"
+        "--csv",
+        type=Path,
+        default=None,
+        help="where the statistics over seeds go, one row a setting "
+        f"(default: OUT/{STATS_CSV_NAME})",
     )
     parser.add_argument(
         "--runs-csv",
@@ -93,22 +98,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write one row a run: setting, seed, status, final, best, auc",
     )
     parser.add_argument(
-        "--test",
-        choices=list(TESTS),
-        default=DEFAULT_TEST,
-        help="the paired test over shared seeds that marks settings tied with the best: "
-        + "; ".join(f"{k}: {v}" for k, v in TESTS.items())
-        + f" (default: {DEFAULT_TEST}; Wilcoxon cannot separate anything below 6 seeds)",
+        "--alpha",
+        type=float,
+        default=REPORT_SETTINGS.alpha,
+        help="error rate of the verdicts: of calling any setting worse than the best when it is "
+        f"not (Holm over all pairs), and of each equivalence (default: {REPORT_SETTINGS.alpha:g})",
+    )
+    parser.add_argument(
+        "--delta",
+        type=float,
+        default=REPORT_SETTINGS.delta,
+        help="equivalence margin in the metric's units: a setting shown within +-DELTA of the "
+        f"best is 'equivalent' (default: {REPORT_SETTINGS.delta:g})",
     )
     parser.add_argument(
         "--plot",
         type=Path,
         default=None,
-        help="write learning curves per setting (mean over seeds, 95%% CI band) to this PNG; "
+        help="write learning curves per setting (each seed thin, the mean over seeds bold with "
+        "the table's interval as its band) to this PNG; "
         "when exactly two keys are swept (e.g. train.lr x train.kl_coef), also a heat map of "
         "the metric's mean and CI per setting to PLOT_heatmap.png",
     )
     args = parser.parse_args(argv)
+    try:
+        settings = VerdictSettings(
+            alpha=args.alpha, delta=args.delta, bounds=REPORT_SETTINGS.bounds
+        )
+    except ValueError as e:
+        parser.error(str(e).replace("VerdictSettings.", "--"))
 
     root: Path = args.path
     if not root.is_dir():
@@ -129,27 +147,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(runs, out / PNG_NAME, title)
     console.print(f"wrote {out / CSV_NAME} and {out / PNG_NAME}")
 
-    wanted = any(x is not None for x in (args.metric, args.csv, args.runs_csv, args.plot))
+    options = (args.metric, args.csv, args.runs_csv, args.plot)
+    wanted = any(x is not None for x in options) or settings != REPORT_SETTINGS
     if wanted or any(seed_of(r.overrides) != DEFAULT_SEED for r in runs):
         metric: str = args.metric or "auc"
-        groups, stats = seed_stats(runs, metric, args.test)
+        groups, stats = seed_stats(runs, metric, settings)
         console.print()
-        print_seed_stats(console, groups, stats, metric)
-        written = []
-        if args.csv is not None:
-            atomic_write_text(args.csv, stats_csv_text(stats))
-            written.append(args.csv)
+        print_seed_stats(console, groups, stats, metric, settings)
+        stats_csv: Path = args.csv if args.csv is not None else out / STATS_CSV_NAME
+        atomic_write_text(stats_csv, stats_csv_text(stats))
+        written = [stats_csv]
         if args.runs_csv is not None:
             atomic_write_text(args.runs_csv, runs_csv_text(groups))
             written.append(args.runs_csv)
         if args.plot is not None:
-            plot_seeds(stats, args.plot, f"{root} — {metric} over seeds")
+            plot_seeds(stats, args.plot, f"{root} — {metric} over seeds", settings)
             written.append(args.plot)
             if (grid := grid_of(stats)) is not None:  # a 2-D study, e.g. train.lr x train.kl_coef
                 plot_heatmap(grid, heatmap_path(args.plot), f"{root} — {metric} over seeds")
                 written.append(heatmap_path(args.plot))
-        if written:
-            console.print("wrote " + ", ".join(str(p) for p in written))
+        console.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -1,12 +1,14 @@
 """The PNGs of `grail-report`: the runs' key metrics over training (`plot`), the learning curve
-of each setting as the mean over seeds with a confidence band (`plot_seeds`), and the heat map of
-a 2-D study such as `train.lr` × `train.kl_coef` (`grid_of`, `plot_heatmap`).
+of each setting, every seed thin and the mean over seeds bold with the table's interval as its band
+(`plot_seeds`), and the heat map of a 2-D study such as `train.lr` × `train.kl_coef` (`grid_of`,
+`plot_heatmap`).
 
 The heat map: one cell per setting of the two swept keys, coloured by the mean of the metric over
-seeds, with the mean, its 95% confidence interval, the number of seeds and "best"/"tied" written in
-the cell. `grid_of(stats)` decides whether the settings form such a grid (exactly two keys tell
-them apart) and lays out the cells; a grid with holes (a setting not run, or without a completed
-seed) shows the hole as an empty cell rather than refusing the whole picture.
+seeds, with the mean, its 95% confidence interval, the number of seeds and the verdict against the
+best (grail/study/verdicts.py) written in the cell. `grid_of(stats)` decides whether the settings
+form such a grid (exactly two keys tell them apart) and lays out the cells; a grid with holes (a
+setting not run, or without a seed with a value) shows the hole as an empty cell rather than
+refusing the whole picture.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from typing import TYPE_CHECKING, Any, cast
 from grail.core.records import override_key
 from grail.report.load import PLOT_PANELS
 from grail.study.runs import natural_key
-from grail.study.stats import CI_METHOD, CONFIDENCE, SettingStats, mean_curve, setting_of
+from grail.study.stats import (
+    CI_METHOD,
+    CONFIDENCE,
+    REPORT_SETTINGS,
+    SeedRun,
+    SettingStats,
+    mean_curve,
+    setting_of,
+)
+from grail.study.verdicts import Outcome, VerdictSettings
 
 if TYPE_CHECKING:
     from grail.report.load import RunReport
@@ -78,19 +89,26 @@ def grid_of(stats: Sequence[SettingStats]) -> Grid | None:
     )
 
 
+# The verdicts as a cell or a legend says them.
+SHORT_OUTCOME = {
+    Outcome.BEST: "best",
+    Outcome.WORSE: "worse",
+    Outcome.NOT_SEPARATED: "not separated",
+    Outcome.EQUIVALENT: "equivalent",
+}
+
+
 def cell_text(s: SettingStats | None) -> str:
-    """What a cell says: mean, [lo, hi] and n, then "best" or "tied" (statistically
-    indistinguishable from the best, as in the table); 'n/a' where no seed completed."""
+    """What a cell says: mean, [lo, hi] and n, then the verdict against the best (as in the
+    table); 'n/a' where no seed has a value."""
     if s is None or s.interval.mean is None:
         return "n/a"
     lines = [f"{s.interval.mean:.3f}"]
     if s.interval.lo is not None and s.interval.hi is not None:
         lines.append(f"[{s.interval.lo:.2f}, {s.interval.hi:.2f}]")
-    lines.append(f"n={s.n}")
-    if s.is_best:
-        lines.append("best")
-    elif s.tie is not None and s.tie.tied:
-        lines.append("tied")
+    lines.append(f"n={s.n}" + (f" ({s.n_censored} censored)" if s.n_censored else ""))
+    if s.verdict is not None:
+        lines.append(SHORT_OUTCOME[s.verdict.outcome])
     return "\n".join(lines)
 
 
@@ -230,9 +248,32 @@ def plot(runs: Sequence[RunReport], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def plot_seeds(stats: Sequence[SettingStats], path: Path, title: str) -> None:
-    """Eval success rate over policy versions, one line per setting: the mean over its completed
-    seeds with a 95% Student t band (no band where only one seed has a point)."""
+def seed_curves(s: SettingStats) -> list[tuple[SeedRun, list[tuple[int, float]]]]:
+    """The curves the statistics count, by run: completed runs as they are, pruned ones (censored)
+    held at their last eval up to the setting's last version, as the table counts them at that
+    value rather than dropping them."""
+    counted = [r for r in s.runs if r.status in ("done", "pruned") and r.curve]
+    versions = sorted({x for r in counted for x, _ in r.curve})
+    curves = []
+    for r in counted:
+        curve = list(r.curve)
+        if r.status == "pruned":
+            last_x, last_y = curve[-1]
+            curve += [(x, last_y) for x in versions if x > last_x]
+        curves.append((r, curve))
+    return curves
+
+
+def plot_seeds(
+    stats: Sequence[SettingStats],
+    path: Path,
+    title: str,
+    settings: VerdictSettings = REPORT_SETTINGS,
+) -> None:
+    """Eval success rate over policy versions per setting: each seed a thin line (a pruned one
+    dash-dotted, ending in x where it stopped, then dotted at the value it counts with), the mean
+    over the seeds bold with the table's interval as a band (inside [0, 1] by construction:
+    nothing is clipped). The legend gives each setting's ranking metric and verdict."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,38 +282,54 @@ def plot_seeds(stats: Sequence[SettingStats], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 6), constrained_layout=True)
     colors = _palette(len(stats))
+    metric = stats[0].metric if stats else "auc"
     for i, s in enumerate(stats):
-        points = mean_curve([r.curve for r in s.runs if r.status == "done"])
-        if not points:
+        curves = seed_curves(s)
+        if not curves:
             continue
         color = colors[i % len(colors)]
+        for r, counted in curves:
+            seed_xs, seed_ys = zip(*r.curve, strict=True)
+            style = _LINESTYLE[r.status]
+            ax.plot(seed_xs, seed_ys, linestyle=style, linewidth=0.7, alpha=0.45, color=color)
+            if r.status == "pruned":  # where it stopped, then the value it counts with, dotted
+                ax.plot(seed_xs[-1], seed_ys[-1], marker="x", markersize=6, color=color, alpha=0.7)
+                held_xs, held_ys = zip(*counted[len(r.curve) - 1 :], strict=True)
+                ax.plot(held_xs, held_ys, linestyle=":", linewidth=0.7, alpha=0.45, color=color)
+        points = mean_curve([curve for _, curve in curves], settings)
         xs = [p.version for p in points]
         ys = [cast(float, p.interval.mean) for p in points]  # each point has >= 1 value
-        ax.plot(xs, ys, marker="o", markersize=3, color=color, label=f"{s.label} (n={s.done})")
-        band = [
-            (p.version, p.interval.lo, p.interval.hi)
-            for p in points
-            if p.interval.lo is not None and p.interval.hi is not None
-        ]
-        if band:
-            ax.fill_between(
-                [version for version, _, _ in band],
-                [max(0.0, lo) for _, lo, _ in band],
-                [min(1.0, hi) for _, _, hi in band],
-                color=color,
-                alpha=0.2,
-                linewidth=0,
-            )
+        verdict = SHORT_OUTCOME[s.verdict.outcome] if s.verdict is not None else "–"
+        censored = f", {s.n_censored} censored" if s.n_censored else ""
+        label = f"{s.label}: {metric} {s.interval.mean:.3f}, {verdict} (n={s.n}{censored})"
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=2.2, color=color, label=label)
+        ax.fill_between(
+            xs,
+            [cast(float, p.interval.lo) for p in points],
+            [cast(float, p.interval.hi) for p in points],
+            color=color,
+            alpha=0.12,
+            linewidth=0,
+        )
     ax.set_xlabel("policy version (updates applied)")
-    ax.set_ylabel(f"eval success rate: mean over seeds, {CONFIDENCE:.0%} CI ({CI_METHOD})")
+    ax.set_ylabel(
+        f"eval success rate: seeds (thin), mean (bold), {settings.confidence:.0%} CI band"
+    )
     ax.set_ylim(-0.03, 1.03)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize=8, frameon=False, title="setting (completed seeds)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(
+            fontsize=8, frameon=False, title=f"setting: {metric} (ranks the settings), verdict"
+        )
     else:
-        ax.text(0.5, 0.5, "no completed run yet", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title(title)
+        ax.text(
+            0.5, 0.5, "no run with a value yet", ha="center", va="center", transform=ax.transAxes
+        )
+    ax.set_title(
+        f"{title}\nlearning curves; settings ranked by {metric} over seeds; band: {CI_METHOD}",
+        fontsize=10,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,18 +17,15 @@ from grail.study.runs import (
     natural_key,
 )
 from grail.study.stats import (
-    ALPHA,
     CI_METHOD,
-    CONFIDENCE,
-    DEFAULT_TEST,
-    TESTS,
-    WILCOXON_MIN_SEEDS,
+    REPORT_SETTINGS,
     SeedRun,
     SettingStats,
     group_by_setting,
     seed_run,
     summarize,
 )
+from grail.study.verdicts import Outcome, VerdictSettings, min_seeds_to_decide
 
 METRIC_HELP = {
     "final": "held-out success rate at the last eval",
@@ -43,13 +40,13 @@ def seed_runs(runs: Sequence[RunReport]) -> list[SeedRun]:
 
 
 def seed_stats(
-    runs: Sequence[RunReport], metric: str, test: str = DEFAULT_TEST
+    runs: Sequence[RunReport], metric: str, settings: VerdictSettings = REPORT_SETTINGS
 ) -> tuple[dict[str, list[SeedRun]], list[SettingStats]]:
-    """Runs grouped by setting (overrides minus seed), and each setting's statistics, best first,
-    each compared with the best by the paired `test` (a key of grail.study.stats.TESTS)."""
+    """Runs grouped by setting (overrides minus seed), and each setting's statistics and verdict
+    against the best (grail.study.verdicts), best first."""
     in_order = sorted(runs, key=lambda r: natural_key(r.name))  # seeds in job order
     groups = group_by_setting(seed_runs(in_order), lambda r: r.overrides)
-    return groups, summarize(groups, metric, test)
+    return groups, summarize(groups, metric, settings)
 
 
 def _ci(s: SettingStats) -> str:
@@ -58,105 +55,130 @@ def _ci(s: SettingStats) -> str:
     return f"[{s.interval.lo:.3f}, {s.interval.hi:.3f}]"
 
 
-def _vs_best(s: SettingStats) -> str:
-    if s.is_best:
-        return "[bold]best[/]"
-    if s.tie is None:
+def verdict_text(s: SettingStats, settings: VerdictSettings = REPORT_SETTINGS) -> str:
+    """The verdict as the table words it, e.g. "worse p=0.003 (-0.97)", "not separated yet: ~5
+    more seeds", "equivalent within 0.02"; "–" for a setting without values."""
+    v = s.verdict
+    if v is None:
         return "–"
-    if s.tie.p is None:
-        return f"[yellow]tied ({s.tie.reason})[/]"
-    if s.tie.tied:
-        return f"[cyan]tied[/] p={s.tie.p:.3g}"
-    return f"worse p={s.tie.p:.3g}"
+    if v.outcome is Outcome.BEST:
+        return "best"
+    if v.outcome is Outcome.WORSE:
+        return f"worse p={v.p:.2g} ({v.effect:+.3f})"
+    if v.outcome is Outcome.EQUIVALENT:
+        return f"equivalent within {settings.delta:g} ({v.effect:+.3f})"
+    if v.n_shared < 2:
+        return f"not separated yet: {v.n_shared} shared seeds, a test needs 2"
+    if v.seeds_to_separate is not None:
+        more = v.seeds_to_separate - v.n_shared
+        return f"not separated yet ({v.effect:+.3f}): ~{more} more seed{'s' if more != 1 else ''}"
+    if v.seeds_to_equivalence is not None:
+        more = v.seeds_to_equivalence - v.n_shared
+        return (
+            f"not separated ({v.effect:+.3f} ~ 0): equivalence within {settings.delta:g} "
+            f"needs ~{more} more seeds"
+        )
+    return (
+        f"not separated ({v.effect:+.3f}): too small for its spread to separate, "
+        f"not within {settings.delta:g} to call equivalent"
+    )
 
 
-def stats_captions(stats: Sequence[SettingStats], metric: str) -> list[str]:
-    """What the statistics table means: the metric, the interval's method, the test's."""
-    tests = {TESTS[s.tie.test] for s in stats if s.tie is not None}
+def stats_captions(
+    stats: Sequence[SettingStats], metric: str, settings: VerdictSettings = REPORT_SETTINGS
+) -> list[str]:
+    """What the statistics table means: the metric, the interval's method, the verdicts'."""
+    n_min = min_seeds_to_decide(len([s for s in stats if s.verdict]), settings.alpha)
     lines = [
-        f"metric {metric}: {METRIC_HELP[metric]}; only completed runs count.",
-        f"{CONFIDENCE:.0%} CI: {CI_METHOD} (n/a with one seed).",
-        f"tied with best: {', '.join(sorted(tests)) or TESTS[DEFAULT_TEST]}, two-sided, "
-        f"p >= {ALPHA:g}; fewer than 2 shared seeds: n/a, counted as tied.",
+        f"metric {metric}: {METRIC_HELP[metric]}.",
+        f"{settings.confidence:.0%} CI: {CI_METHOD}.",
+        f"verdict vs best, paired over shared seeds: worse = paired t, two-sided, Holm over all "
+        f"pairs of settings, p <= {settings.alpha:g} (effect: mean difference); equivalent = "
+        f"TOST within +-{settings.delta:g}; either needs >= {n_min} shared seeds with this many "
+        f"settings; not separated yet: estimated seeds more to separate it, at "
+        f"{settings.power:.0%} power.",
     ]
     if any(s.pruned for s in stats):
         lines.append(
-            "pruned runs (stopped early by the pruner) are not counted: a setting pruned on "
-            "some seeds is averaged over the others only, which flatters it (see not counted)."
-        )
-    shared = [
-        s.tie.n_shared
-        for s in stats
-        if s.tie is not None and s.tie.p is not None and s.tie.test == "wilcoxon"
-    ]
-    if any(n < WILCOXON_MIN_SEEDS for n in shared):
-        lines.append(
-            f"with fewer than {WILCOXON_MIN_SEEDS} shared seeds the smallest two-sided Wilcoxon "
-            "p is 2/2^n (0.0625 with 5), so such settings cannot be told apart from the best "
-            "(--test t can)."
+            "pruned runs count, censored: with their value where the pruner stopped them, at most "
+            "their success rate there (column censored)."
         )
     return lines
 
 
-def build_stats_table(stats: Sequence[SettingStats], metric: str, title: str) -> Table:
+def build_stats_table(
+    stats: Sequence[SettingStats],
+    metric: str,
+    title: str,
+    settings: VerdictSettings = REPORT_SETTINGS,
+) -> Table:
     table = Table(
         title=title,
         title_justify="left",
-        caption="\n".join(escape(line) for line in stats_captions(stats, metric)),
+        caption="\n".join(escape(line) for line in stats_captions(stats, metric, settings)),
         caption_justify="left",
     )
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("setting")
     table.add_column("n", justify="right", no_wrap=True)
+    table.add_column("censored", justify="right", no_wrap=True)
     table.add_column(f"mean {metric}", justify="right", no_wrap=True)
-    table.add_column(f"{CONFIDENCE:.0%} CI", justify="right", no_wrap=True)
+    table.add_column(f"{settings.confidence:.0%} CI", justify="right", no_wrap=True)
     table.add_column("median", justify="right", no_wrap=True)
     table.add_column("min", justify="right", no_wrap=True)
     table.add_column("max", justify="right", no_wrap=True)
-    table.add_column("vs best")
+    table.add_column("verdict vs best")
     table.add_column("not counted", no_wrap=True)
     for s in stats:
         left_out = [
-            f"{k} {v}"
-            for k, v in (("pruned", s.pruned), ("failed", s.failed), ("incomplete", s.incomplete))
-            if v
+            f"{k} {v}" for k, v in (("failed", s.failed), ("incomplete", s.incomplete)) if v
         ]
         table.add_row(
             str(s.rank) if s.rank else "–",
             escape(s.label),
             str(s.n),
+            str(s.n_censored) if s.n_censored else "–",
             _num(s.interval.mean),
             _ci(s),
             _num(s.median),
             _num(s.min),
             _num(s.max),
-            _vs_best(s),
+            escape(verdict_text(s, settings)),
             ", ".join(left_out) or "–",
         )
     return table
 
 
+STATS_CSV_NAME = "stats.csv"  # beside summary.csv
 STATS_CSV_COLUMNS = (
     "rank",
     "setting",
     "metric",
-    "n",
+    "outcome",
+    "n_seeds",
+    "n_censored",
     "mean",
     "ci_lo",
     "ci_hi",
+    "p",
+    "effect",
+    "seeds_to_separate",
+    "seeds_to_equivalence",
+    "n_shared",
     "median",
     "min",
     "max",
-    "p_vs_best",
-    "tied_with_best",
-    "tie_reason",
     "done",
     "pruned",
     "failed",
     "incomplete",
     "seeds",
+    "censored_seeds",
 )
 
+
+# Runs the statistics leave out: failed ones, and those without a summary yet (running or killed).
+LEFT_OUT = ("failed", "incomplete")
 
 RUNS_CSV_COLUMNS = ("setting", "seed", "status", "final", "best", "auc", "run", "error")
 
@@ -171,30 +193,37 @@ def _csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
 
 
 def stats_csv_text(stats: Sequence[SettingStats]) -> str:
-    """One row per setting (best first); confidence bounds empty with one seed, p empty for the
-    best setting and where no test could be made."""
+    """One row per setting (best first): its verdict (outcome, Holm-adjusted p and effect against
+    the best, seeds to separate), n and censored seeds, mean and interval; p and effect empty for
+    the best, seeds_to_separate empty unless not separated."""
     rows = []
     for s in stats:
+        v = s.verdict
         rows.append(
             {
                 "rank": s.rank or None,
                 "setting": s.label,
                 "metric": s.metric,
-                "n": s.n,
+                "outcome": v.outcome.value if v else None,
+                "n_seeds": s.n,
+                "n_censored": s.n_censored,
                 "mean": s.interval.mean,
                 "ci_lo": s.interval.lo,
                 "ci_hi": s.interval.hi,
+                "p": v.p if v else None,
+                "effect": v.effect if v else None,
+                "seeds_to_separate": v.seeds_to_separate if v else None,
+                "seeds_to_equivalence": v.seeds_to_equivalence if v else None,
+                "n_shared": v.n_shared if v and v.outcome is not Outcome.BEST else None,
                 "median": s.median,
                 "min": s.min,
                 "max": s.max,
-                "p_vs_best": s.tie.p if s.tie else None,
-                "tied_with_best": "best" if s.is_best else (s.tie.tied if s.tie else None),
-                "tie_reason": s.tie.reason if s.tie else None,
                 "done": s.done,
                 "pruned": s.pruned,
                 "failed": s.failed,
                 "incomplete": s.incomplete,
                 "seeds": " ".join(sorted(s.values_by_seed, key=natural_key)),
+                "censored_seeds": " ".join(sorted(s.censored, key=natural_key)),
             }
         )
     return _csv_text(STATS_CSV_COLUMNS, rows)
@@ -220,12 +249,16 @@ def runs_csv_text(groups: dict[str, list[SeedRun]]) -> str:
 
 
 def print_seed_stats(
-    console: Console, groups: dict[str, list[SeedRun]], stats: Sequence[SettingStats], metric: str
+    console: Console,
+    groups: dict[str, list[SeedRun]],
+    stats: Sequence[SettingStats],
+    metric: str,
+    settings: VerdictSettings = REPORT_SETTINGS,
 ) -> None:
-    """The statistics table, then the runs it left out (pruned, failed, incomplete) by setting."""
+    """The statistics table, then the runs it left out (failed, incomplete) by setting."""
     title = f"statistics over seeds ({len(stats)} settings) — metric {metric}"
-    console.print(build_stats_table(stats, metric, title))
-    left_out = [(label, r) for label, runs in groups.items() for r in runs if r.status != "done"]
+    console.print(build_stats_table(stats, metric, title, settings))
+    left_out = [(label, r) for label, runs in groups.items() for r in runs if r.status in LEFT_OUT]
     if left_out:
         console.print(f"not in the statistics ({len(left_out)} runs):")
         for label, r in left_out:

@@ -6,12 +6,13 @@ Pure functions over lists and dicts (no file I/O), so they are tested on hand-ma
 - `metric_of(evals, name)`: `final` (success rate at the last eval), `best` (highest success
   rate of an eval after training started) or `auc` (mean success rate over those evals: the area
   under the eval curve per eval point). The baseline eval (iteration -1) never counts.
-- `t_interval(values)`: mean and 95% confidence interval, Student t with n - 1 degrees of freedom.
-  One value has no interval: `lo` and `hi` are None (shown as "n/a").
-- `paired_tie(best, other, test)`: is `other` statistically indistinguishable from the best
-  setting? A paired test over the seeds both share, two-sided, alpha 0.05: `t` (paired Student
-  t, the default: it can separate settings with 2 to 5 seeds, the usual study) or `wilcoxon`
-  (signed-rank: no normality assumed, but with fewer than 6 seeds its p never drops below 0.05).
+- `summarize(groups, metric, settings)`: each setting's values by seed, judged against the best
+  by `grail.study.verdicts.judge` (best / worse / not separated / equivalent, with an interval
+  that stays inside [0, 1]). Completed runs count with their value; a pruned run counts too,
+  censored: with its value where the pruner stopped it, at most its success rate at that eval
+  (`censored_value`), so a setting is never scored on the seeds that survived alone.
+- `t_interval(values)`: mean and Student t interval (the TPE search's summary; the report uses the
+  verdicts' interval).
 """
 
 from __future__ import annotations
@@ -23,24 +24,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from grail.core.records import LAUNCH_KEYS, override_key
-from grail.study.runs import distinguishing_overrides, natural_key
+from grail.study.runs import distinguishing_overrides
+from grail.study.verdicts import Verdict, VerdictSettings, judge, mean_interval
 
 METRICS = ("final", "best", "auc")
 SEED_KEY = "seed"
 DEFAULT_SEED = "default"  # the seed of a run launched without a seed override
 CONFIDENCE = 0.95
-ALPHA = 0.05
-CI_METHOD = "Student t over seeds"
-# grail-report --test: the paired test against the best setting, by name, and how it is named in
-# the output.
-TESTS = {
-    "t": "paired Student t over shared seeds",
-    "wilcoxon": "Wilcoxon signed-rank over shared seeds",
-}
-DEFAULT_TEST = "t"
-# Below this many paired seeds the two-sided exact Wilcoxon p can never drop under 0.05
-# (its smallest value is 2 / 2**n: 0.0625 with 5 seeds).
-WILCOXON_MIN_SEEDS = 6
+CI_METHOD = "Chernoff-Hoeffding (KL) interval, valid for any distribution in [0, 1]"
+# Every metric above is a success rate or a mean of success rates: bounded by [0, 1]. The report's
+# defaults (`grail-report --alpha/--delta` replace them).
+BOUNDS = (0.0, 1.0)
+REPORT_SETTINGS = VerdictSettings(bounds=BOUNDS, confidence=CONFIDENCE)
 
 R = TypeVar("R")
 
@@ -189,64 +184,25 @@ def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Inter
     return Interval(n, mean, mean - half, mean + half)
 
 
-@dataclass(frozen=True)
-class Tie:
-    """The paired comparison of one setting with the best one."""
-
-    p: float | None  # None when no test could be made
-    tied: bool  # statistically indistinguishable from the best (also when untestable)
-    reason: str
-    n_shared: int
-    test: str = DEFAULT_TEST  # a key of TESTS
-
-
-def paired_tie(
-    best_by_seed: Mapping[str, float],
-    other_by_seed: Mapping[str, float],
-    alpha: float = ALPHA,
-    test: str = DEFAULT_TEST,
-) -> Tie:
-    """A paired two-sided test (`TESTS[test]`) over the seeds both settings have. Fewer than 2
-    shared seeds: no test, p None, counted as tied ("n/a"). Identical values on every shared
-    seed: tied with p = 1. Otherwise tied when p >= alpha. The t test of differences that are
-    the same on every seed (no spread) gives p = 0: a consistent difference."""
-    import warnings
-
-    from scipy import stats
-
-    if test not in TESTS:
-        raise ValueError(f"unknown test {test!r}; known: {', '.join(TESTS)}")
-
-    shared = sorted(set(best_by_seed) & set(other_by_seed), key=natural_key)
-    n = len(shared)
-    if n < 2:
-        return Tie(None, True, f"n/a: {n} shared seed{'s' if n != 1 else ''}", n, test)
-    a = [best_by_seed[s] for s in shared]
-    b = [other_by_seed[s] for s in shared]
-    if all(x == y for x, y in zip(a, b, strict=True)):
-        return Tie(1.0, True, "identical on every shared seed", n, test)
-    with warnings.catch_warnings():  # scipy warns when the differences have no spread
-        warnings.simplefilter("ignore", RuntimeWarning)
-        if test == "t":
-            p = float(stats.ttest_rel(a, b, alternative="two-sided").pvalue)
-        else:
-            p = float(stats.wilcoxon(a, b, alternative="two-sided").pvalue)
-    if not math.isfinite(p):
-        return Tie(None, True, f"n/a: no test over {n} shared seeds", n, test)
-    if p >= alpha:
-        return Tie(p, True, f"p={p:.3g} >= {alpha:g} over {n} shared seeds", n, test)
-    return Tie(p, False, f"p={p:.3g} < {alpha:g} over {n} shared seeds", n, test)
+def censored_value(run: SeedRun, metric: str) -> float | None:
+    """The value a pruned run counts with: its metric over the evals it had, but at most its
+    success rate at the eval where the pruner stopped it (it was stopped for doing badly there;
+    an earlier peak or the mean of better early evals would flatter it)."""
+    value = run.metric(metric)
+    if value is None or run.final is None:
+        return value
+    return min(value, run.final)
 
 
 @dataclass
 class SettingStats:
-    """One setting across its seeds: the metric over its completed runs, and the others counted
-    (pruned runs too: stopped early by the pruner, their values would mix short runs with full
-    ones)."""
+    """One setting across its seeds: the metric over its completed and pruned (censored) runs,
+    its verdict against the best, and the runs left out counted."""
 
     label: str
     metric: str
-    values_by_seed: dict[str, float]  # completed runs that have the metric
+    values_by_seed: dict[str, float]  # completed runs with the metric, and pruned ones (censored)
+    censored: frozenset[str]  # the seeds among values_by_seed whose run was pruned
     interval: Interval
     median: float | None
     min: float | None
@@ -257,11 +213,15 @@ class SettingStats:
     runs: list[SeedRun]
     pruned: int = 0
     rank: int = 0  # 1 = best mean; 0 = no value
-    tie: Tie | None = None  # None for the best setting itself and for settings without values
+    verdict: Verdict | None = None  # None for settings without values
 
     @property
     def n(self) -> int:
         return self.interval.n
+
+    @property
+    def n_censored(self) -> int:
+        return len(self.censored)
 
     @property
     def is_best(self) -> bool:
@@ -269,17 +229,25 @@ class SettingStats:
 
 
 def setting_stats(label: str, runs: Sequence[SeedRun], metric: str) -> SettingStats:
-    """The statistics of one setting; only completed runs count (a seed run twice: the last)."""
+    """The statistics of one setting, before the verdicts: completed runs with their value, pruned
+    ones censored (`censored_value`); a seed run twice: the last."""
     by_seed: dict[str, float] = {}
+    censored: set[str] = set()
     for r in runs:
         if r.status == "done" and (v := r.metric(metric)) is not None:
             by_seed[r.seed] = v
+            censored.discard(r.seed)
+        elif r.status == "pruned" and (v := censored_value(r, metric)) is not None:
+            by_seed[r.seed] = v
+            censored.add(r.seed)
     values = list(by_seed.values())
+    mean = sum(values) / len(values) if values else None
     return SettingStats(
         label=label,
         metric=metric,
         values_by_seed=by_seed,
-        interval=t_interval(values),
+        censored=frozenset(censored),
+        interval=Interval(len(values), mean, None, None),
         median=statistics.median(values) if values else None,
         min=min(values) if values else None,
         max=max(values) if values else None,
@@ -292,22 +260,25 @@ def setting_stats(label: str, runs: Sequence[SeedRun], metric: str) -> SettingSt
 
 
 def summarize(
-    groups: Mapping[str, Sequence[SeedRun]], metric: str, test: str = DEFAULT_TEST
+    groups: Mapping[str, Sequence[SeedRun]],
+    metric: str,
+    settings: VerdictSettings = REPORT_SETTINGS,
 ) -> list[SettingStats]:
-    """Every setting, ranked by mean (highest first; settings without a value last, by label),
-    each compared with the best one (`paired_tie`)."""
-    all_stats = [setting_stats(label, runs, metric) for label, runs in groups.items()]
-    have = [s for s in all_stats if s.interval.mean is not None]
-    missing = sorted((s for s in all_stats if s.interval.mean is None), key=lambda s: s.label)
-    have.sort(key=lambda s: natural_key(s.label))
-    have.sort(key=lambda s: s.interval.mean, reverse=True)  # type: ignore[arg-type,return-value]
-    for rank, s in enumerate(have, start=1):
-        s.rank = rank
-    if have:
-        best = have[0]
-        for s in have[1:]:
-            s.tie = paired_tie(best.values_by_seed, s.values_by_seed, test=test)
-    return have + missing
+    """Every setting, in the verdicts' order (best first, then by mean; settings without a value
+    last, by label), each with its verdict and the verdicts' interval of its mean."""
+    all_stats = {label: setting_stats(label, runs, metric) for label, runs in groups.items()}
+    have = {label: s for label, s in all_stats.items() if s.values_by_seed}
+    missing = sorted((s for s in all_stats.values() if not s.values_by_seed), key=lambda s: s.label)
+    if not have:
+        return missing
+    verdicts = judge({label: s.values_by_seed for label, s in have.items()}, settings)
+    ranked = []
+    for rank, v in enumerate(verdicts, start=1):
+        s = have[v.label]
+        s.rank, s.verdict = rank, v
+        s.interval = Interval(v.n_seeds, v.mean, v.ci[0], v.ci[1])
+        ranked.append(s)
+    return ranked + missing
 
 
 @dataclass(frozen=True)
@@ -316,10 +287,18 @@ class CurvePoint:
     interval: Interval
 
 
-def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> list[CurvePoint]:
-    """Per policy version, the mean and t interval over the runs that have a point there."""
+def mean_curve(
+    curves: Sequence[Sequence[tuple[int, float]]],
+    settings: VerdictSettings = REPORT_SETTINGS,
+) -> list[CurvePoint]:
+    """Per policy version, the mean over the runs that have a point there and the verdicts'
+    interval of it (the table's interval, so a band stays inside the bounds)."""
     at: dict[int, list[float]] = {}
     for curve in curves:
         for x, y in curve:
             at.setdefault(x, []).append(y)
-    return [CurvePoint(x, t_interval(at[x])) for x in sorted(at)]
+    points = []
+    for x in sorted(at):
+        lo, hi = mean_interval(at[x], settings)
+        points.append(CurvePoint(x, Interval(len(at[x]), sum(at[x]) / len(at[x]), lo, hi)))
+    return points
