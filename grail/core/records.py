@@ -187,10 +187,31 @@ def validate_metrics(record: dict[str, Any], schema: str) -> None:
         raise error
 
 
+def _file_mode() -> int:
+    mask = os.umask(0o022)  # the only way to read the umask is to set it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+# What open() gives a new file under this process's umask (read once: changing it mid-run would
+# be the user's own doing). mkstemp and safetensors' writer make files 0600 whatever the umask,
+# which left a run's weights, manifest and metrics unreadable to the group beside 0644 siblings.
+FILE_MODE = _file_mode()
+
+
+def follow_umask(path: Path) -> None:
+    """Give `path` (a file, or every file under a directory) the mode the umask gives new
+    files."""
+    for file in path.rglob("*") if path.is_dir() else [path]:
+        if file.is_file() and not file.is_symlink():
+            os.chmod(file, FILE_MODE)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

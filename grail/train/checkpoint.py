@@ -39,7 +39,12 @@ import torch
 
 from grail.core.errors import UserError
 from grail.core.manifest import file_entry, file_problem
-from grail.core.records import atomic_write_text, checkpoint_iteration, iteration_name
+from grail.core.records import (
+    atomic_write_text,
+    checkpoint_iteration,
+    follow_umask,
+    iteration_name,
+)
 from grail.models.loading import model_dir_problems
 
 log = logging.getLogger("grail.train")
@@ -117,6 +122,7 @@ def stage_checkpoint(
         if source_state:
             # NaN and infinities allowed: a -inf log-probability must round-trip (json reads them).
             atomic_write_text(tmp / SOURCE_STATE_FILE, json.dumps(source_state) + "\n")
+        follow_umask(tmp)
         _seal(tmp)
     except BaseException:  # Ctrl-C or a full disk mid-write: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from peft import PeftModel
 
+from grail.core.records import follow_umask
 from grail.models.lora import ADAPTER_CONFIG, is_adapter_dir
 
 
@@ -42,6 +43,7 @@ def export_merged(
     model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
     model.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(checkpoint).save_pretrained(out_dir)
+    follow_umask(out_dir)
     return out_dir
 
 

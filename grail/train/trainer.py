@@ -24,6 +24,7 @@ from grail.algo.kl_control import AdaptiveKL
 from grail.core.choices import ScaleRewards
 from grail.core.config import Config
 from grail.core.placement import cpu_threads, gpu_placement
+from grail.core.records import follow_umask
 from grail.inference.weights.policy import PolicyWeights
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.lora import (
@@ -282,6 +283,7 @@ class Trainer:
         self.accelerator.unwrap_model(self.model).save_pretrained(
             directory, safe_serialization=True
         )
+        follow_umask(directory)
 
     def save_server_model(self, directory: Path) -> None:
         """What the inference server starts from: the current weights, or under LoRA the frozen
@@ -293,6 +295,7 @@ class Trainer:
         else:
             model.save_pretrained(directory, safe_serialization=True)
         self.tokenizer.save_pretrained(directory)
+        follow_umask(directory)
 
     def stage_checkpoint(
         self, checkpoints_dir: Path, iteration: int, source_state: dict[str, Any]

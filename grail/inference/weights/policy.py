@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from grail.core.records import follow_umask
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +44,7 @@ class PolicyWeights:
             self.model.save_pretrained(
                 directory, safe_serialization=True, state_dict=self.state_dict(dtype)
             )
+        follow_umask(directory)
 
     @property
     def master_dtype(self) -> torch.dtype:

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from grail.core.choices import WeightSyncMode
+from grail.core.records import follow_umask
 from grail.inference.process import SyncResult
 from grail.inference.weights.policy import PolicyWeights, torch_dtype
 from grail.inference.weights.shm_file import SharedFile, remove_stale
@@ -152,6 +153,7 @@ class FlatWeights:
         tensors = {name: view.detach().to("cpu").clone() for name, view in self.named_views()}
         tmp = directory / "model.safetensors.tmp"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+        follow_umask(tmp)
         # Written in full before the old files go: a crash in between leaves weights to load.
         for old in [*directory.glob("*.safetensors"), directory / "model.safetensors.index.json"]:
             with contextlib.suppress(FileNotFoundError):
