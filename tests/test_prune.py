@@ -15,7 +15,6 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers.paired_judge import paired_judge
 from helpers.run_dirs import TINY_RUN, eval_record, make_run, write_hydra
 from hydra import compose, initialize_config_dir
 from jsonschema import ValidationError
@@ -34,7 +33,14 @@ from grail.core.records import (
 )
 from grail.core.validate import validate
 from grail.report.cli import main as report_main
-from grail.study.prune import NoPruning, RunTrial, open_study, open_trial, storage_path
+from grail.study.prune import (
+    NoPruning,
+    RunTrial,
+    open_study,
+    open_trial,
+    setting_label,
+    storage_path,
+)
 from grail.study.runs import run_status
 from grail.study.sweep import Action, RunRecord, decide
 from grail.train.cli import CONF_DIR, SweepOutcome
@@ -61,7 +67,7 @@ def _open(cfg: Config, run_dir: Path, lr: str, start: int = 0) -> RunTrial:
     overrides file first (the setting is read from it)."""
     if not (run_dir / ".hydra" / "overrides.yaml").exists():
         write_hydra(run_dir, [f"train.lr={lr}", f"seed={cfg.seed}"], 8)
-    trial = open_trial(cfg, run_dir, start, judge=paired_judge)
+    trial = open_trial(cfg, run_dir, start)
     assert isinstance(trial, RunTrial)
     return trial
 
@@ -362,6 +368,11 @@ def test_a_pruned_summary_validates_and_says_why(tmp_path: Path) -> None:
         validate_metrics(without, "summary")
     with pytest.raises(ValidationError):
         validate_metrics({**summary, "pruned": {**PRUNED, "pruner": "hyperband"}}, "summary")
+    # The seed-aware rule's why: the rung, the best setting there, shared seeds, Holm's p.
+    why = {**PRUNED, "rung": 2, "best": "train.lr=1e-2", "seeds": 3, "p": 0.01}
+    validate_metrics({**summary, "pruned": why}, "summary")
+    with pytest.raises(ValidationError):
+        validate_metrics({**summary, "pruned": {**why, "seeds": 1}}, "summary")
 
 
 def test_a_rerun_of_the_sweep_skips_a_pruned_run() -> None:
@@ -480,7 +491,7 @@ SMALL = [
     "checkpoint.save_interval=5",  # iteration 1 is checkpointed only because it is pruned there
     "train.iterations=6",
 ]
-PRUNE = ["+prune=asha", "prune.min_iterations=2", "prune.min_seeds=2"]
+PRUNE = ["+prune=asha", "prune.min_iterations=2"]
 
 
 def _grail_train(*args: str, timeout: float = 240) -> tuple[int, str]:
@@ -494,15 +505,22 @@ def _grail_train(*args: str, timeout: float = 240) -> tuple[int, str]:
     return result.returncode, result.stdout + result.stderr
 
 
-def _perfect_earlier_setting(sweep: Path) -> None:
-    """Two seeds of another setting in the study, with eval success 1.0 and 0.9 throughout: as an
-    earlier sweep into the same study_dir leaves. The tiny model cannot come near that in 2
-    iterations, so the sweep's setting is shown worse at rung 2 as soon as two of its seeds are
-    there: its second run is pruned; its first, alone at every rung, completes."""
+def _earlier_runs(sweep: Path) -> None:
+    """What an earlier sweep into the same study_dir leaves: three seeds of another setting with
+    eval success 0.9 to 1.0 throughout, and seed 2 of the sweep's own setting, as poor as the tiny
+    model is after 2 iterations. The sweep below runs seeds 0 and 1: seed 0 finds two seeds of
+    its setting at rung 2 (fewer than prune.min_seeds=3) and completes; seed 1 makes three, its
+    setting is shown worse, and it is pruned there."""
     study = open_study(sweep)
-    for seed, level in ((0, 1.0), (1, 0.9)):
+    own = setting_label([*SMALL, *PRUNE])
+    for setting, seed, level in [
+        ("an earlier setting", 0, 1.0),
+        ("an earlier setting", 1, 0.9),
+        ("an earlier setting", 2, 0.95),
+        (own, 2, 0.0),
+    ]:
         trial = study.ask()
-        trial.set_user_attr("setting", "an earlier setting")
+        trial.set_user_attr("setting", setting)
         trial.set_user_attr("seed", str(seed))
         for step in (2, 4, 6):
             trial.report(level, step)
@@ -511,7 +529,7 @@ def _perfect_earlier_setting(sweep: Path) -> None:
 
 def test_a_sweep_prunes_a_run_keeps_its_files_and_a_rerun_skips_it(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    _perfect_earlier_setting(sweep)
+    _earlier_runs(sweep)
     command = ["-m", f"hydra.sweep.dir={sweep}", *SMALL, *PRUNE, "seed=0,1"]
     code, out = _grail_train(*command)
     assert code == 0, out[-4000:]
@@ -534,8 +552,8 @@ def test_a_sweep_prunes_a_run_keeps_its_files_and_a_rerun_skips_it(tmp_path: Pat
     assert read_metrics(completed / "summary.json")["status"] == "completed"
     assert len(list((completed / "metrics").glob("train_iter_*.json"))) == 6
     trials = _trials(sweep)
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3 + [TrialState.PRUNED]
-    assert trials[3].user_attrs["seed"] == "1"
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 5 + [TrialState.PRUNED]
+    assert trials[5].user_attrs == {"setting": setting_label([*SMALL, *PRUNE]), "seed": "1"}
 
     # The same command with resume=true: both runs ended, nothing runs again.
     code, out = _grail_train(*command, "resume=true")

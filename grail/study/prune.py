@@ -38,7 +38,6 @@ committed: a run killed in between stops at the same iteration when resumed, wit
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from pathlib import Path
@@ -50,6 +49,7 @@ from grail.core.records import PRUNE_TRIAL, atomic_write_text, metric_records, r
 from grail.study.rungs import Judge, Prune, RunCurve, judge_rung, latest_rung
 from grail.study.runs import read_overrides
 from grail.study.stats import metric_of, setting_of
+from grail.study.verdicts import VerdictSettings, judge
 
 if TYPE_CHECKING:  # optuna (half a second to import) loads only when pruning is on
     import optuna
@@ -74,9 +74,8 @@ def setting_label(overrides: list[str]) -> str:
 
 def verdicts_judge(alpha: float) -> Judge:
     """grail.study.verdicts.judge with family-wise error `alpha`, as the rung rule calls it."""
-    verdicts = importlib.import_module("grail.study.verdicts")
-    settings = verdicts.VerdictSettings(alpha=alpha)
-    return lambda values: verdicts.judge(values, settings)
+    settings = VerdictSettings(alpha=alpha)
+    return lambda values: judge(values, settings)
 
 
 def open_study(study_dir: str | Path) -> optuna.Study:

@@ -34,26 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-WORSE = "worse"  # grail.study.verdicts.Outcome.WORSE (a StrEnum: equal to its value)
+from grail.study.verdicts import Outcome, Verdict
 
-
-class RungVerdict(Protocol):
-    """What the rule reads of one grail.study.verdicts.Verdict."""
-
-    @property
-    def label(self) -> str: ...
-    @property
-    def outcome(self) -> str: ...
-    @property
-    def p(self) -> float | None: ...
-    @property
-    def effect(self) -> float | None: ...
-
-
-# setting label -> {seed: value} -> one verdict per setting, the best first
-Judge = Callable[[Mapping[str, Mapping[str, float]]], Sequence[RungVerdict]]
+# setting label -> {seed: value} -> one verdict per setting, the best first (verdicts.judge with
+# its settings bound; tests pass their own)
+Judge = Callable[[Mapping[str, Mapping[str, float]]], Sequence[Verdict]]
 
 
 @dataclass(frozen=True)
@@ -116,6 +102,6 @@ def judge_rung(
     best = verdicts[0]
     mine = next(v for v in verdicts if v.label == setting)
     shared = len(compared[setting].keys() & compared[best.label].keys())
-    if mine.label == best.label or mine.outcome != WORSE or shared < min_seeds:
+    if mine.label == best.label or mine.outcome is not Outcome.WORSE or shared < min_seeds:
         return None
     return Prune(rung=rung, best=best.label, seeds=shared, p=mine.p, effect=mine.effect)
