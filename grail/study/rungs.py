@@ -25,7 +25,11 @@ Definitions (docs/sweeps.md, "Prune hopeless runs"):
   reaches the next: one that passed a rung before enough seeds were there is re-checked against
   the larger evidence as the others arrive, so arriving first buys nothing. Earlier rungs are not
   looked at again once a run has reached a later one: a late learner that has caught up is judged
-  by where it is now, not by where it started.
+  by where it is now, not by where it started. (So a run that outpaces the others to the next
+  rung leaves the earlier rung's evidence behind; it faces the next rung's instead.)
+- What no rule at a rung can do is see the future: a late learner behind the early leader there,
+  on enough seeds, is shown worse and pruned. tests/test_prune_rungs.py measures how often, on
+  curves shaped like issue 27's; docs/sweeps.md says where to put the first rung.
 - Several values for one (setting, seed) (a retried run's new trial beside the failed one): the
   newest trial that has a value at the rung counts.
 """
