@@ -3,7 +3,7 @@ whether it changed the answer.
 
     uv run python benchmarks/study.py                               # 3 lr x 2 kl_coef x 5 seeds
     uv run python benchmarks/study.py --lrs 2e-3,5e-3 --kl-coefs 0 --seeds 3 train.iterations=60
-    uv run python benchmarks/study.py --prune median --out-dir outputs/study   # keep both sweeps
+    uv run python benchmarks/study.py --out-dir outputs/study   # keep both sweeps
 
 Each study is one `grail-train -m train.lr=... train.kl_coef=... seed=...` (Hydra's basic
 launcher: one run after another, so wall times are comparable), the second with `+prune=<pruner>`

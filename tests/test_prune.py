@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers.run_dirs import TINY_RUN, eval_record, make_run
+from helpers.run_dirs import TINY_RUN, eval_record, make_run, write_hydra
 from hydra import compose, initialize_config_dir
 from jsonschema import ValidationError
 from omegaconf import OmegaConf
@@ -33,7 +33,14 @@ from grail.core.records import (
 )
 from grail.core.validate import validate
 from grail.report.cli import main as report_main
-from grail.study.prune import NoPruning, RunTrial, open_study, open_trial, storage_path, study_name
+from grail.study.prune import (
+    NoPruning,
+    RunTrial,
+    open_study,
+    open_trial,
+    setting_label,
+    storage_path,
+)
 from grail.study.runs import run_status
 from grail.study.sweep import Action, RunRecord, decide
 from grail.train.cli import CONF_DIR, SweepOutcome
@@ -55,106 +62,179 @@ def _evaluate(run_dir: Path, iteration: int, success: float) -> None:
     write_metrics(path, eval_record(iteration, success, success), "eval")
 
 
-def _run(cfg: Config, run_dir: Path, successes: dict[int, float], start: int = 0) -> int | None:
-    """A run through the loop's calls: evaluations at the given iterations, asking the pruner
-    after each, then finish. Returns the iteration it was pruned at, or None."""
+def _open(cfg: Config, run_dir: Path, lr: str, start: int = 0) -> RunTrial:
+    """The trial of a run of setting train.lr=`lr` on cfg.seed, as the loop opens it: Hydra's
+    overrides file first (the setting is read from it)."""
+    if not (run_dir / ".hydra" / "overrides.yaml").exists():
+        write_hydra(run_dir, [f"train.lr={lr}", f"seed={cfg.seed}"], 8)
     trial = open_trial(cfg, run_dir, start)
+    assert isinstance(trial, RunTrial)
+    return trial
+
+
+def _run(
+    cfg: Config, run_dir: Path, lr: str, successes: dict[int, float], start: int = 0
+) -> int | None:
+    """A run through the loop's calls: evaluations at the given iterations, asking the pruner
+    after each but the last, then finish. Returns the iteration it was pruned at, or None."""
+    trial = _open(cfg, run_dir, lr, start)
+    last = max(successes)
     for iteration, success in sorted(successes.items()):
         _evaluate(run_dir, iteration, success)
-        if trial.should_prune(iteration):
+        if iteration != last and trial.should_prune(iteration):
             trial.finish()
             return iteration
     trial.finish()
     return None
 
 
-def _trials(study_dir: Path, seed: int) -> list[optuna.trial.FrozenTrial]:
-    study = open_study(study_dir, seed, PruneConfig(pruner="asha"))
-    return study.get_trials(deepcopy=False)
+def _trials(study_dir: Path) -> list[optuna.trial.FrozenTrial]:
+    return open_study(study_dir).get_trials(deepcopy=False)
 
 
-# ---- the pruners, on real Optuna storage --------------------------------------------------------
+# Three seeds of a good setting (1e-2) and of a bad one (1e-3); rungs at 2 and 4 updates.
+GOOD = {0: {1: 0.6, 3: 0.7, 5: 0.8}, 1: {1: 0.7, 3: 0.8, 5: 0.9}, 2: {1: 0.65, 3: 0.7, 5: 0.9}}
+BAD = {0: {1: 0.1, 3: 0.9, 5: 0.9}, 1: {1: 0.12, 3: 0.9, 5: 0.9}, 2: {1: 0.08, 3: 0.9, 5: 0.9}}
 
 
-def test_asha_prunes_a_clearly_worse_run_at_its_rung_and_keeps_better_ones(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, reduction_factor=2)  # rungs at 2 and 4 updates
-    curves = {
-        "good": {1: 0.6, 3: 0.7, 5: 0.8},
-        "bad": {1: 0.1, 3: 0.9, 5: 0.9},  # worse at the first rung: never gets to improve
-        "better": {1: 0.7, 3: 0.8, 5: 0.9},
+# ---- the rule, on real Optuna storage -----------------------------------------------------------
+
+
+def test_a_setting_worse_over_its_seeds_is_pruned_the_best_never(tmp_path: Path) -> None:
+    """Settings, not runs: no run of "bad" is pruned until three of its seeds are at the rung
+    beside three of "good"; then the one asking is (the others at their next evaluation)."""
+    cfg = {seed: _config(tmp_path, seed=seed, reduction_factor=2) for seed in range(3)}
+    pruned = {}
+    for seed in range(3):  # one run after another: all of good, then all of bad
+        pruned[("1e-2", seed)] = _run(cfg[seed], tmp_path / f"good{seed}", "1e-2", GOOD[seed])
+    for seed in range(3):
+        pruned[("1e-3", seed)] = _run(cfg[seed], tmp_path / f"bad{seed}", "1e-3", BAD[seed])
+    # bad's seeds 0 and 1 met fewer than min_seeds of their setting at every rung: not judged,
+    # they complete. Its third seed is judged at rung 2 and pruned.
+    assert pruned == {("1e-2", s): None for s in range(3)} | {
+        ("1e-3", 0): None,
+        ("1e-3", 1): None,
+        ("1e-3", 2): 1,
     }
-    pruned = {name: _run(cfg, tmp_path / name, curve) for name, curve in curves.items()}
-    assert pruned == {"good": None, "bad": 1, "better": None}
-
-    states = {t.number: t.state for t in _trials(tmp_path, 0)}
-    assert states == {0: TrialState.COMPLETE, 1: TrialState.PRUNED, 2: TrialState.COMPLETE}
-    record = json.loads((tmp_path / "bad" / PRUNE_TRIAL).read_text())
-    assert record["study"] == "prune-seed-0" and record["trial"] == 1
+    trials = _trials(tmp_path)
+    assert [(t.user_attrs, t.state) for t in trials] == [
+        ({"setting": f"train.lr={lr}", "seed": str(seed)}, state)
+        for lr, seed, state in [
+            *((lr, s, TrialState.COMPLETE) for lr in ("1e-2",) for s in range(3)),
+            ("1e-3", 0, TrialState.COMPLETE),
+            ("1e-3", 1, TrialState.COMPLETE),
+            ("1e-3", 2, TrialState.PRUNED),
+        ]
+    ]
+    record = json.loads((tmp_path / "bad2" / PRUNE_TRIAL).read_text())
+    assert record["study"] == "prune" and record["trial"] == 5
     assert record["storage"] == str(storage_path(tmp_path).absolute())
-    assert read_pruned(tmp_path / "bad") == {
+    pruned_record = read_pruned(tmp_path / "bad2")
+    assert pruned_record is not None and pruned_record.pop("p") < 0.05
+    assert pruned_record == {
         "iteration": 1,
-        "value": 0.1,
+        "value": 0.08,
         "metric": "auc",
         "pruner": "asha",
+        "rung": 2,
+        "best": "train.lr=1e-2",
+        "seeds": 3,
     }
-    assert read_pruned(tmp_path / "good") is None
+    assert read_pruned(tmp_path / "good0") is None
     # The complete trials hold their final value: auc, the mean over the evaluations.
-    final = {t.number: t.value for t in _trials(tmp_path, 0)}
-    assert final[0] == pytest.approx((0.6 + 0.7 + 0.8) / 3)
+    assert trials[0].value == pytest.approx((0.6 + 0.7 + 0.8) / 3)
+
+
+def test_runs_that_passed_a_rung_early_are_rechecked_as_the_others_arrive(tmp_path: Path) -> None:
+    """Arrival order buys nothing: runs of "bad" that reached the rung before enough seeds were
+    there are judged again at each evaluation until their next rung (runs in parallel)."""
+    cfg = {
+        seed: _config(tmp_path, seed=seed, min_iterations=2, reduction_factor=4)
+        for seed in (0, 1, 2)
+    }
+    bad = {seed: _open(cfg[seed], tmp_path / f"bad{seed}", "1e-3") for seed in range(3)}
+    for seed in range(3):  # bad first at rung 2 (step 2): nothing to compare with
+        _evaluate(tmp_path / f"bad{seed}", 1, BAD[seed][1])
+        assert not bad[seed].should_prune(1)
+    for seed in range(3):
+        _run(cfg[seed], tmp_path / f"good{seed}", "1e-2", GOOD[seed])
+    # At their next evaluation (step 4, still before rung 8) the evidence at rung 2 is complete.
+    for seed in range(3):
+        _evaluate(tmp_path / f"bad{seed}", 3, 0.9)
+        assert bad[seed].should_prune(3)
+        assert bad[seed].pruned is not None and bad[seed].pruned["rung"] == 2
+
+
+def test_a_late_learner_is_judged_where_it_is_not_where_it_started(tmp_path: Path) -> None:
+    """Once a run reached a later rung, earlier ones are not looked at again: "bad" catches up
+    by rung 4, so more evidence of its poor start at rung 2 prunes nothing."""
+    cfg = {seed: _config(tmp_path, seed=seed, reduction_factor=2) for seed in (0, 1, 2)}
+    for seed in range(3):
+        _run(cfg[seed], tmp_path / f"good{seed}", "1e-2", GOOD[seed])
+    late = {seed: _open(cfg[seed], tmp_path / f"bad{seed}", "1e-3") for seed in range(3)}
+    for seed in range(2):
+        _evaluate(tmp_path / f"bad{seed}", 1, BAD[seed][1])
+        assert not late[seed].should_prune(1)  # two seeds: too few to judge
+        _evaluate(tmp_path / f"bad{seed}", 3, 0.95)
+        assert not late[seed].should_prune(3)  # at rung 4 now, still too few
+    _evaluate(tmp_path / "bad2", 1, BAD[2][1])
+    assert late[2].should_prune(1)  # its own rung 2 holds three seeds now: pruned there
+    _evaluate(tmp_path / "bad0", 5, 0.95)
+    assert not late[0].should_prune(5)  # judged at rung 4 (too few there), not at rung 2
 
 
 def test_no_pruning_before_min_iterations(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, reduction_factor=2, min_iterations=4)
-    assert _run(cfg, tmp_path / "a", {1: 0.9, 3: 0.9}) is None
-    # Far worse at 2 updates, but that is before min_iterations; at 4 it is judged.
-    assert _run(cfg, tmp_path / "b", {1: 0.0, 3: 0.0}) == 3
-
-
-def test_median_spares_its_warmup_runs_then_prunes_below_the_median(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, pruner="median", warmup_runs=1, metric="success")
-    assert _run(cfg, tmp_path / "first", {1: 0.1, 3: 0.2}) is None  # a warm-up run: never
-    assert _run(cfg, tmp_path / "worse", {1: 0.05, 3: 0.9}) == 1
-    # Not below the median (ties go on); the rule compares a run's best value so far.
-    assert _run(cfg, tmp_path / "same", {1: 0.1, 3: 0.2}) is None
-    assert _run(cfg, tmp_path / "better", {1: 0.5, 3: 0.6}) is None
+    cfg = {
+        seed: _config(tmp_path, seed=seed, reduction_factor=2, min_iterations=4)
+        for seed in (0, 1, 2)
+    }
+    for seed in range(3):
+        assert _run(cfg[seed], tmp_path / f"good{seed}", "1e-2", {1: 0.9, 3: 0.9, 5: 0.9}) is None
+    for seed in range(3):
+        # Far worse at 2 updates, but that is before min_iterations; at 4 it is judged.
+        worse = {1: 0.0, 3: 0.01 * seed, 5: 0.0}
+        assert _run(cfg[seed], tmp_path / f"bad{seed}", "1e-3", worse) == (3 if seed == 2 else None)
 
 
 def test_the_last_evaluation_is_reported_when_the_run_completes(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, pruner="median", warmup_runs=1, metric="success")
+    cfg = _config(tmp_path, metric="success")
     run_dir = tmp_path / "run"
-    trial = open_trial(cfg, run_dir, 0)
+    trial = _open(cfg, run_dir, "1e-2")
     _evaluate(run_dir, 1, 0.2)
     assert not trial.should_prune(1)
     _evaluate(run_dir, 3, 0.4)  # the last iteration's: the loop does not ask, the run ends
     trial.finish()
-    (frozen,) = _trials(tmp_path, 0)
+    (frozen,) = _trials(tmp_path)
     assert frozen.state == TrialState.COMPLETE and frozen.value == pytest.approx(0.4)
     assert frozen.intermediate_values == {2: pytest.approx(0.2), 4: pytest.approx(0.4)}
-    # ...so a later run is judged against it at that step too (best 0.3 so far < 0.4).
-    assert _run(cfg, tmp_path / "later", {1: 0.3, 3: 0.1, 5: 0.9}) == 3
 
 
-def test_each_seed_competes_only_in_its_own_study(tmp_path: Path) -> None:
-    seed0, seed1 = _config(tmp_path, seed=0), _config(tmp_path, seed=1)
-    assert _run(seed0, tmp_path / "s0-good", {1: 0.9, 3: 0.9}) is None
-    # A hard seed: every setting does badly on it, and it is compared with its own kind only.
-    assert _run(seed1, tmp_path / "s1-a", {1: 0.1, 3: 0.1}) is None
-    assert _run(seed1, tmp_path / "s1-b", {1: 0.12, 3: 0.1}) is None
-    assert _run(seed0, tmp_path / "s0-bad", {1: 0.1, 3: 0.1}) == 1
-    assert [len(_trials(tmp_path, s)) for s in (0, 1)] == [2, 2]
+def test_seeds_are_paired_so_a_hard_seed_hides_nothing(tmp_path: Path) -> None:
+    """Seed 2 is hard for both settings. Seed by seed, "b" is a little below "a" on every one,
+    which pairing shows; over unpaired means the seeds' spread (0.05 to 0.8) would hide it."""
+    cfg = {seed: _config(tmp_path, seed=seed, reduction_factor=2) for seed in (0, 1, 2)}
+    a = {0: 0.8, 1: 0.7, 2: 0.05}
+    b = {0: 0.79, 1: 0.688, 2: 0.041}
+    for seed in range(3):
+        assert _run(cfg[seed], tmp_path / f"a{seed}", "1e-2", {1: a[seed], 3: a[seed]}) is None
+    pruned = [_run(cfg[s], tmp_path / f"b{s}", "3e-2", {1: b[s], 3: b[s]}) for s in range(3)]
+    assert pruned == [None, None, 1]
+    assert {t.user_attrs["setting"] for t in _trials(tmp_path)} == {
+        "train.lr=1e-2",
+        "train.lr=3e-2",
+    }
     names = optuna.get_all_study_names(
         optuna.storages.JournalStorage(
             optuna.storages.journal.JournalFileBackend(str(storage_path(tmp_path)))
         )
     )
-    assert sorted(names) == [study_name(0), study_name(1)]
+    assert names == ["prune"]
 
 
 def test_a_resumed_run_keeps_its_trial_and_a_step_is_reported_once(tmp_path: Path) -> None:
     cfg = _config(tmp_path, reduction_factor=2)
     run_dir = tmp_path / "run"
-    trial = open_trial(cfg, run_dir, 0)
-    assert isinstance(trial, RunTrial)
+    trial = _open(cfg, run_dir, "1e-2")
     _evaluate(run_dir, 1, 0.5)
     assert not trial.should_prune(1)
     _evaluate(run_dir, 2, 0.6)  # then killed: no finish(), the trial stays running
@@ -163,49 +243,58 @@ def test_a_resumed_run_keeps_its_trial_and_a_step_is_reported_once(tmp_path: Pat
     # warn and ignore a second value for a step; the rerun's differs by float noise at most.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = open_trial(cfg, run_dir, 2)
-        assert isinstance(again, RunTrial) and again.number == trial.number
+        again = _open(cfg, run_dir, "1e-2", start=2)
+        assert again.number == trial.number
         _evaluate(run_dir, 1, 0.55)  # a rewritten earlier file does not change the trial
         assert again.report(1) == 0.5
         _evaluate(run_dir, 3, 0.7)
         assert not again.should_prune(3)
-    (frozen,) = _trials(tmp_path, 0)
+    (frozen,) = _trials(tmp_path)
     assert frozen.state == TrialState.RUNNING
     assert frozen.intermediate_values == {2: 0.5, 4: pytest.approx((0.55 + 0.6 + 0.7) / 3)}
 
-    # A run that failed ends its trial (FAIL); retried, it gets a new one holding its evaluations.
+    # A run that failed ends its trial (FAIL); retried, it gets a new one holding its evaluations,
+    # labelled with the same setting and seed (the rule counts the newest of the two).
     again.fail()
-    retried = open_trial(cfg, run_dir, 4)
-    assert isinstance(retried, RunTrial) and retried.number == trial.number + 1
-    states = {t.number: (t.state, t.intermediate_values) for t in _trials(tmp_path, 0)}
+    retried = _open(cfg, run_dir, "1e-2", start=4)
+    assert retried.number == trial.number + 1
+    states = {t.number: (t.state, t.intermediate_values) for t in _trials(tmp_path)}
     assert states[trial.number][0] == TrialState.FAIL
     assert set(states[retried.number][1]) == {2, 3, 4}  # evals at iterations 1, 2, 3 on disk
+    assert _trials(tmp_path)[retried.number].user_attrs == {"setting": "train.lr=1e-2", "seed": "0"}
 
     # Started over (no checkpoint): the old running trial ends, a new one starts empty.
     for path in (run_dir / "metrics").glob("*.json"):
         path.unlink()
-    fresh = open_trial(cfg, run_dir, 0)
-    assert isinstance(fresh, RunTrial) and fresh.number == retried.number + 1
-    states = {t.number: (t.state, t.intermediate_values) for t in _trials(tmp_path, 0)}
+    fresh = _open(cfg, run_dir, "1e-2", start=0)
+    assert fresh.number == retried.number + 1
+    states = {t.number: (t.state, t.intermediate_values) for t in _trials(tmp_path)}
     assert states[retried.number][0] == TrialState.FAIL
     assert states[fresh.number] == (TrialState.RUNNING, {})
 
 
 def test_a_decision_survives_a_kill_before_the_checkpoint(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, reduction_factor=2)
-    _run(cfg, tmp_path / "good", {1: 0.9})
-    run_dir = tmp_path / "bad"
-    trial = open_trial(cfg, run_dir, 0)
+    cfg = {seed: _config(tmp_path, seed=seed, reduction_factor=2) for seed in (0, 1, 2)}
+    for seed in range(3):
+        _run(cfg[seed], tmp_path / f"good{seed}", "1e-2", GOOD[seed])
+    for seed in range(2):
+        _run(cfg[seed], tmp_path / f"bad{seed}", "1e-3", BAD[seed])
+    run_dir = tmp_path / "bad2"
+    trial = _open(cfg[2], run_dir, "1e-3")
     _evaluate(run_dir, 1, 0.1)
     assert trial.should_prune(1)  # then killed before its checkpoint committed: no finish()
-    # Resumed from iter_000 (start 1): iteration 1 reruns and stops there, without asking ASHA
-    # again (it records a rung as done when it first answers, and would now say go on).
-    resumed = open_trial(cfg, run_dir, 1)
+
+    # Resumed from iter_000 (start 1): iteration 1 reruns and stops there without asking again
+    # (the evidence may have changed since; the decision taken is the one kept).
+    def no_judge(values: object) -> list[object]:
+        raise AssertionError("a resumed run asked again")
+
+    resumed = open_trial(cfg[2], run_dir, 1, judge=no_judge)  # type: ignore[arg-type]
     assert isinstance(resumed, RunTrial) and resumed.number == trial.number
     _evaluate(run_dir, 1, 0.1)
     assert resumed.should_prune(1)
     resumed.finish()
-    assert _trials(tmp_path, 0)[trial.number].state == TrialState.PRUNED
+    assert _trials(tmp_path)[trial.number].state == TrialState.PRUNED
 
 
 def test_pruning_off_clears_an_old_record_on_a_fresh_start(tmp_path: Path) -> None:
@@ -229,7 +318,9 @@ def test_pruning_off_clears_an_old_record_on_a_fresh_start(tmp_path: Path) -> No
         ({"prune": PruneConfig(pruner="hyperband")}, "prune.pruner='hyperband' is not one of"),
         ({"prune": PruneConfig(pruner="asha", metric="best")}, "prune.metric='best'"),
         ({"prune": PruneConfig(pruner="asha", reduction_factor=1)}, "prune.reduction_factor"),
-        ({"prune": PruneConfig(pruner="median", warmup_runs=-1)}, "prune.warmup_runs"),
+        ({"prune": PruneConfig(pruner="median")}, "prune.pruner='median' is not one of"),
+        ({"prune": PruneConfig(pruner="asha", min_seeds=1)}, "prune.min_seeds must be >= 2"),
+        ({"prune": PruneConfig(pruner="asha", alpha=1.0)}, "prune.alpha must be in"),
         ({"prune": PruneConfig(pruner="asha", min_iterations=0)}, "prune.min_iterations"),
         ({"eval": EvalConfig(enabled=False)}, "eval.enabled=true"),
         ({"study_dir": None}, "prune.pruner=asha needs a study_dir"),
@@ -249,18 +340,18 @@ def test_the_config_group_switches_it_on() -> None:
         asha = compose(
             config_name="offline_grpo", overrides=["+prune=asha", "prune.min_iterations=20"]
         )
-        median = compose(config_name="offline_grpo", overrides=["+prune=median"])
     assert off.prune.pruner is None
-    assert (asha.prune.pruner, asha.prune.min_iterations, asha.prune.reduction_factor) == (
-        "asha",
-        20,
-        3,
-    )
-    assert (median.prune.pruner, median.prune.warmup_runs) == ("median", 2)
-    for cfg in (asha, median):
-        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        config.study_dir = "/tmp/study"
-        validate(config)
+    assert OmegaConf.to_container(asha.prune) == {
+        "pruner": "asha",
+        "min_iterations": 20,
+        "reduction_factor": 3,
+        "min_seeds": 3,
+        "alpha": 0.05,
+        "metric": "auc",
+    }
+    config: Config = OmegaConf.to_object(asha)  # type: ignore[assignment]
+    config.study_dir = "/tmp/study"
+    validate(config)
 
 
 # ---- the pruned status everywhere ---------------------------------------------------------------
@@ -277,6 +368,11 @@ def test_a_pruned_summary_validates_and_says_why(tmp_path: Path) -> None:
         validate_metrics(without, "summary")
     with pytest.raises(ValidationError):
         validate_metrics({**summary, "pruned": {**PRUNED, "pruner": "hyperband"}}, "summary")
+    # The seed-aware rule's why: the rung, the best setting there, shared seeds, Holm's p.
+    why = {**PRUNED, "rung": 2, "best": "train.lr=1e-2", "seeds": 3, "p": 0.01}
+    validate_metrics({**summary, "pruned": why}, "summary")
+    with pytest.raises(ValidationError):
+        validate_metrics({**summary, "pruned": {**why, "seeds": 1}}, "summary")
 
 
 def test_a_rerun_of_the_sweep_skips_a_pruned_run() -> None:
@@ -395,7 +491,7 @@ SMALL = [
     "checkpoint.save_interval=5",  # iteration 1 is checkpointed only because it is pruned there
     "train.iterations=6",
 ]
-PRUNE = ["+prune=median", "prune.warmup_runs=1", "prune.min_iterations=2"]
+PRUNE = ["+prune=asha", "prune.min_iterations=2"]
 
 
 def _grail_train(*args: str, timeout: float = 240) -> tuple[int, str]:
@@ -409,31 +505,43 @@ def _grail_train(*args: str, timeout: float = 240) -> tuple[int, str]:
     return result.returncode, result.stdout + result.stderr
 
 
-def _perfect_earlier_run(sweep: Path) -> None:
-    """A completed run of seed 0 in the study, with eval success 1.0 throughout: as an earlier
-    sweep into the same study_dir leaves. The tiny model cannot reach that in 2 iterations, so
-    the median rule deterministically prunes the seed-0 run below; seed 1's study is empty."""
-    study = open_study(sweep, 0, PruneConfig(pruner="median"))
-    trial = study.ask()
-    for step in (2, 4, 6):
-        trial.report(1.0, step)
-    study.tell(trial, 1.0)
+def _earlier_runs(sweep: Path) -> None:
+    """What an earlier sweep into the same study_dir leaves: three seeds of another setting with
+    eval success 0.9 to 1.0 throughout, and seed 2 of the sweep's own setting, as poor as the tiny
+    model is after 2 iterations. The sweep below runs seeds 0 and 1: seed 0 finds two seeds of
+    its setting at rung 2 (fewer than prune.min_seeds=3) and completes; seed 1 makes three, its
+    setting is shown worse, and it is pruned there."""
+    study = open_study(sweep)
+    own = setting_label([*SMALL, *PRUNE])
+    for setting, seed, level in [
+        ("an earlier setting", 0, 1.0),
+        ("an earlier setting", 1, 0.9),
+        ("an earlier setting", 2, 0.95),
+        (own, 2, 0.0),
+    ]:
+        trial = study.ask()
+        trial.set_user_attr("setting", setting)
+        trial.set_user_attr("seed", str(seed))
+        for step in (2, 4, 6):
+            trial.report(level, step)
+        study.tell(trial, level)
 
 
 def test_a_sweep_prunes_a_run_keeps_its_files_and_a_rerun_skips_it(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    _perfect_earlier_run(sweep)
+    _earlier_runs(sweep)
     command = ["-m", f"hydra.sweep.dir={sweep}", *SMALL, *PRUNE, "seed=0,1"]
     code, out = _grail_train(*command)
     assert code == 0, out[-4000:]
     assert "all 2 runs ended: 1 completed, 1 pruned early" in out, out[-4000:]
 
-    pruned, completed = sweep / "0", sweep / "1"
+    completed, pruned = sweep / "0", sweep / "1"
     summary = read_metrics(pruned / "summary.json")
     validate_metrics(summary, "summary")
     assert summary["status"] == "pruned" and summary["iterations"] == 2
-    assert summary["pruned"]["iteration"] == 1 and summary["pruned"]["pruner"] == "median"
-    assert summary["pruned"]["value"] < 1.0
+    assert summary["pruned"]["iteration"] == 1 and summary["pruned"]["pruner"] == "asha"
+    assert summary["pruned"]["value"] < 0.9
+    assert (summary["pruned"]["rung"], summary["pruned"]["best"]) == (2, "an earlier setting")
     assert (pruned / "checkpoints" / "iter_001").is_dir()  # saved although save_interval=5
     assert sorted(p.name for p in (pruned / "metrics").iterdir()) == [
         "eval_baseline.json",
@@ -443,11 +551,9 @@ def test_a_sweep_prunes_a_run_keeps_its_files_and_a_rerun_skips_it(tmp_path: Pat
     ]
     assert read_metrics(completed / "summary.json")["status"] == "completed"
     assert len(list((completed / "metrics").glob("train_iter_*.json"))) == 6
-    states = {s: [t.state for t in _trials(sweep, s)] for s in (0, 1)}
-    assert states == {
-        0: [TrialState.COMPLETE, TrialState.PRUNED],
-        1: [TrialState.COMPLETE],
-    }
+    trials = _trials(sweep)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 5 + [TrialState.PRUNED]
+    assert trials[5].user_attrs == {"setting": setting_label([*SMALL, *PRUNE]), "seed": "1"}
 
     # The same command with resume=true: both runs ended, nothing runs again.
     code, out = _grail_train(*command, "resume=true")

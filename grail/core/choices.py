@@ -88,7 +88,6 @@ class PrunerName(Choice):
     """grail/study/prune.py; null (None) switches pruning off."""
 
     asha = "asha"
-    median = "median"
 
 
 class PruneMetric(Choice):

@@ -188,18 +188,20 @@ class LoggingConfig:
 
 @dataclass
 class PruneConfig:
-    """Early stopping of runs clearly worse than the others of their study, by Optuna's pruners
-    (grail/study/prune.py, docs/sweeps.md). Off by default; `+prune=asha` or `+prune=median` sets
-    it."""
+    """Early stopping of the runs of a setting shown worse than the best setting over seeds at a
+    rung (grail/study/prune.py, grail/study/rungs.py, docs/sweeps.md). Off by default;
+    `+prune=asha` sets it."""
 
-    pruner: PrunerName | None = None  # null: off | asha (successive halving) | median
-    # No run is pruned before it has trained this many iterations (ASHA: its min_resource, the
-    # first rung; the median rule: its warm-up steps).
+    pruner: PrunerName | None = None  # null: off | asha (rungs on the successive-halving schedule)
+    # The first rung, in iterations trained: no run is pruned before it.
     min_iterations: int = 10
-    reduction_factor: int = 3  # asha: about 1 run in reduction_factor goes on past each rung
-    warmup_runs: int = 2  # median: runs per study (seed) that complete before any is pruned
-    # What runs are compared by at an eval: auc (mean eval success over the evals so far,
-    # steadier) | success (this eval's success rate).
+    reduction_factor: int = 3  # rungs at min_iterations x reduction_factor^k
+    # A setting is compared at a rung once this many of its seeds reached it, and pruned only when
+    # shown worse than the best over at least this many shared seeds.
+    min_seeds: int = 3
+    alpha: float = 0.05  # family-wise error of "worse" at a rung (Holm over the settings there)
+    # What settings are compared by at a rung: auc (mean eval success over the evals so far,
+    # steadier) | success (that eval's success rate).
     metric: PruneMetric = PruneMetric.auc
 
 

@@ -387,7 +387,8 @@ def write_summary(
     config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write summary.json: "completed", "failed" with why when `error` is given, or "pruned" with
-    when and why (`pruned`: iteration, value, metric, pruner; see `read_pruned`); returns it.
+    when and why (`pruned`: iteration, value, metric, pruner, rung, best, seeds, p; see
+    `read_pruned`); returns it.
 
     Only while holding the run's lock: when another process runs in `run_dir` (a second
     grail-train that failed because of it, say), the summary belongs to that run and is not
@@ -415,9 +416,9 @@ def write_summary(
 
 
 def read_pruned(run_dir: Path) -> dict[str, Any] | None:
-    """Whether the run was pruned: {"iteration", "value", "metric", "pruner"} from its
-    `prune_trial.json` (written the moment the pruner decided, before the checkpoint of that
-    iteration is committed), or None."""
+    """Whether the run was pruned: {"iteration", "value", "metric", "pruner", "rung", "best",
+    "seeds", "p"} from its `prune_trial.json` (written the moment the rule decided, before the
+    checkpoint of that iteration is committed), or None."""
     record = read_json(Path(run_dir) / PRUNE_TRIAL)
     pruned = record.get("pruned") if record is not None else None
     return pruned if isinstance(pruned, dict) and isinstance(pruned.get("iteration"), int) else None

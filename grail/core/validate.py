@@ -351,11 +351,16 @@ def validate_prune(cfg: Config) -> None:
     _positive("prune.min_iterations", prune.min_iterations)
     if prune.reduction_factor < 2:
         raise ConfigError(f"prune.reduction_factor must be >= 2, got {prune.reduction_factor}")
-    if prune.warmup_runs < 0:
-        raise ConfigError(f"prune.warmup_runs must be >= 0, got {prune.warmup_runs}")
+    if prune.min_seeds < 2:
+        raise ConfigError(
+            f"prune.min_seeds must be >= 2 (settings are compared over seeds), got "
+            f"{prune.min_seeds}"
+        )
+    if not 0 < prune.alpha < 1:
+        raise ConfigError(f"prune.alpha must be in (0, 1), got {prune.alpha}")
     if not cfg.eval.enabled:
         raise ConfigError(
-            f"prune.pruner={prune.pruner} compares runs by their evaluations: it needs "
+            f"prune.pruner={prune.pruner} compares settings by their evaluations: it needs "
             "eval.enabled=true"
         )
     if cfg.study_dir is None:

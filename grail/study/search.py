@@ -6,7 +6,7 @@ replicates, through the same launchers and run directories as a grid sweep, resu
         hydra.sweeper.n_trials=20 hydra.sweeper.seeds=3 train.iterations=50
 
 Why a sweeper of our own rather than hydra-optuna-sweeper: that plugin (1.3.0, its latest) pins
-optuna<3.0, while grail uses optuna 5 for its pruners and journal storage, and it has no seed
+optuna<3.0, while grail uses optuna 5 for its journal storage, and it has no seed
 replicates, no trial state from a run's own record (failed, pruned, killed) and no batching that
 keeps grail's per-slot resource split valid. So this is a thin one, keeping that plugin's config
 shape where it fits (`params` in Hydra's sweep grammar, `n_trials`, `direction`, `study_name`).

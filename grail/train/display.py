@@ -77,11 +77,17 @@ class Display:
             *(f"  {name:<16}{what}" for name, what in run_files(run_dir)),
         ]
         if pruned := summary.get("pruned"):
+            why = (
+                f": at rung {pruned['rung']} its setting was worse than {pruned['best']} over "
+                f"{pruned['seeds']} seeds"
+                if "rung" in pruned
+                else ""
+            )
             lines.insert(
                 1,
                 f"pruned after iteration {pruned['iteration']} ({pruned['metric']} "
-                f"{pruned['value']:.4f}, prune.pruner={pruned['pruner']}): stopped early by the "
-                "pruner, its checkpoint and metrics kept",
+                f"{pruned['value']:.4f}, prune.pruner={pruned['pruner']}){why}; stopped early, "
+                "its checkpoint and metrics kept",
             )
         # Printed whole (soft wrap, no markup) so that paths can be copied from the terminal.
         self.console.print(escape("\n".join(lines)), soft_wrap=True, highlight=False)
