@@ -98,6 +98,22 @@ def test_bad_rewards_are_refused_and_change_nothing(
     assert state(ledger) == before
 
 
+@pytest.mark.parametrize("sid", ["v0-g000099-s0", "v0-g000000-s5", "v9-g000000-s0"])
+def test_an_id_never_handed_out_is_unknown_even_when_its_version_is_stale(sid: str) -> None:
+    """409 says "yours, but too old or already rewarded"; an id this run never handed out (a
+    group number not reached yet, an index past the group, a future version) is 404, also
+    once the version it names is stale (it got 409 before)."""
+    ledger = Ledger(group_size=2, max_staleness=1)
+    stale = handed_out(ledger)
+    ledger.advance(2)  # version 0 is too old now
+    with pytest.raises(APIError, match=f"no sample {sid} was handed out") as excinfo:
+        ledger.add_rewards([RewardEntry(sid, 1.0)])
+    assert status_of(excinfo) == 404
+    with pytest.raises(APIError, match="older than service.max_staleness") as excinfo:
+        ledger.add_rewards([RewardEntry(stale[0], 1.0)])
+    assert status_of(excinfo) == 409
+
+
 def test_a_second_reward_for_a_sample_is_a_conflict() -> None:
     ledger = Ledger(group_size=2, max_staleness=1)
     ids = handed_out(ledger)

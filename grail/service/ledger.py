@@ -314,6 +314,9 @@ class Ledger:
             )
         version, number, index = (int(x) for x in match.groups())
         gid = group_id(version, number)
+        if number >= self.next_group or version > self.policy_version or index >= self.group_size:
+            # Not one of ours, whatever its version says: never handed out, not stale.
+            raise APIError(f"no sample {sid} was handed out by this run", 404, f"{param}.id")
         if self.too_stale(version):
             self.counters.rejected_stale_rewards += 1
             raise APIError(f"sample {sid}: {self._stale_message(version)}", 409, f"{param}.id")
