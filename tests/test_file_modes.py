@@ -17,8 +17,8 @@ from grail.core.records import follow_umask
 def test_every_file_of_a_run_follows_the_umask(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "grail.train.cli", *TINY_RUN, "train.iterations=1", "eval.enabled=false",
-         "checkpoint.save_interval=1", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "grail.train.cli", *TINY_RUN, "train.iterations=1",
+         "eval.enabled=false", "checkpoint.save_interval=1", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=lambda: os.umask(0o027),

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,22 @@ def test_a_50mb_body_gets_413_before_it_is_read(server: ServerProcess) -> None:
     chunks = (body[i : i + 2**20] for i in range(0, len(body), 2**20))
     resp = httpx.post(f"{server.url}/v1/completions", content=chunks, headers=JSON, timeout=10)
     assert "--max-request-bytes" in error_of(resp, 413)["message"]
+    serves(server)
+
+
+def test_a_client_that_uploads_before_reading_gets_the_413_not_a_reset(
+    server: ServerProcess,
+) -> None:
+    """urllib sends the whole body, then reads: an early 413 followed by the connection closing
+    reached it as a connection reset (BrokenPipeError / ConnectionResetError) and no message."""
+    body = b'{"prompt": "' + b"a" * (20 * 2**20) + b'"}'
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions", data=body, headers=JSON, method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=30)
+    assert answer.value.code == 413
+    assert "--max-request-bytes" in json.loads(answer.value.read())["error"]["message"]
     serves(server)
 
 

@@ -5,6 +5,8 @@ every route (Bearer key, body size)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,9 +65,10 @@ class Gate:
 
     - With a key, every route but ``open_paths`` needs ``Authorization: Bearer <key>``: 401 before
       anything else happens (unknown routes included, so they reveal nothing).
-    - A body over ``max_body_bytes`` gets 413 before it is read: at once from its Content-Length,
-      or, for a chunked body (no length), as soon as the bytes received pass the limit. uvicorn
-      discards the rest of a body the app did not read, so nothing more is held in memory.
+    - A body over ``max_body_bytes`` gets 413 without being kept: decided at once from its
+      Content-Length, or, for a chunked body (no length), as soon as the bytes received pass the
+      limit; the rest is read and dropped (up to ``DRAIN_MAX_BYTES``, ``DRAIN_TIMEOUT_S``) before
+      the answer, so that a client still uploading gets it rather than a connection reset.
 
     Plain ASGI rather than ``@app.middleware("http")``, whose per-request task group and streams
     cost more than the rest of a small request's handling."""
@@ -119,7 +122,29 @@ class Gate:
             f"request body {what} over this server's limit of {self.max_body_bytes} bytes "
             f"{self.limit_name}"
         )
+        # Clients that send the whole body before reading (urllib, most scripts) got a
+        # connection reset instead of this answer when it came early and the connection closed
+        # under their upload: read and drop the rest first, within bounds.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(_drain(receive, DRAIN_MAX_BYTES), DRAIN_TIMEOUT_S)
         await error_response(message, 413)(scope, receive, send)
+
+
+# An over-limit body is read and dropped up to this many bytes, for this long, before the 413:
+# past either, the answer goes out and the connection closes under the upload.
+DRAIN_MAX_BYTES = 256 * 2**20
+DRAIN_TIMEOUT_S = 10.0
+
+
+async def _drain(receive: Any, limit: int) -> None:
+    """Read the request body to its end (or `limit` bytes, or the client leaving), keeping none
+    of it."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        seen += len(message.get("body", b""))
 
 
 def replay(body: bytes, receive: Any) -> Callable[[], Any]:
