@@ -229,3 +229,26 @@ def test_cli_rejects_bad_config_before_loading_anything(
     assert result.returncode == 2
     assert key in result.stdout + result.stderr
     assert not (tmp_path / "weights").exists()
+
+
+def test_a_hub_model_the_hub_cannot_give_fails_at_once_in_one_line(tmp_path: Path) -> None:
+    """Without the hub (here: an endpoint whose name never resolves, RFC 2606), a hub id that
+    is not cached stopped the run only after about a minute of transformers' retries, after
+    start-up."""
+    import os
+    import time
+
+    env = {**os.environ, "HF_ENDPOINT": "http://hub.invalid", "HF_HOME": str(tmp_path / "hf")}
+    t0 = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "grail.train.cli", "model.train_id=someorg/not-cached",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    assert result.returncode == 2, result.stderr[-2000:]
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "model.train_id" in errors[0] and "unreachable" in errors[0]
+    assert "Traceback" not in output
+    assert elapsed < 45, elapsed  # imports + a 5 s probe; the retries took ~60 s

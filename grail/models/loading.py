@@ -104,6 +104,50 @@ def resolve_source(name_or_path: str | Path) -> str:
     )
 
 
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hugging Face Hub's endpoint answers an HTTP request within `timeout` seconds
+    (any answer: a TCP connection alone proves nothing behind a proxy that accepts them all)."""
+    import threading
+
+    import httpx
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    answered: list[bool] = []
+
+    def ask() -> None:
+        try:
+            httpx.head(constants.ENDPOINT, timeout=timeout)
+            answered.append(True)
+        except httpx.HTTPError:
+            pass
+
+    # In a thread joined with the timeout: name lookup is not bounded by httpx's timeouts.
+    thread = threading.Thread(target=ask, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
+
+
+def check_hub_source(source: str) -> None:
+    """For a hub id not in the local hub cache: fail now, in one line, when the hub cannot be
+    reached. transformers found that out only after about a minute of retries per file."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if not is_hub_id(source) or Path(source).exists():
+        return
+    if isinstance(try_to_load_from_cache(source, "config.json"), str):
+        return  # cached: transformers loads it without the hub
+    if not hub_reachable():
+        raise OSError(
+            f"{source!r} is not in the local Hugging Face Hub cache and the hub is unreachable "
+            "(or offline mode is set, HF_HUB_OFFLINE=1): download it where the hub is reachable "
+            f"(e.g. `hf download {source} --local-dir DIR`) and pass the local directory DIR "
+            "instead"
+        )
+
+
 def _safetensors_problem(path: Path) -> str | None:
     """Why the safetensors file at `path` is cut short, from its header alone (the 8-byte header
     length, the JSON header, then the tensors' byte ranges); None when its size is what the header

@@ -173,11 +173,11 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     for key in ("train_id", "ref_id"):
         model_id = getattr(config.model, key)
         if model_id is not None and model_id != TINY_MODEL_NAME:
-            from grail.models.loading import resolve_source
+            from grail.models.loading import check_hub_source, resolve_source
 
             try:
-                resolve_source(model_id)
-            except (FileNotFoundError, NotADirectoryError) as exc:
+                check_hub_source(resolve_source(model_id))
+            except OSError as exc:  # missing path, a file, a hub id the hub cannot give
                 raise ConfigError(f"model.{key}: {exc}") from exc
 
 
