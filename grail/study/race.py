@@ -99,6 +99,8 @@ class Race:
     started: dict[str, set[int]] = field(default_factory=dict)  # seeds launched (ended or not)
     running: set[Run] = field(default_factory=set)
     values: dict[str, dict[int, float]] = field(default_factory=dict)  # ended with a value
+    # the judge's verdicts over `values`, until a run ends with a value (judging can be slow)
+    _verdicts: list[VerdictLike] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.settings) < 2:
@@ -129,6 +131,7 @@ class Race:
         self.running.discard(run)
         if value is not None:
             self.values[label][seed] = value
+            self._verdicts = None
 
     # -- what is known --
 
@@ -145,12 +148,15 @@ class Race:
     def verdicts(self) -> list[VerdictLike]:
         """The judge's verdicts over the values so far (settings without one are left out);
         [] until two settings have values."""
+        if self._verdicts is not None:
+            return self._verdicts
         scored = {
             label: {str(seed): v for seed, v in sorted(by_seed.items())}
             for label, by_seed in self.values.items()
             if by_seed
         }
-        return list(self.judge(scored)) if len(scored) >= 2 else []
+        self._verdicts = list(self.judge(scored)) if len(scored) >= 2 else []
+        return self._verdicts
 
     def is_decided(self) -> bool:
         verdicts = self.verdicts()

@@ -340,7 +340,6 @@ class RaceSweeper(Sweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         self.race = race
         runner = RaceRunner(self, race, settings, fixed, sweep_dir)
-        runner.load()
         log.info(
             "race of %d settings in %s: %d seeds each, then up to %d, %s, alpha %g, delta %g",
             len(settings),
@@ -351,6 +350,7 @@ class RaceSweeper(Sweeper):
             self.alpha,
             self.delta,
         )
+        runner.load()
         return runner.run()
 
 
@@ -482,6 +482,15 @@ class RaceRunner:
                 free.sort()
                 error = error or raised
                 self._ended(run)
+        except KeyboardInterrupt:
+            # The runs got the same Ctrl-C; what they wrote is kept, so say how to go on.
+            log.warning(
+                "race interrupted with %d run(s) going; to continue it, rerun the same command "
+                "with resume=true hydra.sweep.dir=%s",
+                len(running),
+                self.sweep_dir.absolute(),
+            )
+            raise SystemExit(130) from None
         finally:
             self._write_verdict()
         if error is not None:
