@@ -171,6 +171,11 @@ def _as_dict(overrides: Sequence[str]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in overrides)
 
 
+def _optional(kind: type, value: Any) -> Any:
+    """A number as JSON writes it (numpy's as Python's), None as null."""
+    return None if value is None else kind(value)
+
+
 def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
     """verdict.json: the verdicts over the results so far, one entry per setting (judged ones in
     the judge's order, best first; settings without any value yet last, with n_seeds 0)."""
@@ -186,11 +191,11 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
             {
                 "overrides": overrides,
                 "outcome": str(v.outcome),
-                "n_seeds": v.n_seeds,  # type: ignore[attr-defined]
-                "mean": v.mean,  # type: ignore[attr-defined]
-                "ci": list(v.ci),  # type: ignore[attr-defined]
-                "p": v.p,  # type: ignore[attr-defined]
-                "seeds_to_separate": v.seeds_to_separate,  # type: ignore[attr-defined]
+                "n_seeds": int(v.n_seeds),  # type: ignore[attr-defined]
+                "mean": float(v.mean),  # type: ignore[attr-defined]
+                "ci": [float(x) for x in v.ci],  # type: ignore[attr-defined]
+                "p": _optional(float, v.p),  # type: ignore[attr-defined]
+                "seeds_to_separate": _optional(int, v.seeds_to_separate),  # type: ignore[attr-defined]
             }
         )
     judged = {v.label for v in verdicts}
@@ -327,10 +332,10 @@ class RaceSweeper(Sweeper):
         options = self._options()
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         settings, fixed = parse_settings(self.params, arguments, parser)
-        judge, decided = self._judge()
-        race = Race([s.label for s in settings], options, judge, decided)
         # a misspelt key or a wrong type fails here, before any run, naming the key
         self.validate_batch_is_legal([[*fixed, *s.overrides, f"{SEED_KEY}=0"] for s in settings])
+        judge, decided = self._judge()
+        race = Race([s.label for s in settings], options, judge, decided)
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         resume = bool(OmegaConf.select(self.config, "resume", default=False))
