@@ -441,6 +441,16 @@ def test_a_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
         make_sweeper(FakeLauncher(tmp_path), resume=True).sweep(["train.lr=1e-3,2e-2"])
 
 
+def test_a_resume_reads_every_run_of_the_race_whatever_max_seeds_is_now(tmp_path: Path) -> None:
+    first = FakeLauncher(tmp_path)
+    make_sweeper(first).sweep(LRS)
+    runs = json.loads((tmp_path / VERDICT).read_text())["runs"]
+    assert runs == len(first.runs()) > 9  # seeds beyond the initial 3
+    again = FakeLauncher(tmp_path)
+    make_sweeper(again, resume=True, max_seeds=3).sweep([*LRS, "resume=true"])
+    assert again.runs() == [] and json.loads((tmp_path / VERDICT).read_text())["runs"] == runs
+
+
 def test_a_failed_run_is_retried_by_a_resume(tmp_path: Path) -> None:
     def failing(kv: dict[str, str]) -> float | None:
         return None if (kv["train.lr"], kv["seed"]) == ("0.02", "1") else default_values(kv)

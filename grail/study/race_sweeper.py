@@ -18,8 +18,8 @@ its seeds (`seed=` is set by the race, so it is not swept) and stops when the ve
   basic one runs the job in this process, and `grail-train` installs a signal handler, which only
   the main thread may) runs one job at a time, in the main thread.
 - After every run that ends, `<sweep dir>/verdict.json` (written atomically) holds the verdicts so
-  far, in the shape issue 27 gives (`verdict_record`); `<sweep dir>/race.json` what defines the race
-  (settings, fixed overrides, metric), checked on resume.
+  far (`verdict_record`, in the shape docs/sweeps.md gives); `<sweep dir>/race.json` what defines
+  the race (settings, fixed overrides, metric), checked on resume.
 
 Resume: the same command with `resume=true` and the same `hydra.sweep.dir`. Runs that ended
 (completed or pruned) are read; runs without a summary (killed) and failed ones are launched again
@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import queue
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -140,6 +141,9 @@ def parse_settings(
 
 def run_name(setting: Setting, seed: int) -> str:
     return f"s{setting.index}_seed{seed}"
+
+
+RUN_NAME = re.compile(r"s(\d+)_seed(\d+)")  # run_name's pattern: setting index, seed
 
 
 # ---- a run's result -----------------------------------------------------------------------------
@@ -402,27 +406,33 @@ class RaceRunner:
         ]
 
     def load(self) -> None:
-        """Every run an earlier invocation started: ended ones read, the others (killed, failed)
-        to be launched again first. A directory made for another setting raises SweepError."""
-        for label, setting in self.settings.items():
-            for seed in range(self.race.options.max_seeds):
-                run = (label, seed)
-                run_dir = self.run_dir(run)
-                if not run_dir.is_dir():
-                    continue
-                recorded = [o for o in read_overrides(run_dir) if override_key(o) != SEED_KEY]
-                if recorded and not set(setting.overrides) <= set(recorded):
-                    raise SweepError(
-                        f"{run_dir} holds a run of {' '.join(recorded)}, not {label}: the sweep's "
-                        "values or their order changed. Rerun the original command with "
-                        "resume=true, or start a new race (a new hydra.sweep.dir)"
-                    )
-                self.race.start(run)
-                result = read_result(run_dir, self.metric)
-                if result.status in ("done", "pruned"):
-                    self.race.end(run, result.value)
-                else:
-                    self.to_relaunch.append(run)
+        """Every run an earlier invocation started (whatever max_seeds was then): ended ones
+        read, the others (killed, failed) to be launched again first. A directory made for
+        another setting raises SweepError."""
+        by_index = list(self.settings.values())
+        found = []
+        for path in self.sweep_dir.iterdir() if self.sweep_dir.is_dir() else []:
+            if path.is_dir() and (match := RUN_NAME.fullmatch(path.name)):
+                index, seed = int(match[1]), int(match[2])
+                if index >= len(by_index):
+                    raise SweepError(f"{path} is not a run of this race's {len(by_index)} settings")
+                found.append((seed, index, path))
+        for seed, index, run_dir in sorted(found):
+            setting = by_index[index]
+            recorded = [o for o in read_overrides(run_dir) if override_key(o) != SEED_KEY]
+            if recorded and not set(setting.overrides) <= set(recorded):
+                raise SweepError(
+                    f"{run_dir} holds a run of {' '.join(recorded)}, not {setting.label}: the "
+                    "sweep's values or their order changed. Rerun the original command with "
+                    "resume=true, or start a new race (a new hydra.sweep.dir)"
+                )
+            run = (setting.label, seed)
+            self.race.start(run)
+            result = read_result(run_dir, self.metric)
+            if result.status in ("done", "pruned"):
+                self.race.end(run, result.value)
+            else:
+                self.to_relaunch.append(run)
         if self.to_relaunch:
             names = ", ".join(self.run_dir(r).name for r in self.to_relaunch)
             log.info("race: launching again what an earlier attempt left unfinished: %s", names)
