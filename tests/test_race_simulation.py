@@ -22,7 +22,7 @@ from grail.study.race import Race, RaceOptions
 verdicts = pytest.importorskip("grail.study.verdicts")  # until the statistics are merged
 
 LOW, DEFAULT, HIGH = "train.lr=1e-3", "train.lr=5e-3", "train.lr=2e-2"
-STUDIES = 100
+STUDIES = 200
 VERDICT_SETTINGS = verdicts.VerdictSettings(alpha=0.05, delta=0.02, bounds=(0.0, 1.0))
 
 
