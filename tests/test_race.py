@@ -392,7 +392,7 @@ def test_free_slots_are_refilled_at_once_with_job_numbers_that_name_the_slot(
     must go on without them (no batch barrier), and no slot is ever given twice."""
 
     def delay(overrides: list[str]) -> float:
-        return 0.3 if "train.lr=0.001" in overrides else 0.02
+        return 0.8 if "train.lr=0.001" in overrides else 0.02
 
     launcher = FakeLauncher(tmp_path, parallel=3, delay=delay)
     make_sweeper(launcher, launcher_target=SUBMITIT_LOCAL, max_batch_size=3).sweep(LRS)
@@ -409,6 +409,25 @@ def test_free_slots_are_refilled_at_once_with_job_numbers_that_name_the_slot(
     assert all(jobs == list(range(slot, 3 * len(jobs), 3)) for slot, jobs in by_slot.items())
     verdict = json.loads((tmp_path / VERDICT).read_text())
     assert verdict["decided"] and verdict["best"] == {"train.lr": "0.005"}
+
+
+def test_a_job_that_raises_stops_the_race_after_the_runs_going(tmp_path: Path) -> None:
+    """A job that raises (not a failed run, which ends in its summary) is a sweep error, e.g. a
+    run directory of another sweep point: no new run starts, the others end, the error is raised
+    in the main thread."""
+
+    def broken(kv: dict[str, str]) -> float:
+        if (kv["train.lr"], kv["seed"]) == ("0.005", "1"):
+            raise SweepError("this run directory was made by a different sweep point")
+        return default_values(kv)
+
+    launcher = FakeLauncher(tmp_path, broken, parallel=3, delay=lambda overrides: 0.05)
+    sweeper = make_sweeper(launcher, launcher_target=SUBMITIT_LOCAL, max_batch_size=3)
+    with pytest.raises(SweepError, match="different sweep point"):
+        sweeper.sweep(LRS)
+    runs = launcher.runs()
+    assert runs.index("s1_seed1") >= len(runs) - 3  # at most the two other slots' runs after it
+    assert json.loads((tmp_path / VERDICT).read_text())["runs"] == len(runs)
 
 
 def test_an_interrupted_race_resumes_without_losing_or_repeating_a_run(tmp_path: Path) -> None:

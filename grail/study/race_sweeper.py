@@ -452,8 +452,10 @@ class RaceRunner:
             for r in results:
                 _ = r.return_value  # a job that raised (not a failed run: those end in summary)
             self.returns.append(results)
-        except Exception as exc:  # handed to the main thread, which stops the race
-            error = exc
+        except BaseException as exc:
+            if not self.threaded and not isinstance(exc, Exception):
+                raise  # Ctrl-C in a job run in this process: stop here, as a grid does
+            error = exc  # handed to the main thread, which stops the race once its runs ended
         done.put((slot, run, error))
 
     def _next(self) -> tuple[Run, bool] | None:
