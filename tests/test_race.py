@@ -483,6 +483,24 @@ def test_a_failed_run_is_retried_by_a_resume(tmp_path: Path) -> None:
     assert again.runs() == ["s2_seed1"]
 
 
+def test_a_setting_that_always_fails_leaves_the_race_undecided(tmp_path: Path) -> None:
+    def failing(kv: dict[str, str]) -> float | None:
+        return None if kv["train.lr"] == "0.001" else default_values(kv)
+
+    launcher = FakeLauncher(tmp_path, failing)
+    make_sweeper(launcher).sweep(LRS)
+    assert [r for r in launcher.runs() if r.startswith("s0_")] == [
+        "s0_seed0",
+        "s0_seed1",
+        "s0_seed2",
+    ]
+    verdict = json.loads((tmp_path / VERDICT).read_text())
+    assert verdict["decided"] is False and verdict["best"] == {"train.lr": "0.005"}
+    last = verdict["settings"][-1]
+    assert last["overrides"] == {"train.lr": "0.001"} and last["n_seeds"] == 0
+    assert last["mean"] is None and last["outcome"] == "not_separated"
+
+
 def test_bad_sweeper_settings_name_the_key(tmp_path: Path) -> None:
     for options, message in [
         ({"metric": "best"}, "metric='best' is not one of auc, final"),

@@ -159,8 +159,10 @@ class Race:
         return self._verdicts
 
     def is_decided(self) -> bool:
+        """The verdicts are decided, and about every setting: one without any value (every run
+        of it failed) keeps the race undecided, although no seed is added to it."""
         verdicts = self.verdicts()
-        return bool(verdicts) and self.decided(verdicts)
+        return bool(verdicts) and self.decided(verdicts) and all(self.values.values())
 
     # -- what to do next --
 

@@ -218,7 +218,7 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
             )
     return {
         "best": best,
-        "decided": bool(verdicts) and race.decided(verdicts),
+        "decided": race.is_decided(),
         "runs": race.ended,
         "settings": entries,
     }
