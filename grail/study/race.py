@@ -36,8 +36,9 @@ from typing import Protocol
 
 from grail.study.sweep import SweepError
 
-# The verdict outcomes (grail.study.verdicts.Outcome's values) the race acts on.
-BEST, WORSE, NOT_SEPARATED, EQUIVALENT = "best", "worse", "not_separated", "equivalent"
+# The verdict outcomes (grail.study.verdicts.Outcome's values, compared as text so that this
+# module loads without numpy and scipy) that keep a setting in the race.
+BEST, NOT_SEPARATED = "best", "not_separated"
 IN_RACE = (BEST, NOT_SEPARATED)
 
 

@@ -49,7 +49,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from grail.core.records import LAUNCH_KEYS, atomic_write_text, metric_records, override_key
-from grail.study.race import Decided, Judge, Race, RaceOptions, Run
+from grail.study.race import BEST, NOT_SEPARATED, Decided, Judge, Race, RaceOptions, Run
 from grail.study.runs import read_overrides, run_status
 from grail.study.stats import SEED_KEY, metric_of
 from grail.study.sweep import SUBMITIT_LOCAL, SUBMITIT_SLURM, SweepError
@@ -189,7 +189,7 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
     best = None
     for v in verdicts:
         overrides = _as_dict(by_label[v.label].overrides)
-        if str(v.outcome) == "best":
+        if str(v.outcome) == BEST:
             best = overrides
         entries.append(
             {
@@ -208,7 +208,7 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
             entries.append(
                 {
                     "overrides": _as_dict(s.overrides),
-                    "outcome": "not_separated",
+                    "outcome": NOT_SEPARATED,
                     "n_seeds": len(race.values[s.label]),
                     "mean": None,
                     "ci": None,
