@@ -1,8 +1,9 @@
 """Racing over seeds (hydra/sweeper=grail_race): the race's schedule (grail/study/race.py) on
-synthetic per-seed values with a small fake judge, the sweeper (grail/study/race_sweeper.py) driven
-by fake launchers that write run directories (slots, job numbers, verdict.json, resume), and the
-config through Hydra. The statistics themselves (grail/study/verdicts.py) are tested in
-tests/test_verdicts.py; tests/test_race_simulation.py races them on simulated studies.
+synthetic per-seed values with a small fake judge (real Verdicts, made-up rules), the sweeper
+(grail/study/race_sweeper.py) driven by fake launchers that write run directories (slots, job
+numbers, verdict.json, resume), and the config through Hydra. The statistics themselves
+(grail/study/verdicts.py) are tested in tests/test_verdicts.py; tests/test_race_simulation.py races
+them on simulated studies.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,24 +36,13 @@ from grail.study.race_sweeper import (
 )
 from grail.study.stats import metric_of
 from grail.study.sweep import SUBMITIT_LOCAL, SweepError
+from grail.study.verdicts import Outcome, Verdict
 from grail.train.cli import CONF_DIR
 
 # ---- a fake judge -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FakeVerdict:
-    label: str
-    outcome: str
-    n_seeds: int
-    mean: float
-    ci: tuple[float, float]
-    p: float | None
-    effect: float | None
-    seeds_to_separate: int | None
-
-
-def fake_judge(values: Mapping[str, Mapping[str, float]]) -> list[FakeVerdict]:
+def fake_judge(values: Mapping[str, Mapping[str, float]]) -> list[Verdict]:
     """Best = highest mean. Another setting, over >= 3 seeds shared with the best: worse when it
     lost on every one by more than 0.1 (or, from 4 seeds on, by more than 0.1 on average),
     equivalent when within 0.02 on every one; else not separated. Crude, but deterministic and
@@ -67,25 +56,25 @@ def fake_judge(values: Mapping[str, Mapping[str, float]]) -> list[FakeVerdict]:
         n = len(by_seed)
         ci = (min(by_seed.values()), max(by_seed.values()))
         if label == best:
-            verdicts.append(FakeVerdict(label, "best", n, means[label], ci, None, None, None))
+            verdicts.append(Verdict(label, Outcome.BEST, n, means[label], ci, None, None, None))
             continue
         shared = sorted(set(by_seed) & set(values[best]))
         diffs = [by_seed[s] - values[best][s] for s in shared]
-        outcome = "not_separated"
+        outcome = Outcome.NOT_SEPARATED
         mean_diff = sum(diffs) / len(diffs) if diffs else 0.0
         if len(shared) >= 3 and max(diffs) < -0.1 or len(shared) >= 4 and mean_diff < -0.1:
-            outcome = "worse"
+            outcome = Outcome.WORSE
         elif len(shared) >= 3 and max(abs(d) for d in diffs) <= 0.02:
-            outcome = "equivalent"
+            outcome = Outcome.EQUIVALENT
         effect = mean_diff if diffs else None
-        p = 0.01 if outcome == "worse" else 0.5
-        more = 2 if outcome == "not_separated" else None
-        verdicts.append(FakeVerdict(label, outcome, n, means[label], ci, p, effect, more))
+        p = 0.01 if outcome == Outcome.WORSE else 0.5
+        more = 2 if outcome == Outcome.NOT_SEPARATED else None
+        verdicts.append(Verdict(label, outcome, n, means[label], ci, p, effect, more))
     return verdicts
 
 
-def fake_decided(verdicts: Sequence[Any]) -> bool:
-    return all(v.outcome in ("best", "worse", "equivalent") for v in verdicts)
+def fake_decided(verdicts: Sequence[Verdict]) -> bool:
+    return all(v.outcome != Outcome.NOT_SEPARATED for v in verdicts)
 
 
 def race(settings: Sequence[str], **options: Any) -> Race:
@@ -235,12 +224,27 @@ def test_bad_arguments_name_the_entry(argument: str, message: str) -> None:
         parse_settings({}, [argument], OverridesParser.create())
 
 
-def test_a_pruned_run_counts_at_the_value_it_reached(tmp_path: Path) -> None:
-    make_run(tmp_path, ["seed=0"], iterations=8, done=4, success=lambda i: 0.1 * i)
-    atomic_write_text(tmp_path / "summary.json", json.dumps({"status": "pruned"}))
-    result = read_result(tmp_path, "final")
+def test_a_pruned_run_counts_censored_as_the_report_counts_it(tmp_path: Path) -> None:
+    rising, falling = tmp_path / "rising", tmp_path / "falling"
+    make_run(rising, ["seed=0"], iterations=8, done=4, success=lambda i: 0.1 * i)
+    make_run(falling, ["seed=0"], iterations=8, done=4, success=lambda i: 0.8 - 0.15 * i)
+    for run in (rising, falling):
+        atomic_write_text(run / "summary.json", json.dumps({"status": "pruned"}))
+    result = read_result(rising, "final")
     assert result.ended and result.status == "pruned" and result.value == pytest.approx(0.4)
-    assert read_result(tmp_path, "auc").value == pytest.approx(0.3)  # (0.2 + 0.4) / 2
+    assert read_result(rising, "auc").value == pytest.approx(0.3)  # (0.2 + 0.4) / 2
+    # evals 0.5 then 0.2: its auc (0.35) would flatter it; at most where it was stopped
+    assert read_result(falling, "auc").value == pytest.approx(0.2)
+    # a completed run counts with its metric as it is
+    make_run(
+        tmp_path / "done",
+        ["seed=0"],
+        iterations=4,
+        done=4,
+        success=lambda i: 0.8 - 0.15 * i,
+        completed=True,
+    )
+    assert read_result(tmp_path / "done", "auc").value == pytest.approx(0.35)
 
 
 # ---- the sweeper with fake launchers ------------------------------------------------------------
@@ -562,7 +566,6 @@ def test_a_misspelt_key_fails_before_the_race_starts(tmp_path: Path) -> None:
 def test_a_real_race_through_grail_train(tmp_path: Path) -> None:
     """Two settings on two seeds of real training (tiny model, CPU), one run at a time: run
     directories per setting and seed, the same metric as grail-report's, verdict.json."""
-    pytest.importorskip("grail.study.verdicts")  # until the statistics are merged
     result = grail_train(
         "-m",
         "hydra/sweeper=grail_race",

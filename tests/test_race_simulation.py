@@ -17,9 +17,8 @@ import random
 
 import pytest
 
+from grail.study import verdicts
 from grail.study.race import Race, RaceOptions
-
-verdicts = pytest.importorskip("grail.study.verdicts")  # until the statistics are merged
 
 LOW, DEFAULT, HIGH = "train.lr=1e-3", "train.lr=5e-3", "train.lr=2e-2"
 STUDIES = 200
@@ -68,7 +67,7 @@ def test_racing_picks_the_true_best_in_fewer_runs_than_an_8_seed_grid(parallel: 
     picked, runs, decided = 0, [], 0
     for _ in range(STUDIES):
         race = simulate(rng, parallel)
-        best = next(v.label for v in race.verdicts() if str(v.outcome) == "best")
+        best = next(v.label for v in race.verdicts() if v.outcome == verdicts.Outcome.BEST)
         picked += best == DEFAULT
         decided += race.is_decided()
         runs.append(race.runs)

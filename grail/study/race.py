@@ -25,16 +25,19 @@ The schedule, for settings X1..XS and k = initial_seeds:
    results are the race's answer; should those runs undo the decision, racing goes on.
 
 A run that failed ends without a value (its seed is missing from that setting's pairs); a pruned
-run ends with the value its evaluations reached (censored there, as the report counts it).
+run ends with its censored value (grail.study.stats.censored_value, as the report counts it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from grail.study.sweep import SweepError
+
+if TYPE_CHECKING:
+    from grail.study.verdicts import Verdict
 
 # The verdict outcomes (grail.study.verdicts.Outcome's values, compared as text so that this
 # module loads without numpy and scipy) that keep a setting in the race.
@@ -42,18 +45,10 @@ BEST, NOT_SEPARATED = "best", "not_separated"
 IN_RACE = (BEST, NOT_SEPARATED)
 
 
-class VerdictLike(Protocol):
-    """What the race reads of one verdict (grail.study.verdicts.Verdict)."""
-
-    @property
-    def label(self) -> str: ...
-    @property
-    def outcome(self) -> str: ...
-
-
-# setting label -> {seed (as text): value} -> one verdict per setting that has a value
-Judge = Callable[[Mapping[str, Mapping[str, float]]], Sequence[VerdictLike]]
-Decided = Callable[[Sequence[VerdictLike]], bool]
+# grail.study.verdicts.judge and decided, with the race's settings bound: setting label ->
+# {seed (as text): value} -> one verdict per setting that has a value
+Judge = Callable[[Mapping[str, Mapping[str, float]]], Sequence["Verdict"]]
+Decided = Callable[[Sequence["Verdict"]], bool]
 
 
 @dataclass(frozen=True)
@@ -101,7 +96,7 @@ class Race:
     running: set[Run] = field(default_factory=set)
     values: dict[str, dict[int, float]] = field(default_factory=dict)  # ended with a value
     # the judge's verdicts over `values`, until a run ends with a value (judging can be slow)
-    _verdicts: list[VerdictLike] | None = field(default=None, repr=False)
+    _verdicts: list[Verdict] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.settings) < 2:
@@ -146,7 +141,7 @@ class Race:
         """Runs whose results are in (with a value, or failed)."""
         return self.runs - len(self.running)
 
-    def verdicts(self) -> list[VerdictLike]:
+    def verdicts(self) -> list[Verdict]:
         """The judge's verdicts over the values so far (settings without one are left out);
         [] until two settings have values."""
         if self._verdicts is not None:
@@ -180,7 +175,7 @@ class Race:
         verdicts = self.verdicts()
         if not verdicts or self.decided(verdicts):
             return None
-        in_race = {v.label for v in verdicts if str(v.outcome) in IN_RACE}
+        in_race = {v.label for v in verdicts if v.outcome in IN_RACE}
         contenders = [label for label in self.settings if label in in_race]
         candidates = []
         for label in contenders:

@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 from grail.core.records import LAUNCH_KEYS, atomic_write_text, metric_records, override_key
 from grail.study.race import BEST, NOT_SEPARATED, Decided, Judge, Race, RaceOptions, Run
 from grail.study.runs import read_overrides, run_status
-from grail.study.stats import SEED_KEY, metric_of
+from grail.study.stats import SEED_KEY, censored_value, seed_run
 from grail.study.sweep import SUBMITIT_LOCAL, SUBMITIT_SLURM, SweepError
 
 log = logging.getLogger("grail.study.race")
@@ -160,12 +160,15 @@ class Result:
 
 
 def read_result(run_dir: Path, metric: str) -> Result:
-    """The run's `metric` as grail-report computes it from its eval records; a pruned run's over
-    the evaluations it reached (censored there)."""
+    """The run's `metric` as grail-report computes it from its eval records; a pruned run's
+    censored as the report counts it (grail.study.stats.censored_value: over the evaluations it
+    reached, at most its success rate where it was stopped)."""
     status = run_status(run_dir).status
-    if status in ("done", "pruned"):
-        return Result(True, metric_of(metric_records(run_dir, "eval"), metric), status)
-    return Result(status == "failed", None, status)
+    if status not in ("done", "pruned"):
+        return Result(status == "failed", None, status)
+    run = seed_run(run_dir.name, [], status, metric_records(run_dir, "eval"))
+    value = run.metric(metric) if status == "done" else censored_value(run, metric)
+    return Result(True, value, status)
 
 
 # ---- verdict.json -------------------------------------------------------------------------------
@@ -189,17 +192,17 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
     best = None
     for v in verdicts:
         overrides = _as_dict(by_label[v.label].overrides)
-        if str(v.outcome) == BEST:
+        if v.outcome == BEST:
             best = overrides
         entries.append(
             {
                 "overrides": overrides,
-                "outcome": str(v.outcome),
-                "n_seeds": int(v.n_seeds),  # type: ignore[attr-defined]
-                "mean": float(v.mean),  # type: ignore[attr-defined]
-                "ci": [float(x) for x in v.ci],  # type: ignore[attr-defined]
-                "p": _optional(float, v.p),  # type: ignore[attr-defined]
-                "seeds_to_separate": _optional(int, v.seeds_to_separate),  # type: ignore[attr-defined]
+                "outcome": v.outcome.value,
+                "n_seeds": int(v.n_seeds),
+                "mean": float(v.mean),
+                "ci": [float(x) for x in v.ci],
+                "p": _optional(float, v.p),
+                "seeds_to_separate": _optional(int, v.seeds_to_separate),
             }
         )
     judged = {v.label for v in verdicts}
@@ -297,7 +300,7 @@ class RaceSweeper(Sweeper):
     def _judge(self) -> tuple[Judge, Decided]:
         """The statistics (grail/study/verdicts.py), with this race's alpha and delta; success
         rates (auc and final alike) lie in [0, 1]."""
-        from grail.study import verdicts  # type: ignore[attr-defined,unused-ignore]  # until merged
+        from grail.study import verdicts
 
         settings = verdicts.VerdictSettings(alpha=self.alpha, delta=self.delta, bounds=(0.0, 1.0))
         return (lambda values: verdicts.judge(values, settings)), verdicts.decided
