@@ -1,9 +1,9 @@
 """Racing over seeds (hydra/sweeper=grail_race): the race's schedule (grail/study/race.py) on
 synthetic per-seed values with a small fake judge (real Verdicts, made-up rules), the sweeper
-(grail/study/race_sweeper.py) driven by fake launchers that write run directories (slots, job
-numbers, verdict.json, resume), and the config through Hydra. The statistics themselves
-(grail/study/verdicts.py) are tested in tests/test_verdicts.py; tests/test_race_simulation.py races
-them on simulated studies.
+(grail/study/race_sweeper.py, race_runner.py) driven by fake launchers that write run
+directories (slots, job numbers, verdict.json, resume), and the config through Hydra. The
+statistics themselves (grail/study/verdicts.py) are tested in tests/test_verdicts.py;
+tests/test_race_simulation.py races them on simulated studies.
 """
 
 from __future__ import annotations
@@ -27,13 +27,8 @@ from omegaconf import OmegaConf
 
 from grail.core.records import atomic_write_text, metric_records
 from grail.study.race import Race, RaceOptions, Run
-from grail.study.race_sweeper import (
-    RACE_RECORD,
-    VERDICT,
-    RaceSweeper,
-    parse_settings,
-    read_result,
-)
+from grail.study.race_runner import VERDICT, read_result
+from grail.study.race_sweeper import RACE_RECORD, RaceSweeper, parse_settings
 from grail.study.stats import metric_of
 from grail.study.sweep import SUBMITIT_LOCAL, SweepError
 from grail.study.verdicts import Outcome, Verdict
