@@ -11,6 +11,9 @@ P = max_batch_size, and `slot = job_num mod P` is unique among the runs alive at
     CPU:   the run's share is max(1, cores // P) cores, split between its trainer and its server
            as a lone run splits the whole machine (`grail.core.placement.split_cores`)
 
+The race (grail/study/race_sweeper.py) keeps this without batches: it hands the launcher one job
+at a time, as soon as a slot is free, numbered so that `job_num mod P` is that slot.
+
 Launchers differ in who shares the machine: the basic launcher runs one job at a time (P = 1); the
 submitit local launcher starts a whole batch at once on this machine (P = batch size); the SLURM
 launcher gives every job its own allocation (P = 1 inside it, and the allocation's cores are the

@@ -1,0 +1,342 @@
+"""One invocation of a race (grail/study/race_sweeper.py): read what the run directories of the
+race hold, launch what the race (grail/study/race.py) asks for in free slots, feed back each run's
+result as grail-report computes it, and write verdict.json as results come in.
+
+Threads: the submitit launchers (local, SLURM) get one job per `launch` call, from a thread per
+running job, so a slot is refilled as soon as its run ends. Any other launcher (the basic one runs
+the job in this process, and `grail-train` installs a signal handler, which only the main thread
+may) runs one job at a time, in the main thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.plugins.launcher import Launcher
+
+from grail.core.records import atomic_write_text, metric_records, override_key
+from grail.study.race import BEST, NOT_SEPARATED, Race, Run
+from grail.study.runs import read_overrides, run_status
+from grail.study.stats import SEED_KEY, censored_value, seed_run
+from grail.study.sweep import SUBMITIT_LOCAL, SUBMITIT_SLURM, SweepError
+
+log = logging.getLogger("grail.study.race")
+
+VERDICT = "verdict.json"
+THREADED_LAUNCHERS = (SUBMITIT_LOCAL, SUBMITIT_SLURM)
+# What a launching thread hands back: (slot, run, what the job raised, if anything)
+Ended = queue.Queue[tuple[int, Run, BaseException | None]]
+
+
+# ---- the settings' runs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the race's grid: its index in the grid's order names its run directories."""
+
+    index: int
+    overrides: list[str]  # the swept keys' values, in the command's order
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.overrides)
+
+
+def run_name(setting: Setting, seed: int) -> str:
+    return f"s{setting.index}_seed{seed}"
+
+
+RUN_NAME = re.compile(r"s(\d+)_seed(\d+)")  # run_name's pattern: setting index, seed
+
+
+# ---- a run's result -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Result:
+    """How a run directory stands for the race: `ended` (completed, pruned or failed) and its
+    value (None for a failed run, or one without an eval after training started)."""
+
+    ended: bool
+    value: float | None
+    status: str
+
+
+def read_result(run_dir: Path, metric: str) -> Result:
+    """The run's `metric` as grail-report computes it from its eval records; a pruned run's
+    censored as the report counts it (grail.study.stats.censored_value: over the evaluations it
+    reached, at most its success rate where it was stopped)."""
+    status = run_status(run_dir).status
+    if status not in ("done", "pruned"):
+        return Result(status == "failed", None, status)
+    run = seed_run(run_dir.name, [], status, metric_records(run_dir, "eval"))
+    value = run.metric(metric) if status == "done" else censored_value(run, metric)
+    return Result(True, value, status)
+
+
+# ---- verdict.json -------------------------------------------------------------------------------
+
+
+def _as_dict(overrides: Sequence[str]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in overrides)
+
+
+def _optional(kind: type, value: Any) -> Any:
+    """A number as JSON writes it (numpy's as Python's), None as null."""
+    return None if value is None else kind(value)
+
+
+def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
+    """verdict.json: the verdicts over the results so far, one entry per setting (judged ones in
+    the judge's order, best first; settings without any value yet last, with n_seeds 0)."""
+    by_label = {s.label: s for s in settings}
+    verdicts = race.verdicts()
+    entries = []
+    best = None
+    for v in verdicts:
+        overrides = _as_dict(by_label[v.label].overrides)
+        if v.outcome == BEST:
+            best = overrides
+        entries.append(
+            {
+                "overrides": overrides,
+                "outcome": v.outcome.value,
+                "n_seeds": int(v.n_seeds),
+                "mean": float(v.mean),
+                "ci": [float(x) for x in v.ci],
+                "p": _optional(float, v.p),
+                "seeds_to_separate": _optional(int, v.seeds_to_separate),
+            }
+        )
+    judged = {v.label for v in verdicts}
+    for s in settings:
+        if s.label not in judged:
+            entries.append(
+                {
+                    "overrides": _as_dict(s.overrides),
+                    "outcome": NOT_SEPARATED,
+                    "n_seeds": len(race.values[s.label]),
+                    "mean": None,
+                    "ci": None,
+                    "p": None,
+                    "seeds_to_separate": None,
+                }
+            )
+    return {
+        "best": best,
+        "decided": race.is_decided(),
+        "runs": race.ended,
+        "settings": entries,
+    }
+
+
+# ---- the runner ---------------------------------------------------------------------------------
+
+
+class RaceRunner:
+    """One invocation of a race: read what the run directories hold, launch what the race asks
+    in free slots, feed back each run's result, write verdict.json as results come in."""
+
+    def __init__(
+        self,
+        race: Race,
+        settings: list[Setting],
+        fixed: list[str],
+        sweep_dir: Path,
+        *,
+        launcher: Launcher,
+        launcher_target: str | None,
+        metric: str,
+        parallel: int | None,
+    ) -> None:
+        self.race = race
+        self.settings = {s.label: s for s in settings}
+        self.fixed = fixed
+        self.sweep_dir = sweep_dir
+        self.launcher = launcher
+        self.metric = metric
+        self.threaded = launcher_target in THREADED_LAUNCHERS
+        # One slot per running job; without a batch size (SLURM) as many as the race asks for.
+        self.slots = (parallel or len(settings) * race.options.max_seeds) if self.threaded else 1
+        self.jobs_in_slot = [0] * self.slots
+        self.returns: list[Any] = []
+        self.to_relaunch: list[Run] = []
+
+    def run_dir(self, run: Run) -> Path:
+        label, seed = run
+        return self.sweep_dir / run_name(self.settings[label], seed)
+
+    def overrides(self, run: Run) -> list[str]:
+        label, seed = run
+        name = run_name(self.settings[label], seed)
+        return [
+            *self.fixed,
+            *self.settings[label].overrides,
+            f"{SEED_KEY}={seed}",
+            f"hydra.sweep.subdir={name}",
+        ]
+
+    def load(self) -> None:
+        """Every run an earlier invocation started (whatever max_seeds was then): ended ones
+        read, the others (killed, failed) to be launched again first. A directory made for
+        another setting raises SweepError."""
+        by_index = list(self.settings.values())
+        found = []
+        for path in self.sweep_dir.iterdir() if self.sweep_dir.is_dir() else []:
+            if path.is_dir() and (match := RUN_NAME.fullmatch(path.name)):
+                index, seed = int(match[1]), int(match[2])
+                if index >= len(by_index):
+                    raise SweepError(f"{path} is not a run of this race's {len(by_index)} settings")
+                found.append((seed, index, path))
+        for seed, index, run_dir in sorted(found):
+            setting = by_index[index]
+            recorded = [o for o in read_overrides(run_dir) if override_key(o) != SEED_KEY]
+            if recorded and not set(setting.overrides) <= set(recorded):
+                raise SweepError(
+                    f"{run_dir} holds a run of {' '.join(recorded)}, not {setting.label}: the "
+                    "sweep's values or their order changed. Rerun the original command with "
+                    "resume=true, or start a new race (a new hydra.sweep.dir)"
+                )
+            run = (setting.label, seed)
+            self.race.start(run)
+            result = read_result(run_dir, self.metric)
+            if result.status in ("done", "pruned"):
+                self.race.end(run, result.value)
+            else:
+                self.to_relaunch.append(run)
+        if self.to_relaunch:
+            names = ", ".join(self.run_dir(r).name for r in self.to_relaunch)
+            log.info("race: launching again what an earlier attempt left unfinished: %s", names)
+
+    def _job_number(self, slot: int) -> int:
+        """A job number that `grail-train` reads as `slot`: job mod slots == slot (slots is
+        hydra.sweeper.max_batch_size, the `parallel` of grail.study.sweep.assign_resources)."""
+        number = self.jobs_in_slot[slot] * self.slots + slot
+        self.jobs_in_slot[slot] += 1
+        return number
+
+    def _launch(self, run: Run, slot: int, job: int, done: Ended) -> None:
+        error: BaseException | None = None
+        try:
+            results = self.launcher.launch([self.overrides(run)], initial_job_idx=job)
+            for r in results:
+                _ = r.return_value  # a job that raised (not a failed run: those end in summary)
+            self.returns.append(results)
+        except BaseException as exc:
+            if not self.threaded and not isinstance(exc, Exception):
+                raise  # Ctrl-C in a job run in this process: stop here, as a grid does
+            error = exc  # handed to the main thread, which stops the race once its runs ended
+        done.put((slot, run, error))
+
+    def _next(self) -> tuple[Run, bool] | None:
+        if self.to_relaunch:
+            return self.to_relaunch.pop(0), True
+        run = self.race.next_run()
+        return (run, False) if run is not None else None
+
+    def run(self) -> list[Any]:
+        done: Ended = queue.Queue()
+        free = list(range(self.slots))
+        running: dict[int, Run] = {}
+        error: BaseException | None = None
+        try:
+            while True:
+                while free and error is None and (nxt := self._next()) is not None:
+                    run, again = nxt
+                    if not again:
+                        self.race.start(run)
+                    slot = free.pop(0)
+                    running[slot] = run
+                    log.info(
+                        "race: %s seed %d -> %s (slot %d)",
+                        run[0],
+                        run[1],
+                        self.run_dir(run).name,
+                        slot,
+                    )
+                    job = self._job_number(slot)
+                    if self.threaded:
+                        threading.Thread(
+                            target=self._launch, args=(run, slot, job, done), daemon=True
+                        ).start()
+                    else:
+                        self._launch(run, slot, job, done)
+                if not running:
+                    break
+                slot, run, raised = _get(done)
+                del running[slot]
+                free.append(slot)
+                free.sort()
+                error = error or raised
+                self._ended(run)
+        except KeyboardInterrupt:
+            # The runs got the same Ctrl-C; what they wrote is kept, so say how to go on.
+            log.warning(
+                "race interrupted with %d run(s) going; to continue it, rerun the same command "
+                "with resume=true hydra.sweep.dir=%s",
+                len(running),
+                self.sweep_dir.absolute(),
+            )
+            raise SystemExit(130) from None
+        finally:
+            self._write_verdict()
+        if error is not None:
+            raise error
+        self._finish()
+        return self.returns
+
+    def _ended(self, run: Run) -> None:
+        result = read_result(self.run_dir(run), self.metric)
+        if not result.ended:
+            log.warning(
+                "race: %s ended without a summary (killed?); rerun with resume=true to finish it",
+                self.run_dir(run),
+            )
+        elif result.value is None:
+            log.warning("race: %s has no %s (%s)", self.run_dir(run), self.metric, result.status)
+        self.race.end(run, result.value)
+        self._write_verdict()
+
+    def _write_verdict(self) -> None:
+        record = verdict_record(self.race, list(self.settings.values()))
+        atomic_write_text(self.sweep_dir / VERDICT, json.dumps(record, indent=2) + "\n")
+
+    def _finish(self) -> None:
+        record = verdict_record(self.race, list(self.settings.values()))
+        state = "decided" if record["decided"] else "not decided"
+        log.info(
+            "race %s after %d runs: best %s; verdicts in %s",
+            state,
+            record["runs"],
+            record["best"],
+            self.sweep_dir / VERDICT,
+        )
+        for entry in record["settings"]:
+            log.info(
+                "  %s: %s, %s %s over %d seeds, CI %s, p %s",
+                " ".join(f"{k}={v}" for k, v in entry["overrides"].items()),
+                entry["outcome"],
+                self.metric,
+                entry["mean"],
+                entry["n_seeds"],
+                entry["ci"],
+                entry["p"],
+            )
+
+
+def _get(done: Ended) -> tuple[int, Run, BaseException | None]:
+    """The next ended run; polling, so Ctrl-C reaches the main thread while it waits."""
+    while True:
+        try:
+            return done.get(timeout=0.5)
+        except queue.Empty:
+            continue

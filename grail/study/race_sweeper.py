@@ -1,0 +1,267 @@
+"""hydra/sweeper=grail_race: racing over seeds (grail/study/race.py) through Hydra's launchers.
+
+    uv run grail-train -m hydra/sweeper=grail_race train.lr=1e-3,5e-3,2e-2
+
+The settings are the cartesian product of the swept values (as in a grid); the race gives each
+its seeds (`seed=` is set by the race, so it is not swept) and stops when the verdicts
+(grail/study/verdicts.py) are decided. The layout:
+
+- Run directories `<sweep dir>/s<setting index>_seed<seed>` (the setting's index in the grid's
+  order), set per job by a `hydra.sweep.subdir` override: a run's directory depends only on its
+  setting and seed, so a rerun finds every run where it was.
+- Job numbers say only which slot a run takes: a run started in free slot s of P gets a job number
+  with `job mod P == s`, so `grail.study.sweep.assign_resources` gives it that slot's GPUs and cores
+  while the runs of the other slots go on. P is `hydra.sweeper.max_batch_size` (automatic for the
+  local launcher, as for a grid).
+- No batch barrier: the launcher gets one job at a time, as soon as a slot is free
+  (grail/study/race_runner.py, which also reads each run's result and writes verdict.json).
+- After every run that ends, `<sweep dir>/verdict.json` (written atomically) holds the verdicts so
+  far (`verdict_record`, in the shape docs/sweeps.md gives); `<sweep dir>/race.json` what defines
+  the race (settings, fixed overrides, metric), checked on resume.
+
+Resume: the same command with `resume=true` and the same `hydra.sweep.dir`. Runs that ended
+(completed or pruned) are read; runs without a summary (killed) and failed ones are launched again
+first (`grail-train` resumes or retries them in their directories); then the race goes on. Without
+`resume=true` a directory that holds a race is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from grail.core.records import LAUNCH_KEYS, atomic_write_text, override_key
+from grail.study.race import Decided, Judge, Race, RaceOptions
+from grail.study.race_runner import RaceRunner, Setting
+from grail.study.stats import SEED_KEY
+from grail.study.sweep import SweepError
+
+log = logging.getLogger("grail.study.race")
+
+RACE_METRICS = ("auc", "final")  # `best` is a max over noisy evals: biased upwards, unfit to race
+RACE_RECORD = "race.json"
+JOB_SUBDIR = "${hydra.job.num}"  # Hydra's default, which the race replaces per job
+
+
+@dataclass
+class RaceSweeperConf:
+    """hydra/sweeper=grail_race (conf/hydra/sweeper/grail_race.yaml). Typed, so a misspelt key
+    fails at composition naming it."""
+
+    _target_: str = "hydra_plugins.grail_race.race_sweeper.RaceSweeper"
+    params: dict[str, Any] = field(default_factory=dict)  # key -> "a,b,c", as on the command line
+    initial_seeds: int = 3
+    max_seeds: int = 10
+    max_runs: int | None = None
+    metric: str = "auc"
+    alpha: float = 0.05
+    delta: float = 0.02
+    max_batch_size: int | None = None
+
+
+ConfigStore.instance().store(
+    group="hydra/sweeper", name="grail_race_schema", node=RaceSweeperConf, provider="grail"
+)
+
+# ---- the settings -------------------------------------------------------------------------------
+
+
+def parse_settings(
+    params: Mapping[str, Any], arguments: Sequence[str], parser: OverridesParser
+) -> tuple[list[Setting], list[str]]:
+    """The settings (the cartesian product of the swept values, in Hydra's grid order) and the
+    overrides every run gets. Raises SweepError naming a bad entry."""
+    entries = [(f"hydra.sweeper.params.{k}", f"{k}={v}") for k, v in params.items()]
+    entries += [("the command line", a) for a in arguments]
+    swept: dict[str, list[str]] = {}
+    fixed: dict[str, str] = {}
+    for where, text in entries:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except HydraException as exc:
+            raise SweepError(f"{where}: cannot parse {text!r}: {exc}") from exc
+        if override.is_hydra_override():
+            continue  # applied by Hydra already
+        key = override.get_key_element()
+        if override_key(key) == SEED_KEY:
+            raise SweepError(
+                f"{where}: {text!r} sets the seed, which the race chooses itself (seeds 0, 1, ... "
+                "up to hydra.sweeper.max_seeds)"
+            )
+        swept.pop(key, None)
+        fixed.pop(key, None)
+        if override.is_sweep_override():
+            try:
+                values = list(override.sweep_string_iterator())
+            except HydraException as exc:
+                raise SweepError(
+                    f"{where}: {text!r}: a race compares listed values (a,b,c, choice(...) or "
+                    f"range(...)), not a continuous {type(override.value()).__name__}: {exc}"
+                ) from exc
+            swept[key] = [f"{key}={v}" for v in values]
+        else:
+            fixed[key] = override.input_line or f"{key}={override.get_value_element_as_str()}"
+    product = list(itertools.product(*swept.values())) if swept else []
+    settings = [Setting(i, list(p)) for i, p in enumerate(product)]
+    return settings, list(fixed.values())
+
+
+# ---- the sweeper --------------------------------------------------------------------------------
+
+
+class RaceSweeper(Sweeper):
+    """Hydra sweeper running a race (see the module doc). Hydra instantiates it as
+    hydra_plugins.grail_race.race_sweeper.RaceSweeper: plugins must live there."""
+
+    def __init__(
+        self,
+        params: Mapping[str, Any] | None = None,
+        initial_seeds: int = 3,
+        max_seeds: int = 10,
+        max_runs: int | None = None,
+        metric: str = "auc",
+        alpha: float = 0.05,
+        delta: float = 0.02,
+        max_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(params, DictConfig):
+            params = OmegaConf.to_container(params)  # type: ignore[assignment]
+        self.params = dict(params or {})
+        self.initial_seeds = initial_seeds
+        self.max_seeds = max_seeds
+        self.max_runs = max_runs
+        self.metric = metric
+        self.alpha = alpha
+        self.delta = delta
+        self.max_batch_size = max_batch_size
+        self.hydra_context: HydraContext | None = None
+        self.config: DictConfig | None = None
+        self.launcher: Launcher | None = None
+        self.race: Race | None = None  # the last sweep's, for a look at its state
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.hydra_context = hydra_context
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    # -- checks --
+
+    def _options(self) -> RaceOptions:
+        if self.metric not in RACE_METRICS:
+            raise SweepError(
+                f"hydra.sweeper.metric={self.metric!r} is not one of {', '.join(RACE_METRICS)}"
+            )
+        if not 0 < self.alpha < 1:
+            raise SweepError(f"hydra.sweeper.alpha must be in (0, 1), got {self.alpha!r}")
+        if not self.delta >= 0:
+            raise SweepError(f"hydra.sweeper.delta must be >= 0, got {self.delta!r}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise SweepError(
+                f"hydra.sweeper.max_batch_size must be >= 1 or null, got {self.max_batch_size}"
+            )
+        assert self.config is not None
+        sweep = OmegaConf.to_container(self.config.hydra.sweep)  # unresolved: ${hydra.job.num}
+        assert isinstance(sweep, dict)
+        if sweep["subdir"] != JOB_SUBDIR:
+            raise SweepError(
+                f"hydra.sweep.subdir={sweep['subdir']!r}: the race names each run's directory "
+                f"by its setting and seed itself, so leave it at the default {JOB_SUBDIR}"
+            )
+        return RaceOptions(self.initial_seeds, self.max_seeds, self.max_runs)
+
+    def _judge(self) -> tuple[Judge, Decided]:
+        """The statistics (grail/study/verdicts.py), with this race's alpha and delta; success
+        rates (auc and final alike) lie in [0, 1]."""
+        from grail.study import verdicts
+
+        settings = verdicts.VerdictSettings(alpha=self.alpha, delta=self.delta, bounds=(0.0, 1.0))
+        return (lambda values: verdicts.judge(values, settings)), verdicts.decided
+
+    def _record(self, settings: Sequence[Setting], fixed: Sequence[str]) -> dict[str, Any]:
+        return {
+            "settings": [s.overrides for s in settings],
+            "fixed": sorted(o for o in fixed if override_key(o) not in LAUNCH_KEYS),
+            "metric": self.metric,
+        }
+
+    def _check_record(self, sweep_dir: Path, record: Mapping[str, Any], resume: bool) -> None:
+        """A directory that holds a race continues it only with resume=true and the same race."""
+        path = sweep_dir / RACE_RECORD
+        if not path.is_file():
+            return
+        if not resume:
+            raise SweepError(
+                f"{sweep_dir} holds a race already ({RACE_RECORD}): add resume=true to continue "
+                "it, or choose another hydra.sweep.dir"
+            )
+        stored = json.loads(path.read_text())
+        changed = [k for k in ("settings", "fixed", "metric") if stored.get(k) != record[k]]
+        if changed:
+            what = "; ".join(f"{k}: {stored.get(k)} before, {record[k]} now" for k in changed)
+            raise SweepError(
+                f"{sweep_dir} holds another race ({what}): rerun its own command with "
+                "resume=true, or start a new race (a new hydra.sweep.dir)"
+            )
+
+    # -- the race --
+
+    def sweep(self, arguments: list[str]) -> list[Any]:
+        assert self.config is not None and self.launcher is not None
+        assert self.hydra_context is not None
+        options = self._options()
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        settings, fixed = parse_settings(self.params, arguments, parser)
+        # a misspelt key or a wrong type fails here, before any run, naming the key
+        self.validate_batch_is_legal([[*fixed, *s.overrides, f"{SEED_KEY}=0"] for s in settings])
+        judge, decided = self._judge()
+        race = Race([s.label for s in settings], options, judge, decided)
+
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        resume = bool(OmegaConf.select(self.config, "resume", default=False))
+        record = self._record(settings, fixed)
+        self._check_record(sweep_dir, record, resume)
+        atomic_write_text(sweep_dir / RACE_RECORD, json.dumps(record, indent=2) + "\n")
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        self.race = race
+        runner = RaceRunner(
+            race,
+            settings,
+            fixed,
+            sweep_dir,
+            launcher=self.launcher,
+            launcher_target=OmegaConf.select(self.config, "hydra.launcher._target_", default=None),
+            metric=self.metric,
+            parallel=self.max_batch_size,
+        )
+        log.info(
+            "race of %d settings in %s: %d seeds each, then up to %d, %s, alpha %g, delta %g",
+            len(settings),
+            sweep_dir,
+            options.initial_seeds,
+            options.max_seeds,
+            self.metric,
+            self.alpha,
+            self.delta,
+        )
+        runner.load()
+        return runner.run()
