@@ -52,8 +52,8 @@ def run_metrics(run_dir: Path) -> dict[str, Any]:
 
 
 def run_default_job(run_dir: Path, overrides: list[str], iterations: int) -> dict[str, Any]:
-    """The default job's first `iterations` iterations in `run_dir` (grail-train's code path, in
-    a child process: torch reads the reproducible variables at its first operation)."""
+    """The default job's first `iterations` iterations in `run_dir`, on CPU (grail-train's code
+    path, in a child process: torch reads the reproducible variables at its first operation)."""
     command = [
         sys.executable,
         "-m",
@@ -65,6 +65,7 @@ def run_default_job(run_dir: Path, overrides: list[str], iterations: int) -> dic
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "CUDA_VISIBLE_DEVICES": "",  # the CPU job, also on a machine with a GPU
     }
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
