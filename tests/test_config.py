@@ -38,17 +38,26 @@ def test_cpu_threads_trainer_takes_all_cores_only_when_the_server_waits(
     assert split_cores(8, pipelined=True) == (4, 4)  # pipelined: both compute at once
     assert split_cores(1, pipelined=True) == split_cores(1, pipelined=False) == (1, 1)
     monkeypatch.setattr(placement_module, "available_cores", lambda: 6)
-    assert _threads() == (6, 3)
-    assert _threads("train.pipeline=true") == (3, 3)
+    off = "reproducible=false"
+    assert _threads(off) == (6, 3)
+    assert _threads(off, "train.pipeline=true") == (3, 3)
     # an explicit choice wins, each side on its own
-    assert _threads("train.threads=2") == (2, 3)
-    assert _threads("generation.server_threads=5", "train.pipeline=true") == (3, 5)
+    assert _threads(off, "train.threads=2") == (2, 3)
+    assert _threads(off, "generation.server_threads=5", "train.pipeline=true") == (3, 5)
+    # reproducible (the default job): one thread each whatever the cores, explicit values still win
+    assert _threads() == _threads("train.pipeline=true") == (1, 1)
+    monkeypatch.setattr(placement_module, "available_cores", lambda: 64)
+    assert _threads() == (1, 1)
+    assert _threads("train.threads=4") == (4, 1)
 
 
 def _threads(*overrides: str) -> tuple[int, int]:
     cfg = _compose(*overrides)
     return cpu_threads(
-        cfg.train.threads, cfg.generation.server_threads, pipelined=cfg.train.pipeline
+        cfg.train.threads,
+        cfg.generation.server_threads,
+        pipelined=cfg.train.pipeline,
+        reproducible=cfg.reproducible,
     )
 
 

@@ -127,14 +127,15 @@ def _hydra_cfg(target: str, batch: int | None, job: int, task: list[str]):
 def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "visible_gpus", lambda: 4)
     monkeypatch.setattr(cli, "available_cores", lambda: 16)
-    cfg = _compose("train.threads=3", "gpu.strategy=multi")
+    # reproducible=false: the default job pins its threads (tested below), these follow the cores
+    cfg = _compose("train.threads=3", "gpu.strategy=multi", "reproducible=false")
     cfg.generation.server_threads = 5  # set in a YAML file: also the user's choice
     values = cli.sweep_resources(
         cfg, _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=["train.threads=3", "gpu.strategy=multi"])
     )
     assert values == {"gpu.server_gpu": 2, "gpu.training_gpu": 3}
 
-    cfg = _compose("gpu.strategy=multi")
+    cfg = _compose("gpu.strategy=multi", "reproducible=false")
     values = cli.sweep_resources(cfg, _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[]))
     assert values == {
         "train.threads": 8,
@@ -148,8 +149,17 @@ def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) ->
 
     # one run at a time (basic launcher) or one allocation per job (SLURM): the whole machine
     for target in (BASIC, SUBMITIT_SLURM):
-        values = cli.sweep_resources(_compose(), _hydra_cfg(target, None, job=5, task=[]))
+        values = cli.sweep_resources(
+            _compose("reproducible=false"), _hydra_cfg(target, None, job=5, task=[])
+        )
         assert values["train.threads"] == 16 and values["gpu.server_gpu"] == 0
+
+    # reproducible=true (the default job's): fixed threads in a sweep as alone, so a seed gives
+    # the same numbers either way; only the GPUs are shared out
+    values = cli.sweep_resources(
+        _compose("gpu.strategy=multi"), _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[])
+    )
+    assert values == {"gpu.server_gpu": 2, "gpu.training_gpu": 3}
 
 
 def test_local_launcher_preset_composes_with_automatic_batch_size(
@@ -462,6 +472,7 @@ def test_submitit_local_launcher_runs_jobs_in_parallel_with_their_own_share(
         "hydra.sweeper.max_batch_size=2",
         "train.lr=0.1,0.2",
         "train.iterations=2",
+        "reproducible=false",  # threads from the share (reproducible runs have fixed ones)
         f"hydra.sweep.dir={sweep_dir}",
         env={"FAKE_BARRIER": "2"},
         timeout=240,

@@ -69,7 +69,7 @@ class GenerationConfig:
     weight_transfer: WeightTransfer = (
         WeightTransfer.auto
     )  # auto | disk | shared | nccl (WeightTransfer above)
-    server_threads: int | None = None  # None: half the cores (see split_cores)
+    server_threads: int | None = None  # None: half the cores (split_cores); 1 if reproducible
     start_timeout_s: float | None = None  # None: the backend's default (built-in 120, else 900)
     request_timeout_s: float = 120.0
     max_concurrency: int = 64
@@ -130,7 +130,8 @@ class TrainConfig:
     kl_estimator: KLEstimator = KLEstimator.k3  # k1 | k2 | k3
     is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
     logratio_clamp: float | None = None  # clamp |log ratio| before exp
-    threads: int | None = None  # trainer's torch threads; None: all cores, pipelined half
+    # The trainer's torch threads; None: all cores, pipelined half; 1 if reproducible
+    threads: int | None = None
     # One step off-policy: the server generates iteration i+1's rollouts (with the weights before
     # iteration i's update) while iteration i trains; importance sampling (is_correction) corrects
     # the lag.
@@ -226,6 +227,10 @@ class ServiceConfig:
 @dataclass
 class Config:
     seed: int = 0
+    # Same config and seed -> same metrics on any x86-64 CPU with AVX2, not only on this machine:
+    # pins torch's CPU kernels, MKL's and the CPU thread counts (grail/core/reproducible.py; on for
+    # the default job in conf/env/copy_digits.yaml). CPU runs only: GPUs are not made to agree.
+    reproducible: bool = False
     mode: Mode = Mode.train  # train | service (see Mode)
     resume: bool = False
     # Where the runs of one study share state: the pruner's Optuna storage, rollouts reused between

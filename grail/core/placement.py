@@ -7,6 +7,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from grail.core.choices import GpuStrategy
+from grail.core.reproducible import REPRODUCIBLE_THREADS
 
 
 def available_cores() -> int:
@@ -57,11 +58,20 @@ def gpu_placement(gpu: GpuConfig) -> tuple[int, int]:
 
 
 def cpu_threads(
-    trainer_threads: int | None, server_threads: int | None, *, pipelined: bool
+    trainer_threads: int | None,
+    server_threads: int | None,
+    *,
+    pipelined: bool,
+    reproducible: bool = False,
 ) -> tuple[int, int]:
     """The run's (trainer, server) threads on CPU: `train.threads` and
-    `generation.server_threads` where set, else `split_cores` of this process's cores."""
-    trainer, server = split_cores(available_cores(), pipelined=pipelined)
+    `generation.server_threads` where set, else `split_cores` of this process's cores; with
+    `reproducible`, else `REPRODUCIBLE_THREADS` each, whatever the machine has (reductions split
+    by thread, so a count that follows the cores would make the numbers follow them too)."""
+    if reproducible:
+        trainer, server = REPRODUCIBLE_THREADS, REPRODUCIBLE_THREADS
+    else:
+        trainer, server = split_cores(available_cores(), pipelined=pipelined)
     return trainer_threads or trainer, server_threads or server
 
 

@@ -29,6 +29,8 @@ import os
 import random
 import shutil
 import string
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +44,7 @@ from grail.core.manifest import file_entry, file_problem
 
 # Bump when anything that changes the built files changes (sizes, corpus, template, init): the
 # cache directory is named after it, so old caches are never mistaken for new ones.
-BUILDER_VERSION = "2"
+BUILDER_VERSION = "3"  # 3: AVX2 weights on AVX-512 CPUs too (build_tiny_model)
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -296,8 +298,26 @@ MID_PRESET: dict[str, Any] = {
 
 
 def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Build the tiny preset (`TINY_PRESET`) into `out_dir`; deterministic in `seed`."""
+    """Build the tiny preset (`TINY_PRESET`) into `out_dir`: the same bytes for a `seed` on every
+    x86-64 CPU with AVX2.
+
+    torch draws normal weights with AVX2 code only where it runs its AVX2 kernels; with AVX-512
+    ones (or plain ones) it runs other code, and the weights differ in their last bits (measured:
+    a different model.safetensors under ATEN_CPU_CAPABILITY=default), so every run on such a CPU
+    would start from another model. On an AVX-512 CPU the build therefore runs in a child process
+    pinned to the AVX2 kernels (the variable is read at torch's first operation, so it cannot be
+    changed in this one)."""
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return _build_in_avx2_child(Path(out_dir), seed)
     return build_random_qwen2(Path(out_dir), seed=seed, **TINY_PRESET)
+
+
+def _build_in_avx2_child(out_dir: Path, seed: int) -> Path:
+    """`build_tiny_model` in a child process that runs torch's AVX2 kernels."""
+    code = "import sys; from grail.models.tiny import build_tiny_model as b; b(sys.argv[1], int(sys.argv[2]))"  # noqa: E501
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    subprocess.run([sys.executable, "-c", code, str(out_dir), str(seed)], env=env, check=True)
+    return out_dir
 
 
 # ---------------------------------------------------------------------------------------------

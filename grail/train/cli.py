@@ -50,6 +50,7 @@ from grail.core.records import (
     run_lock,
     write_summary,
 )
+from grail.core.reproducible import apply_reproducible_env
 from grail.core.validate import validate
 from grail.study.sweep import (
     Action,
@@ -140,10 +141,18 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
     )
     explicit = explicit_keys(list(hydra_cfg.overrides.task), _RESOURCE_KEYS)
     explicit |= {key for key in _RESOURCE_KEYS if OmegaConf.select(cfg, key) is not None}
+    if cfg.reproducible:
+        # Fixed thread counts, not this machine's share: the same seed gives the same numbers in a
+        # sweep or alone, on any machine (grail/core/reproducible.py).
+        explicit |= {"train.threads", "generation.server_threads"}
     return resource_overrides(resources, explicit, pipelined=bool(cfg.train.pipeline))
 
 
 def _train(config: Config, run_dir: Path) -> None:
+    if config.reproducible:
+        # Before torch's first tensor operation, when torch and MKL read them (the server child
+        # gets them in its environment); setup_torch checks that torch took them.
+        apply_reproducible_env(os.environ)
     # Imported here so that `--help` and config errors answer before torch and transformers load.
     from grail.train.loop import run
 

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from grail.core.config import Config
 from grail.core.placement import cpu_threads, gpu_placement
 from grail.core.records import without_secrets
+from grail.core.reproducible import apply_reproducible_env
 from grail.envs import Environment, env_arguments, make_env
 from grail.envs.rewards.plugins import RewardFunctions
 from grail.inference.backends import BACKEND_CLASSES, make_server_manager
@@ -133,10 +134,16 @@ def server_manager_from_config(
             "(torch.cuda.is_available() is False); on a CPU machine use generation.backend=builtin"
         )
     threads = None
+    env: dict[str, str] = {}
     if not cuda_available:
         _, threads = cpu_threads(
-            cfg.train.threads, gen.server_threads, pipelined=cfg.train.pipeline
+            cfg.train.threads,
+            gen.server_threads,
+            pipelined=cfg.train.pipeline,
+            reproducible=cfg.reproducible,
         )
+        if cfg.reproducible:  # the server's kernels too (grail/core/reproducible.py)
+            apply_reproducible_env(env)
     model_dtype = cfg.model.dtype
     return make_server_manager(
         gen.backend,
@@ -156,6 +163,7 @@ def server_manager_from_config(
         lora_dir=lora_dir,
         lora_rank=cfg.model.lora.r if lora_dir is not None else None,
         weight_transfer=weight_transfer,
+        env=env,
     )
 
 

@@ -25,6 +25,7 @@ from grail.core.choices import ScaleRewards
 from grail.core.config import Config
 from grail.core.placement import cpu_threads, gpu_placement
 from grail.core.records import follow_umask
+from grail.core.reproducible import check_torch_honours
 from grail.inference.weights.policy import PolicyWeights
 from grail.models.loading import load_model, load_tokenizer
 from grail.models.lora import (
@@ -121,9 +122,14 @@ def setup_torch(cfg: Config) -> Accelerator:
     else:
         torch.set_num_threads(
             cpu_threads(
-                cfg.train.threads, cfg.generation.server_threads, pipelined=cfg.train.pipeline
+                cfg.train.threads,
+                cfg.generation.server_threads,
+                pipelined=cfg.train.pipeline,
+                reproducible=cfg.reproducible,
             )[0]
         )
+        if cfg.reproducible:  # grail-train set the variables; fail if torch ran kernels before
+            check_torch_honours()
     accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")
     torch.use_deterministic_algorithms(not on_cuda, warn_only=True)
     return accelerator

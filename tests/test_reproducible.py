@@ -1,0 +1,47 @@
+"""`reproducible=true` (grail/core/reproducible.py): what it pins, in the trainer and the server.
+Whether the numbers then agree is tests/test_fingerprint.py's question."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from grail.core.config import Config, GenerationConfig
+from grail.core.errors import ConfigError
+from grail.core.reproducible import REPRODUCIBLE_ENV, apply_reproducible_env, check_torch_honours
+from grail.train.components import server_manager_from_config
+
+
+def test_the_variables_win_over_the_callers() -> None:
+    env = {"ATEN_CPU_CAPABILITY": "avx512", "PATH": "/bin"}
+    apply_reproducible_env(env)
+    assert env == {**REPRODUCIBLE_ENV, "PATH": "/bin"}
+
+
+@pytest.mark.parametrize("reproducible", [True, False])
+def test_the_builtin_server_gets_them_on_cpu(tmp_path: Path, reproducible: bool) -> None:
+    cfg = Config(reproducible=reproducible, generation=GenerationConfig(server_threads=None))
+    server = server_manager_from_config(cfg, tmp_path, tmp_path / "run", cuda_available=False)
+    assert server.env_overrides == (REPRODUCIBLE_ENV if reproducible else {})
+    if reproducible:
+        env = server.child_env()
+        assert {k: env[k] for k in REPRODUCIBLE_ENV} == REPRODUCIBLE_ENV
+        assert env["OMP_NUM_THREADS"] == "1"  # fixed, whatever the machine's cores
+
+
+@pytest.mark.parametrize(
+    ("capability", "fails"), [("AVX2", False), ("AVX512", True), ("DEFAULT", False)]
+)
+def test_torch_on_other_kernels_is_an_error_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch, capability: str, fails: bool
+) -> None:
+    # AVX512: torch ran an operation before the variable was set. DEFAULT (Arm, no AVX2): nothing
+    # to pin; the run goes on and its fingerprint key names the capability.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    if fails:
+        with pytest.raises(ConfigError, match="ATEN_CPU_CAPABILITY=avx2"):
+            check_torch_honours()
+    else:
+        assert check_torch_honours() == capability
