@@ -44,11 +44,13 @@ def test_cpu_threads_trainer_takes_all_cores_only_when_the_server_waits(
     # an explicit choice wins, each side on its own
     assert _threads(off, "train.threads=2") == (2, 3)
     assert _threads(off, "generation.server_threads=5", "train.pipeline=true") == (3, 5)
-    # reproducible (the default job): one thread each whatever the cores, explicit values still win
-    assert _threads() == _threads("train.pipeline=true") == (1, 1)
+    assert _threads() == _threads(off)  # off by default
+    # reproducible: one thread each whatever the cores, explicit values still win
+    on = "reproducible=true"
+    assert _threads(on) == _threads(on, "train.pipeline=true") == (1, 1)
     monkeypatch.setattr(placement_module, "available_cores", lambda: 64)
-    assert _threads() == (1, 1)
-    assert _threads("train.threads=4") == (4, 1)
+    assert _threads(on) == (1, 1)
+    assert _threads(on, "train.threads=4") == (4, 1)
 
 
 def _threads(*overrides: str) -> tuple[int, int]:

@@ -1,10 +1,10 @@
 """The default job's first iterations, sync and pipelined, against the committed fingerprint
 (tests/data/fingerprint.json; scripts/fingerprint.py writes it and says when to renew it).
 
-Exact: the default job runs with `reproducible=true`, so its numbers depend on the code, the config
-and the fingerprint's key (torch version, CPU capability, MKL branch, thread counts), not on the
-machine. A key with no committed fingerprint (another torch version, a CPU without AVX2) skips
-with the reason: the test never fails on a CPU whose numbers were never recorded.
+Exact: the default job runs with `reproducible=true` added, so its numbers depend on the code,
+the config and the fingerprint's key (torch version, CPU capability, MKL branch, thread counts),
+not on the machine. A key with no committed fingerprint (another torch version, a CPU without
+AVX2) skips with the reason: the test never fails on a CPU whose numbers were never recorded.
 """
 
 from __future__ import annotations

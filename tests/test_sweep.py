@@ -127,7 +127,7 @@ def _hydra_cfg(target: str, batch: int | None, job: int, task: list[str]):
 def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "visible_gpus", lambda: 4)
     monkeypatch.setattr(cli, "available_cores", lambda: 16)
-    # reproducible=false: the default job pins its threads (tested below), these follow the cores
+    # reproducible=false (the default): the threads follow the cores (reproducible=true: below)
     cfg = _compose("train.threads=3", "gpu.strategy=multi", "reproducible=false")
     cfg.generation.server_threads = 5  # set in a YAML file: also the user's choice
     values = cli.sweep_resources(
@@ -154,10 +154,11 @@ def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) ->
         )
         assert values["train.threads"] == 16 and values["gpu.server_gpu"] == 0
 
-    # reproducible=true (the default job's): fixed threads in a sweep as alone, so a seed gives
-    # the same numbers either way; only the GPUs are shared out
+    # reproducible=true: fixed threads in a sweep as alone, so a seed gives the same numbers
+    # either way; only the GPUs are shared out
     values = cli.sweep_resources(
-        _compose("gpu.strategy=multi"), _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[])
+        _compose("gpu.strategy=multi", "reproducible=true"),
+        _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[]),
     )
     assert values == {"gpu.server_gpu": 2, "gpu.training_gpu": 3}
 

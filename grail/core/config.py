@@ -228,8 +228,8 @@ class ServiceConfig:
 class Config:
     seed: int = 0
     # Same config and seed -> same metrics on any x86-64 CPU with AVX2, not only on this machine:
-    # pins torch's CPU kernels, MKL's and the CPU thread counts (grail/core/reproducible.py; on for
-    # the default job in conf/env/copy_digits.yaml). CPU runs only: GPUs are not made to agree.
+    # pins torch's CPU kernels, MKL's and the CPU thread counts (grail/core/reproducible.py; off by
+    # default: 1.2x-2.3x per iteration on 2 cores). CPU runs only: GPUs are not made to agree.
     reproducible: bool = False
     mode: Mode = Mode.train  # train | service (see Mode)
     resume: bool = False
