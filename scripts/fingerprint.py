@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing grail
 FINGERPRINT_FILE = ROOT / "tests" / "data" / "fingerprint.json"
 ITERATIONS = 3  # iteration 0 is the baseline eval and the first update; 3 show the updates compound
 MODES = {"sync": [], "pipelined": ["train.pipeline=true"]}
+REPRODUCIBLE = ["reproducible=true"]  # added to the default job, where it is off
 # What varies from run to run or machine to machine without changing the numbers.
 _NOT_COMPARED = ("timings", "tokens_per_s", "eval_s", "weight_sync")
 
@@ -104,7 +105,7 @@ def tiny_model_sha256() -> str:
 def fingerprint(reproducible: bool = True, iterations: int = ITERATIONS) -> dict[str, Any]:
     """This machine's fingerprint of the default job: key, model hash, metrics per mode."""
     key = current_key(reproducible)
-    extra = ["reproducible=true"] if reproducible else []
+    extra = REPRODUCIBLE if reproducible else []
     with tempfile.TemporaryDirectory(prefix="grail-fingerprint-") as tmp:
         runs = {
             mode: run_default_job(Path(tmp) / mode, overrides + extra, iterations)

@@ -33,7 +33,9 @@ def test_default_job_matches_the_committed_fingerprint(tmp_path: Path) -> None:
         "the tiny model's weights changed (grail/models/tiny.py)"
     )
     for mode, overrides in fingerprint.MODES.items():
-        metrics = fingerprint.run_default_job(tmp_path / mode, overrides, committed["iterations"])
+        metrics = fingerprint.run_default_job(
+            tmp_path / mode, overrides + fingerprint.REPRODUCIBLE, committed["iterations"]
+        )
         diff = fingerprint.first_difference(committed["runs"][mode], metrics)
         assert diff is None, (
             f"{mode}: the default job's metrics changed at {diff}. If the change is deliberate, "
