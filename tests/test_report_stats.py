@@ -296,3 +296,22 @@ def test_plain_report_without_seeds_shows_no_statistics(
     # one seed each: an interval all the same (valid for any distribution), but no test
     assert "statistics over seeds" in text and "0 shared seeds, a test needs 2" not in text
     assert "1 shared seeds, a test needs 2" in text
+
+
+def test_a_seed_run_twice_counts_once_and_the_table_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 28: a resumed search ran each of its 2 settings twice on seeds 0 and 1; the report
+    showed n=2 beside 4 finished runs, without a word on the other 2."""
+    sweep = tmp_path / "sweep"
+    for job, (lr, seed) in enumerate(
+        (lr, seed) for _ in range(2) for lr in ("1e-3", "3e-3") for seed in (0, 1)
+    ):
+        _run(sweep, job, [f"train.lr={lr}", f"seed={seed}"], 0.2 + 0.1 * seed)
+    csv_path = tmp_path / "stats.csv"
+    assert main([str(sweep), "--out", str(tmp_path), "--csv", str(csv_path)]) == 0
+    text = capsys.readouterr().out
+    assert "repeated 2" in text and "each seed counts once in n" in text
+    rows = {r["setting"]: r for r in _read_csv(csv_path)}
+    for row in rows.values():
+        assert (row["n_seeds"], row["done"], row["repeated"]) == ("2", "4", "2")

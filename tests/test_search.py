@@ -8,6 +8,7 @@ leaves them (tests/helpers/run_dirs.py), so no training runs; the last one train
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from grail.core.records import atomic_write_text, metric_records
+from grail.report.cli import main as report_main
 from grail.study.search import OptunaSearchSweeper
 from grail.study.search_outcome import trial_outcome
 from grail.study.search_space import (
@@ -113,10 +115,15 @@ def test_seeds_and_settings_errors_name_the_key(tmp_path: Path) -> None:
     for bad in (0, [], [1, 1], "3", True, [1.5]):
         with pytest.raises(SweepError, match="hydra.sweeper.seeds"):
             seed_list(bad)
-    for key, value in (("metric", "mean"), ("direction", "up"), ("n_trials", 0)):
+    for key, value in (
+        ("metric", "mean"),
+        ("direction", "up"),
+        ("n_trials", 0),
+        ("sampler_seed", -1),
+    ):
         sweeper, _ = _sweeper(tmp_path / key, lambda *a: None, **{key: value})
         with pytest.raises(SweepError, match=f"hydra.sweeper.{key}"):
-            sweeper.sweep(["train.lr=interval(0.1, 0.2)"])
+            sweeper.search(["train.lr=interval(0.1, 0.2)"])
         assert not (tmp_path / key / SEARCH_DIR).exists()  # refused before any study exists
 
 
@@ -405,14 +412,14 @@ def test_an_interrupted_search_resumes_its_running_trials_with_their_jobs(tmp_pa
 
     # A rerun without resume=true is refused: it would mix two searches in one directory.
     sweeper, _ = _sweeper(tmp_path, lambda job: None, n_trials=4, max_batch_size=2)
-    with pytest.raises(SweepError, match="already holds the study 'search': add resume=true"):
-        sweeper.sweep(SEARCH)
+    with pytest.raises(SweepError, match="already holds the search 'search' .*: to continue it"):
+        sweeper.search(SEARCH)
     # So is one with another search space.
     sweeper, _ = _sweeper(tmp_path, lambda job: None, resume=True, n_trials=4, max_batch_size=2)
     with pytest.raises(SweepError, match="made by a different search .*params"):
-        sweeper.sweep(["train.lr=tag(log, interval(1e-4, 1e-2))", "train.iterations=4"])
+        sweeper.search(["train.lr=tag(log, interval(1e-4, 1e-2))", "train.iterations=4"])
     with pytest.raises(SweepError, match="train.iterations=4 before, train.iterations=8 now"):
-        sweeper.sweep(["train.lr=tag(log, interval(1e-3, 1e-2))", "train.iterations=8"])
+        sweeper.search(["train.lr=tag(log, interval(1e-3, 1e-2))", "train.iterations=8"])
 
     # The same command with resume=true: trial 0 is not run again, trials 1 and 2 are launched
     # with their own jobs and settings, then trial 3 is asked for.
@@ -517,3 +524,99 @@ def test_parser_accepts_hydra_optuna_sweeper_spellings() -> None:
     assert space.distributions["x"] == IntDistribution(-5, 4)
     assert space.distributions["y"] == CategoricalDistribution([1, 2, 4])
     assert space.distributions["z"] == FloatDistribution(1.0, 10.0, log=True)
+
+
+# ---- a resumed search proposes what the uninterrupted one would (issue 28, point 5) ------------
+
+
+def _killed_from(first_killed: int) -> Callable[[int], Behaviour | None]:
+    """A launcher as SIGKILL leaves it: jobs from `first_killed` on get no summary, and the
+    search stops when that job's batch returns (the sweeper process is gone)."""
+
+    def behave(job: int) -> Behaviour | None:
+        return killed if job >= first_killed else None
+
+    return behave
+
+
+class _Killed(Exception):
+    """The end of the first attempt (SIGKILL ends the process; the test ends the sweep)."""
+
+
+@pytest.mark.parametrize(
+    ("n_startup_trials", "max_batch_size", "killed_trial"),
+    [
+        (10, 4, 0),  # the issue's case: the first batch (trials 0 and 1) killed, all random
+        (2, None, 3),  # TPE past its random start-up, one trial at a time
+        (2, 4, 2),  # TPE, trials 2 and 3 killed together
+    ],
+)
+def test_a_resumed_search_proposes_what_the_uninterrupted_one_does(
+    tmp_path: Path, n_startup_trials: int, max_batch_size: int | None, killed_trial: int
+) -> None:
+    settings = {
+        "n_trials": 6,
+        "seeds": 2,
+        "n_startup_trials": n_startup_trials,
+        "max_batch_size": max_batch_size,
+    }
+    sweeper, _ = _sweeper(tmp_path / "whole", lambda job: None, **settings)
+    sweeper.sweep(SEARCH)
+    whole = [t.params for t in _study(tmp_path / "whole").trials]
+    assert len({p["train.lr"] for p in whole}) == 6
+
+    # First attempt: the runs of `killed_trial` (and of its batch) are killed, so is the sweeper.
+    first_killed = 2 * killed_trial
+    behave = _killed_from(first_killed)
+    sweeper, launcher = _sweeper(tmp_path / "resumed", behave, **settings)
+    original_launch = launcher.launch
+
+    def launch_then_die(job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
+        returns = original_launch(job_overrides, initial_job_idx)
+        if initial_job_idx + len(job_overrides) > first_killed:
+            raise _Killed
+        return returns
+
+    launcher.launch = launch_then_die  # type: ignore[method-assign]
+    with pytest.raises(_Killed):
+        sweeper.sweep(SEARCH)
+    before = _study(tmp_path / "resumed").trials
+    assert TrialState.RUNNING in {t.state for t in before}
+
+    sweeper, _ = _sweeper(tmp_path / "resumed", lambda job: None, resume=True, **settings)
+    sweeper.sweep([*SEARCH, "resume=true"])
+    resumed = _study(tmp_path / "resumed").trials
+    assert all(t.state == TrialState.COMPLETE for t in resumed)
+    assert [t.params for t in resumed] == whole  # so no setting is run twice either
+
+    # grail-report: 6 settings, each on its 2 seeds (the issue's report: 2 settings, n=2 each)
+    csv_path = tmp_path / "stats.csv"
+    assert (
+        report_main([str(tmp_path / "resumed"), "--out", str(tmp_path), "--csv", str(csv_path)])
+        == 0
+    )
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6
+    assert all((r["n_seeds"], r["done"], r["repeated"]) == ("2", "2", "0") for r in rows)
+
+
+def test_rerunning_a_search_without_resume_is_refused_in_one_line(tmp_path: Path) -> None:
+    sweeper, _ = _sweeper(tmp_path, lambda job: None, n_trials=1, seeds=1)
+    sweeper.sweep(SEARCH)
+    journal = (tmp_path / SEARCH_DIR / JOURNAL).read_bytes()
+    result = grail_train(
+        "-m",
+        "hydra/sweeper=grail_optuna",
+        *SEARCH,
+        "hydra.sweeper.n_trials=1",
+        "hydra.sweeper.seeds=1",
+        f"hydra.sweep.dir={tmp_path}",
+        timeout=60,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if "resume=true" in line]
+    assert len(lines) == 1 and f"hydra.sweep.dir={tmp_path}" in lines[0], out[-3000:]
+    assert (tmp_path / SEARCH_DIR / JOURNAL).read_bytes() == journal  # the study is untouched

@@ -98,6 +98,11 @@ def stats_captions(
         f"settings; not separated yet: estimated seeds more to separate it, at "
         f"{settings.power:.0%} power.",
     ]
+    if any(s.repeated for s in stats):
+        lines.append(
+            "repeated: runs of a seed their setting already had (the same experiment again, not "
+            "another replicate): each seed counts once in n, with its last run."
+        )
     if any(s.pruned for s in stats):
         lines.append(
             "pruned runs count, censored: with their value where the pruner stopped them, at most "
@@ -131,7 +136,13 @@ def build_stats_table(
     table.add_column("not counted", no_wrap=True)
     for s in stats:
         left_out = [
-            f"{k} {v}" for k, v in (("failed", s.failed), ("incomplete", s.incomplete)) if v
+            f"{k} {v}"
+            for k, v in (
+                ("failed", s.failed),
+                ("incomplete", s.incomplete),
+                ("repeated", s.repeated),
+            )
+            if v
         ]
         table.add_row(
             str(s.rank) if s.rank else "–",
@@ -172,6 +183,7 @@ STATS_CSV_COLUMNS = (
     "pruned",
     "failed",
     "incomplete",
+    "repeated",
     "seeds",
     "censored_seeds",
 )
@@ -222,6 +234,7 @@ def stats_csv_text(stats: Sequence[SettingStats]) -> str:
                 "pruned": s.pruned,
                 "failed": s.failed,
                 "incomplete": s.incomplete,
+                "repeated": s.repeated,
                 "seeds": " ".join(sorted(s.values_by_seed, key=natural_key)),
                 "censored_seeds": " ".join(sorted(s.censored, key=natural_key)),
             }

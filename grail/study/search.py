@@ -27,9 +27,12 @@ The study lives in Optuna's journal storage at `<sweep dir>/optuna/search.journa
 same command with `resume=true` and the same `hydra.sweep.dir` reloads it: finished trials stay,
 trials left RUNNING are launched again with the same settings and job numbers (their runs then
 resume from their newest checkpoint, grail.study.sweep.decide), and the search goes on until
-`n_trials` trials are finished. At the end: the best setting with its mean and 95% CI over seeds,
-the top trials, and `<sweep dir>/optuna/best.yaml` (the ask/launch/tell loop and this report:
-grail/study/search_runner.py).
+`n_trials` trials are finished. Each trial's sampler is seeded from `sampler_seed` and the trial's
+number (search_study.trial_sampler), so a resumed search proposes what the uninterrupted one would
+have, instead of replaying the random stream of its first trials. At the end: the best setting
+with its mean and 95% CI over seeds, the top trials, and `<sweep dir>/optuna/best.yaml` (the
+ask/launch/tell loop and this report: grail/study/search_runner.py). A wrong command, or a rerun
+without `resume=true` in a directory that holds a study, is refused in one line (exit code 2).
 
 Optuna is imported inside the sweeper only: Hydra imports this module (through
 hydra_plugins/grail_search) whenever it starts, `grail-train --help` included.
@@ -38,6 +41,7 @@ hydra_plugins/grail_search) whenever it starts, `grail-train --help` included.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +90,7 @@ class SearchSweeperConf:
     metric: str = "auc"  # auc | final | best (grail.study.stats)
     direction: str = "maximize"
     study_name: str = "search"
-    sampler_seed: int | None = 0
+    sampler_seed: int | None = 0  # with the trial's number, seeds each trial's TPE; null: random
     n_startup_trials: int = 10  # TPE samples at random until this many trials are finished
     max_batch_size: int | None = None
 
@@ -156,6 +160,12 @@ class OptunaSearchSweeper(Sweeper):
             )
         if not isinstance(self.n_trials, int) or self.n_trials < 1:
             raise SweepError(f"hydra.sweeper.n_trials must be >= 1, got {self.n_trials!r}")
+        if self.sampler_seed is not None and (
+            not isinstance(self.sampler_seed, int) or self.sampler_seed < 0
+        ):
+            raise SweepError(
+                f"hydra.sweeper.sampler_seed must be an int >= 0 or null, got {self.sampler_seed!r}"
+            )
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise SweepError(
                 f"hydra.sweeper.max_batch_size must be >= 1 or null, got {self.max_batch_size}"
@@ -190,6 +200,17 @@ class OptunaSearchSweeper(Sweeper):
     # -- the search --
 
     def sweep(self, arguments: list[str]) -> list[Any]:
+        """Hydra's entry point: the search, with a wrong command or a directory that holds
+        another search (SweepError) told in one line and exit code 2, as grail-train tells any
+        configuration error, rather than as Hydra's traceback."""
+        try:
+            return self.search(arguments)
+        except SweepError as exc:
+            log.error("%s", exc)
+            sys.exit(2)
+
+    def search(self, arguments: list[str]) -> list[Any]:
+        """The search (see the module doc); raises SweepError for a wrong command."""
         import optuna
 
         assert self.config is not None and self.launcher is not None
@@ -201,13 +222,10 @@ class OptunaSearchSweeper(Sweeper):
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial, ours
-        sampler = optuna.samplers.TPESampler(
-            seed=self.sampler_seed, n_startup_trials=self.n_startup_trials
-        )
         journal = sweep_dir / SEARCH_DIR / JOURNAL
         signature = study_signature(space, seeds, self.metric, self.direction)
         resume = bool(OmegaConf.select(self.config, "resume", default=False))
-        study = open_study(journal, self.study_name, signature, resume=resume, sampler=sampler)
+        study = open_study(journal, self.study_name, signature, resume=resume)
         # Only once the study is accepted: a refused rerun leaves the sweep's record as it was.
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         log.info(

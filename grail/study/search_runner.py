@@ -29,8 +29,9 @@ from grail.study.search_space import (
     setting_overrides,
     trials_per_batch,
 )
-from grail.study.search_study import BEST, SEARCH_DIR
+from grail.study.search_study import BEST, SEARCH_DIR, trial_sampler
 from grail.study.stats import t_interval
+from grail.study.sweep import SweepError
 
 if TYPE_CHECKING:
     import optuna
@@ -56,6 +57,8 @@ class SearchSettings(Protocol):
 
     n_trials: int
     metric: str
+    sampler_seed: int | None
+    n_startup_trials: int
     direction: str
     max_batch_size: int | None
     launcher: Launcher | None
@@ -119,7 +122,7 @@ class SearchRunner:
         while (todo := self.sweeper.n_trials - self._finished() - self.left_running) > 0:
             pending = []
             for _ in range(min(per_batch, todo)):
-                trial = self.study.ask(fixed_distributions=self.space.distributions)
+                trial = self._ask()
                 setting = setting_overrides(trial.params, self.names)
                 jobs = self._jobs(trial.number)
                 trial.set_user_attr("overrides", setting)
@@ -128,6 +131,21 @@ class SearchRunner:
                 pending.append(_Pending(trial.number, trial, setting, jobs))
             self._launch_and_tell(pending)
         return self.returns
+
+    def _ask(self) -> optuna.Trial:
+        """A new trial, from a sampler seeded by its number (search_study.trial_sampler): the
+        number Optuna gives the next trial is the count of trials the study holds."""
+        number = len(self.study.get_trials(deepcopy=False))
+        self.study.sampler = trial_sampler(
+            self.sweeper.sampler_seed, self.sweeper.n_startup_trials, number
+        )
+        trial = self.study.ask(fixed_distributions=self.space.distributions)
+        if trial.number != number:
+            raise SweepError(
+                f"the study in {self.sweep_dir / SEARCH_DIR} gave trial {trial.number} where "
+                f"{number} was next: is another search running in {self.sweep_dir}?"
+            )
+        return trial
 
     def _jobs(self, number: int) -> list[int]:
         return job_numbers(number, len(self.seeds))

@@ -72,10 +72,10 @@ def open_study(
     signature: Mapping[str, Any],
     *,
     resume: bool,
-    sampler: optuna.samplers.BaseSampler,
 ) -> optuna.Study:
     """The study in `journal`: created (holding `signature`) when absent; loaded and checked with
-    `resume`; refused without it, since starting over would mix two searches in one directory."""
+    `resume`; refused without it, since starting over would mix two searches in one directory.
+    Its sampler is set for each trial (`trial_sampler`)."""
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
@@ -84,14 +84,15 @@ def open_study(
     storage = JournalStorage(JournalFileBackend(str(journal)))
     exists = name in optuna.study.get_all_study_names(storage)
     if exists and not resume:
+        sweep_dir = journal.parent.parent
         raise SweepError(
-            f"{journal} already holds the study {name!r}: add resume=true to continue it, or "
-            "start a new search (a new hydra.sweep.dir)"
+            f"{sweep_dir} already holds the search {name!r} ({journal}): to continue it, rerun "
+            f"the same command with resume=true hydra.sweep.dir={sweep_dir}; or start a new "
+            "search (a new hydra.sweep.dir)"
         )
     study = optuna.create_study(
         study_name=name,
         storage=storage,
-        sampler=sampler,
         direction=signature["direction"],
         load_if_exists=True,
     )
@@ -101,3 +102,20 @@ def open_study(
     else:
         check_signature(stored, signature, journal)
     return study
+
+
+def trial_sampler(
+    seed: int | None, n_startup_trials: int, number: int
+) -> optuna.samplers.TPESampler:
+    """The sampler that proposes trial `number`: TPE seeded from (`seed`, `number`), so what it
+    proposes depends on the search's seed, the trial's number and the trials told before it, and
+    not on how many invocations the search took. One sampler seeded once per invocation replays
+    its random stream after a resume: the resumed search's first new trials proposed the settings
+    of the first trials again. `seed` None: a fresh random seed for each trial."""
+    import numpy as np
+    import optuna
+
+    trial_seed = None
+    if seed is not None:
+        trial_seed = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
+    return optuna.samplers.TPESampler(seed=trial_seed, n_startup_trials=n_startup_trials)

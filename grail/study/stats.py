@@ -212,6 +212,9 @@ class SettingStats:
     incomplete: int
     runs: list[SeedRun]
     pruned: int = 0
+    # runs with a value whose seed an earlier run of this setting has: the same setting and seed
+    # again is the same experiment again, not another replicate, so the seed counts once
+    repeated: int = 0
     rank: int = 0  # 1 = best mean; 0 = no value
     verdict: Verdict | None = None  # None for settings without values
 
@@ -230,14 +233,17 @@ class SettingStats:
 
 def setting_stats(label: str, runs: Sequence[SeedRun], metric: str) -> SettingStats:
     """The statistics of one setting, before the verdicts: completed runs with their value, pruned
-    ones censored (`censored_value`); a seed run twice: the last."""
+    ones censored (`censored_value`); a seed run twice: the last, the other counted `repeated`."""
     by_seed: dict[str, float] = {}
     censored: set[str] = set()
+    repeated = 0
     for r in runs:
         if r.status == "done" and (v := r.metric(metric)) is not None:
+            repeated += r.seed in by_seed
             by_seed[r.seed] = v
             censored.discard(r.seed)
         elif r.status == "pruned" and (v := censored_value(r, metric)) is not None:
+            repeated += r.seed in by_seed
             by_seed[r.seed] = v
             censored.add(r.seed)
     values = list(by_seed.values())
@@ -256,6 +262,7 @@ def setting_stats(label: str, runs: Sequence[SeedRun], metric: str) -> SettingSt
         incomplete=sum(r.status == "incomplete" for r in runs),
         runs=list(runs),
         pruned=sum(r.status == "pruned" for r in runs),
+        repeated=repeated,
     )
 
 
