@@ -16,8 +16,11 @@ Sweeps (`-m`) add three things around `run()` (see grail/study/sweep.py and docs
   `SweepOutcome` (a Hydra callback) lists the failed runs at the end and exits non-zero;
 - runs that share this machine (hydra/launcher=local) get disjoint GPUs and a share of the cores;
 - with `resume=true` a rerun skips completed runs, resumes interrupted ones, retries failed ones.
-A single run (no `-m`) exits non-zero on failure: 2 for a configuration error, 1 for another known
-user error or an exception (with its traceback), 130 after Ctrl-C.
+A single run (no `-m`) exits non-zero on failure: 2 for a configuration error (Hydra's own
+included, reported by `main` as one line), 1 for another known user error or an exception (with its
+traceback; either way a run that got its directory writes summary.json with the error), 130 after
+Ctrl-C. With `resume=true` a run takes its saved config and refuses changes outside a short list
+(grail/train/resume.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any, cast
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -382,6 +385,8 @@ def hydra_error_line(exc: BaseException) -> str:
         if line.strip():
             lines.append(line.strip().removeprefix("In 'offline_grpo': "))
     message = " ".join(lines) or type(exc).__name__
+    if isinstance(exc, OverrideParseException):  # the grammar's complaint alone names nothing
+        message = f"cannot parse the override {exc.override!r}: {lines[0] if lines else message}"
     cause = exc.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause):
         message += f" ({str(cause).splitlines()[0]})"
