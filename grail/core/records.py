@@ -279,15 +279,21 @@ def read_parts(run_dir: Path) -> list[dict[str, Any]]:
 
 class RunPart:
     """One part of a run (its start, or a resume), recorded in parts.json after the parts before
-    it: when it started, its wall time so far and the iterations it trained. Saved as the part goes
-    (`save`, every iteration), so a part killed by SIGKILL still counts up to its last save."""
+    it: when it started, its wall time so far, the iterations it trained and the first of them.
+    Saved as the part goes (`save`, every iteration), so a part killed by SIGKILL still counts up
+    to its last save. `resume`: what a resume records beside (its command-line `overrides`, and
+    the config keys it `changed`, each {"from", "to"}: applied from `first_iteration` on)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(
+        self, run_dir: Path, first_iteration: int = 0, resume: dict[str, Any] | None = None
+    ) -> None:
         self.path = Path(run_dir) / PARTS
         self.earlier = read_parts(run_dir)
         self.started = _now()
         self.t0 = time.perf_counter()
         self.iterations = 0
+        self.first_iteration = first_iteration
+        self.resume = resume or {}
         self.save()
 
     @property
@@ -301,6 +307,8 @@ class RunPart:
             "started": self.started,
             "wall_time_s": self.wall_time_s,
             "iterations": self.iterations,
+            "first_iteration": self.first_iteration,
+            **self.resume,
         }
         atomic_write_text(self.path, json.dumps({"parts": [*self.earlier, part]}, indent=2) + "\n")
 

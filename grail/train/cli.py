@@ -16,8 +16,11 @@ Sweeps (`-m`) add three things around `run()` (see grail/study/sweep.py and docs
   `SweepOutcome` (a Hydra callback) lists the failed runs at the end and exits non-zero;
 - runs that share this machine (hydra/launcher=local) get disjoint GPUs and a share of the cores;
 - with `resume=true` a rerun skips completed runs, resumes interrupted ones, retries failed ones.
-A single run (no `-m`) exits non-zero on failure: 2 for a configuration error, 1 for another known
-user error or an exception (with its traceback), 130 after Ctrl-C.
+A single run (no `-m`) exits non-zero on failure: 2 for a configuration error (Hydra's own
+included, reported by `main` as one line), 1 for another known user error or an exception (with its
+traceback; either way a run that got its directory writes summary.json with the error), 130 after
+Ctrl-C. With `resume=true` a run takes its saved config and refuses changes outside a short list
+(grail/train/resume.py).
 """
 
 from __future__ import annotations
@@ -34,19 +37,19 @@ from typing import Any, cast
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from grail.core.config import Config
 from grail.core.errors import ConfigError, UserError
 from grail.core.placement import available_cores, prefer_passive_openmp
 from grail.core.records import (
-    LAUNCH_KEYS,
     SUMMARY,
     RunDirLocked,
     atomic_write_text,
-    override_key,
     run_lock,
     write_summary,
 )
@@ -54,6 +57,7 @@ from grail.core.reproducible import apply_reproducible_env
 from grail.core.validate import validate
 from grail.study.sweep import (
     Action,
+    SweepError,
     assign_resources,
     decide,
     default_parallel_runs,
@@ -61,6 +65,7 @@ from grail.study.sweep import (
     launcher_shares_machine,
     resource_overrides,
 )
+from grail.train.resume import Resume, plan_resume, saved_choices
 
 ConfigStore.instance().store(name="offline_grpo_schema", node=Config)
 # Before torch loads (this module imports it only inside the run): threads that sleep when they
@@ -148,7 +153,7 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
     return resource_overrides(resources, explicit, pipelined=bool(cfg.train.pipeline))
 
 
-def _train(config: Config, run_dir: Path) -> None:
+def _train(config: Config, run_dir: Path, resume: Resume | None = None) -> None:
     if config.reproducible:
         # Before torch's first tensor operation, when torch and MKL read them (the server child
         # gets them in its environment); setup_torch checks that torch took them.
@@ -156,7 +161,7 @@ def _train(config: Config, run_dir: Path) -> None:
     # Imported here so that `--help` and config errors answer before torch and transformers load.
     from grail.train.loop import run
 
-    run(config, run_dir)
+    run(config, run_dir, resume)
 
 
 def preflight(config: Config, env_group: str | None = None) -> None:
@@ -165,6 +170,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     the reward plugins (imported) and their names against the environment's score components,
     and that model paths exist. `env_group`: the `env=` choice the config was composed with."""
     from grail.envs import ENVIRONMENTS, check_env_kwargs, env_factory
+    from grail.envs.rewards.base import RewardError
     from grail.envs.rewards.plugins import RewardFunctions
     from grail.models.tiny import TINY_MODEL_NAME
 
@@ -178,7 +184,10 @@ def preflight(config: Config, env_group: str | None = None) -> None:
         )
     check_env_kwargs(name, config.data.env_kwargs)
     rewards = RewardFunctions.from_specs(list(config.data.rewards))
-    rewards.check_names(name, factory.components)
+    try:
+        rewards.check_names(name, factory.components)
+    except RewardError as exc:  # a name the config gave: a configuration error (exit 2)
+        raise ConfigError(str(exc)) from exc
     for key in ("train_id", "ref_id"):
         model_id = getattr(config.model, key)
         if model_id is not None and model_id != TINY_MODEL_NAME:
@@ -211,20 +220,19 @@ def _report(message: str, exc: BaseException, then: str = "") -> None:
         handler.handle(record)
 
 
-def resume_command(overrides: list[str], run_dir: Path) -> str:
-    """The command that continues the run in `run_dir` with the config it was started with."""
-    kept = [o for o in overrides if override_key(o) not in LAUNCH_KEYS]
-    return shlex.join(
-        ["uv", "run", "grail-train", *kept, "resume=true", f"hydra.run.dir={run_dir}"]
-    )
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run in `run_dir`: a resume takes the run's saved config
+    (grail/train/resume.py), so no override is needed."""
+    return shlex.join(["uv", "run", "grail-train", "resume=true", f"hydra.run.dir={run_dir}"])
 
 
-def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
-    overrides = [str(o) for o in hydra_cfg.overrides.task]
+def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None) -> None:
+    """One run. A failure after the run claimed its directory writes summary.json with its error
+    (grail/train/loop.py); a configuration error (exit 2) writes nothing: nothing started."""
     try:
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        preflight(config, hydra_cfg.runtime.choices.get("env"))
-        _train(config, run_dir)
+        preflight(config, _env_choice(hydra_cfg, run_dir, resume))
+        _train(config, run_dir, resume)
     except ConfigError as exc:
         _report(f"invalid configuration: {exc}", exc)
         sys.exit(2)
@@ -234,12 +242,20 @@ def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
     except KeyboardInterrupt as exc:
         # The run's files are consistent at any moment (see grail/train/loop.py): what was
         # checkpointed is kept, so the useful answer is how to continue, not where it stopped.
-        command = resume_command(overrides, run_dir.absolute())
+        command = resume_command(run_dir.absolute())
         _report("interrupted", exc, f"; to continue from the newest checkpoint: {command}")
         sys.exit(130)
 
 
-def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
+def _env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | None:
+    """The `env=` choice the run's config was composed with: the saved one for a resume."""
+    if resume is not None:
+        env = saved_choices(run_dir).get("env")
+        return str(env) if env is not None else None
+    return hydra_cfg.runtime.choices.get("env")
+
+
+def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None) -> None:
     """One run of a sweep. Never raises for a failed run (that would stop the sweep): the failure
     goes into summary.json. KeyboardInterrupt and SIGTERM still stop everything, leaving the run
     incomplete for `resume=true` to continue."""
@@ -274,8 +290,8 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
         if cfg.study_dir is None:  # the sweep is the study its runs share state in
             cfg.study_dir = str(Path(str(hydra_cfg.sweep.dir)).absolute())
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        preflight(config, hydra_cfg.runtime.choices.get("env"))
-        _train(config, run_dir)
+        preflight(config, _env_choice(hydra_cfg, run_dir, resume))
+        _train(config, run_dir, resume)
     except Exception as exc:
         log.exception("run %s failed; the sweep goes on", run_dir)
         try:
@@ -295,7 +311,8 @@ def save_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: Any) -> None:
     """What Hydra itself writes into `RUN_DIR/.hydra/` (config.yaml, hydra.yaml, overrides.yaml),
     written by us under the run's lock (`hydra.output_subdir: null` in conf/offline_grpo.yaml turns
     Hydra's own write off) and atomically: a second grail-train into a running run's directory
-    must fail without touching the files that say how that run was configured."""
+    must fail without touching the files that say how that run was configured. Only when a run
+    starts: a resume keeps them (its own overrides and changes go into parts.json)."""
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
     files = {
@@ -316,11 +333,15 @@ def train_job(cfg: DictConfig) -> None:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         with run_lock(run_dir):
-            save_hydra_files(run_dir, cfg, hydra_cfg)
-            if multirun:
-                _sweep_job(cfg, run_dir, hydra_cfg)
+            resume = _plan_resume(cfg, run_dir, hydra_cfg, multirun)
+            if resume is None:
+                save_hydra_files(run_dir, cfg, hydra_cfg)
             else:
-                _single_run(cfg, run_dir, hydra_cfg)
+                cfg = resume.config
+            if multirun:
+                _sweep_job(cfg, run_dir, hydra_cfg, resume)
+            else:
+                _single_run(cfg, run_dir, hydra_cfg, resume)
     except RunDirLocked as exc:
         if not multirun:
             _report(str(exc), exc)
@@ -341,9 +362,65 @@ def train_job(cfg: DictConfig) -> None:
         sys.exit(130)
 
 
+def _plan_resume(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, multirun: bool) -> Resume | None:
+    """With resume=true in a directory that holds a run's config: that config, with the allowed
+    changes of this command line (grail/train/resume.py). A refused change ends a single run with
+    one line (exit 2) and stops a sweep (`main` reports it), before anything is written."""
+    if not cfg.resume:
+        return None
+    overrides = [str(o) for o in hydra_cfg.overrides.task]
+    try:
+        return plan_resume(cfg, run_dir, overrides, hydra_cfg.runtime.choices)
+    except ConfigError as exc:
+        if multirun:
+            raise ConfigError(f"sweep job {int(hydra_cfg.job.num)}: {exc}") from exc
+        _report(f"invalid configuration: {exc}", exc)
+        sys.exit(2)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     train_job(cfg)
+
+
+def hydra_error_line(exc: BaseException) -> str:
+    """One line for an error Hydra raises while composing the config (a bad override, a value of
+    the wrong type, a config group option that does not exist, a key missing its `+`)."""
+    options = getattr(exc, "options", None)  # MissingConfigException: the group's options
+    lines = []
+    for line in str(exc).splitlines():
+        if line.startswith(("Available options", "Config search path")):
+            break
+        if line.strip():
+            lines.append(line.strip().removeprefix("In 'offline_grpo': "))
+    message = " ".join(lines) or type(exc).__name__
+    if isinstance(exc, OverrideParseException):  # the grammar's complaint alone names nothing
+        message = f"cannot parse the override {exc.override!r}: {lines[0] if lines else message}"
+    cause = exc.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause):
+        message += f" ({str(cause).splitlines()[0]})"
+    if options:
+        message += f"; the options are: {', '.join(map(str, options))}"
+    return message
+
+
+def main() -> None:
+    """`grail-train`: Hydra's entry point, with its errors reported as ours: a configuration error,
+    Hydra's own included, is one line and exit code 2. HYDRA_FULL_ERROR=1 makes Hydra raise
+    instead of printing its multi-line error, so that we can; set it yourself to get Hydra's
+    tracebacks as they are."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        _hydra_main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except (ConfigError, SweepError) as exc:
+        print(f"invalid configuration: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (HydraException, OmegaConfBaseException) as exc:
+        print(f"invalid configuration: {hydra_error_line(exc)}", file=sys.stderr)
+        sys.exit(2)
 
 
 class SweepOutcome(Callback):

@@ -55,6 +55,7 @@ from grail.train.components import build_run, open_loggers
 from grail.train.display import Display
 from grail.train.evaluate import eval_metrics
 from grail.train.loggers import MetricLoggers
+from grail.train.resume import Resume
 from grail.train.trainer import Trainer
 
 log = logging.getLogger("grail.train")
@@ -64,25 +65,43 @@ class RunDirNotEmpty(UserError, FileExistsError):
     """A fresh run into a directory that already holds a run's metrics."""
 
 
-def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
+def run(cfg: Config, run_dir: Path, resume: Resume | None = None) -> dict[str, Any]:
     """Train according to `cfg`, writing everything into `run_dir`; returns the summary. Holds
     the directory's lock throughout; a run resumed after its last iteration only rewrites its
-    summary. `cfg` has passed `grail.train.cli.preflight` (which validates it, once per run)."""
+    summary. `cfg` has passed `grail.train.cli.preflight` (which validates it, once per run);
+    `resume`: how a resume's command line changed the run's saved config (grail/train/resume.py).
+
+    A run that fails once it holds its directory writes summary.json with the error; an interrupt
+    (Ctrl-C, SIGTERM) leaves the run without a summary, for resume=true to continue."""
     run_dir = run_dir.absolute()
+    t0 = time.perf_counter()
     with run_lock(run_dir):  # RunDirLocked when another run is writing there
         resume_from = resume_point(cfg, run_dir)
-        if resume_from is not None and (
-            resume_from.iteration + 1 >= cfg.train.iterations or pruned_by(run_dir, resume_from)
-        ):
-            return finished(cfg, run_dir, resume_from)
-        check_models(cfg, resume_from)
-        part = RunPart(run_dir)
         try:
-            # Opened before any model loads: a logging backend that is not installed fails at once.
-            with open_loggers(cfg, run_dir) as loggers:
-                return train(cfg, run_dir, loggers, resume_from, part)
-        except BaseException:
-            part.save()  # the wall time of a part that failed or was interrupted
+            if resume_from is not None and (
+                resume_from.iteration + 1 >= cfg.train.iterations or pruned_by(run_dir, resume_from)
+            ):
+                return finished(cfg, run_dir, resume_from, resume)
+            check_models(cfg, resume_from)
+            if resume is not None:
+                resume.record(run_dir)
+            first_iteration = 0 if resume_from is None else resume_from.iteration + 1
+            part = RunPart(run_dir, first_iteration, resume.part() if resume is not None else None)
+            try:
+                # Opened before any model loads: a missing logging backend fails at once.
+                with open_loggers(cfg, run_dir) as loggers:
+                    return train(cfg, run_dir, loggers, resume_from, part)
+            except BaseException:
+                part.save()  # the wall time of a part that failed or was interrupted
+                raise
+        except Exception as exc:
+            write_summary(
+                run_dir,
+                time.perf_counter() - t0,
+                error=exc,
+                environment=cfg.data.environment,
+                config=config_record(cfg),
+            )
             raise
 
 
@@ -214,9 +233,18 @@ def pruned_by(run_dir: Path, last: CheckpointRef) -> dict[str, Any] | None:
     return pruned if pruned is not None and pruned["iteration"] <= last.iteration else None
 
 
-def finished(cfg: Config, run_dir: Path, last: CheckpointRef) -> dict[str, Any]:
+def finished(
+    cfg: Config, run_dir: Path, last: CheckpointRef, resume: Resume | None = None
+) -> dict[str, Any]:
     """`resume=true` on a run whose last iteration is checkpointed, or that was pruned: nothing
-    to train, so no model loads and no server starts; say so and (re)write the summary."""
+    to train, so no model loads and no server starts; say so and (re)write the summary, with the
+    config the run used (a resume's changes apply to nothing here, and are not recorded)."""
+    if resume is not None and resume.changes:
+        log.info(
+            "nothing trains, so this resume's changes are not applied: %s",
+            ", ".join(f"{k}={new}" for k, (_, new) in resume.changes.items()),
+        )
+        cfg = cast(Config, OmegaConf.to_object(resume.saved))
     if (pruned := pruned_by(run_dir, last)) is not None:
         log.info(
             "run %s was pruned after iteration %d (%s %.4f, prune.pruner=%s): nothing to "
@@ -264,10 +292,15 @@ def summarize(cfg: Config, run_dir: Path, wall_time_s: float, display: Display) 
         wall_time_s,
         pruned=read_pruned(run_dir),
         environment=cfg.data.environment,
-        config=OmegaConf.to_container(OmegaConf.structured(cfg)),  # type: ignore[arg-type]
+        config=config_record(cfg),
     )
     display.summary(summary, run_dir)
     return summary
+
+
+def config_record(cfg: Config) -> dict[str, Any]:
+    """The config as summary.json records it."""
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 class Recorder:
