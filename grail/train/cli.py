@@ -20,7 +20,8 @@ Sweeps (`-m`) add three things around `run()` (see grail/study/sweep.py and docs
 - runs that share this machine (hydra/launcher=local) get disjoint GPUs and a share of the cores;
 - with `resume=true` a rerun skips completed runs, resumes interrupted ones, retries failed ones.
 A single run (no `-m`) exits non-zero on failure: 2 for a configuration error, 1 for another known
-user error or an exception (with its traceback), 130 after Ctrl-C, 143 after SIGTERM.
+user error (a full disk included: one line naming the file, and the resume command) or an
+exception (with its traceback), 130 after Ctrl-C, 143 after SIGTERM.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from grail.core.config import Config
-from grail.core.errors import ConfigError, UserError
+from grail.core.errors import ConfigError, DiskFullError, UserError
 from grail.core.placement import available_cores, prefer_passive_openmp
 from grail.core.records import (
     LAUNCH_KEYS,
@@ -247,6 +248,12 @@ def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
     except ConfigError as exc:
         _report(f"invalid configuration: {exc}", exc)
         sys.exit(2)
+    except DiskFullError as exc:
+        # What was being written is discarded, what was written before is intact (the newest
+        # checkpoint and its metrics): the run goes on from there once there is space.
+        command = resume_command(overrides, run_dir.absolute())
+        _report(str(exc), exc, f"; free some space, then continue the run: {command}")
+        sys.exit(1)
     except UserError as exc:
         _report(str(exc), exc)
         sys.exit(1)
@@ -295,6 +302,8 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any) -> None:
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         preflight(config, hydra_cfg.runtime.choices.get("env"))
         _train(config, run_dir)
+    except DiskFullError:
+        raise  # every later run would hit it too: the sweep stops (train_job), resumable
     except Exception as exc:
         log.exception("run %s failed; the sweep goes on", run_dir)
         try:
@@ -347,6 +356,15 @@ def train_job(cfg: DictConfig) -> None:
         # The directory belongs to the process running there: this job writes nothing into it (no
         # "failed" summary), and the sweep goes on; SweepOutcome lists the run if it never ends.
         _report(f"sweep job {int(hydra_cfg.job.num)} not run: {exc}", exc)
+    except DiskFullError as exc:  # only from a sweep: _single_run reports its own
+        sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
+        _report(
+            str(exc),
+            exc,
+            "; free some space, then finish the sweep: rerun the same command with resume=true "
+            f"hydra.sweep.dir={sweep_dir}",
+        )
+        sys.exit(1)
     except KeyboardInterrupt as exc:
         if not multirun:
             raise  # Ctrl-C during a single run is reported (with the resume command) by _single_run

@@ -82,7 +82,10 @@ def run(cfg: Config, run_dir: Path) -> dict[str, Any]:
             with open_loggers(cfg, run_dir) as loggers:
                 return train(cfg, run_dir, loggers, resume_from, part)
         except BaseException:
-            part.save()  # the wall time of a part that failed or was interrupted
+            try:
+                part.save()  # the wall time of a part that failed or was interrupted
+            except OSError as exc:  # a full disk, say: the error that stopped the run matters
+                log.warning("the wall time of this part is not recorded: %s", exc)
             raise
 
 
