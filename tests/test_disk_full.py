@@ -169,6 +169,34 @@ def test_grail_train_says_it_in_one_line_with_the_resume_command(
     )
 
 
+def test_in_a_sweep_a_full_disk_stops_the_sweep_and_leaves_the_run_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "0"
+
+    def full(config: object, run_dir: Path) -> None:
+        raise DiskFullError(run_dir / "checkpoints" / "iter_000")
+
+    monkeypatch.setattr(cli, "_train", full)
+    hydra_cfg = OmegaConf.create(
+        {
+            "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
+            "sweeper": {"max_batch_size": None},
+            "job": {"num": 0},
+            "overrides": {"task": []},
+            "sweep": {"dir": str(tmp_path)},
+            "runtime": {"choices": {"env": "copy_digits"}},
+        }
+    )
+    with initialize_config_dir(config_dir=cli.CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="offline_grpo")
+    # Every later run would hit it too: not one failed run, but the end of the sweep ...
+    with pytest.raises(DiskFullError):
+        cli._sweep_job(cfg, run_dir, hydra_cfg)
+    # ... leaving the run incomplete, not failed: `resume=true` continues it.
+    assert not (run_dir / "summary.json").exists()
+
+
 # A grail-train whose disk fills during its second checkpoint, inside torch.save.
 _FULL_AT_SECOND_CHECKPOINT = f"""
 import shutil, sys, torch

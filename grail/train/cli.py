@@ -356,14 +356,18 @@ def train_job(cfg: DictConfig) -> None:
         # The directory belongs to the process running there: this job writes nothing into it (no
         # "failed" summary), and the sweep goes on; SweepOutcome lists the run if it never ends.
         _report(f"sweep job {int(hydra_cfg.job.num)} not run: {exc}", exc)
-    except DiskFullError as exc:  # only from a sweep: _single_run reports its own
-        sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
-        _report(
-            str(exc),
-            exc,
-            "; free some space, then finish the sweep: rerun the same command with resume=true "
-            f"hydra.sweep.dir={sweep_dir}",
-        )
+    except DiskFullError as exc:  # writing .hydra/, or in a sweep (_single_run reports its own)
+        if multirun:
+            sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
+            then = (
+                "; free some space, then finish the sweep: rerun the same command with "
+                f"resume=true hydra.sweep.dir={sweep_dir}"
+            )
+        else:
+            overrides = [str(o) for o in hydra_cfg.overrides.task]
+            command = resume_command(overrides, run_dir.absolute())
+            then = f"; free some space, then continue the run: {command}"
+        _report(str(exc), exc, then)
         sys.exit(1)
     except KeyboardInterrupt as exc:
         if not multirun:
