@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 
@@ -79,3 +80,13 @@ def even_length(prompts: list[str], completions: list[str], **kwargs: Any) -> li
     """1 for a completion of an even number of characters: two samples tie about half the time
     (tests/test_server_rollouts.py, dynamic sampling)."""
     return [float(len(c) % 2 == 0) for c in completions]
+
+
+# Set by a test to let `waits_for_release` return (so no thread of it outlives the test).
+RELEASE = threading.Event()
+
+
+def waits_for_release(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """A plugin stuck until a test releases it: past its deadline, it must be abandoned."""
+    RELEASE.wait()
+    return [0.0] * len(completions)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.grail_process import servers_of
 from helpers.run_dirs import grail_train
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
@@ -208,6 +209,97 @@ def test_ctrl_c_says_in_one_line_how_to_resume(tmp_path: Path) -> None:
     argv = shlex.split(command)[3:]
     again = grail_train(*argv, "--cfg", "job")
     assert again.returncode == 0 and "resume: true" in again.stdout, _output(again)
+
+
+# --- a run that never hangs --------------------------------------------------------------------
+
+
+def _stuck_run(run_dir: Path, reward: str) -> subprocess.Popen[str]:
+    """grail-train with the reward plugin `reward` (from tests/cli_plugins.py, one that never
+    returns), once it is stuck in it: generation done, scoring never ends."""
+    marker = run_dir.parent / "stuck"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grail.train.cli",
+            *SMALL,
+            f"data.rewards=[{reward}]",
+            f"hydra.run.dir={run_dir}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "GRAIL_TEST_STUCK_MARKER": str(marker)},
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run never reached the plugin:\n{proc.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def _ends_within(proc: subprocess.Popen[str], seconds: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"grail-train still running {seconds} s later:\n{out[-3000:]}")
+    return out
+
+
+def test_a_plugin_that_never_returns_fails_the_run_at_its_deadline_naming_it(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = _stuck_run(run_dir, "{fn: tests.cli_plugins:never_returns, timeout_s: 2}")
+    out = _ends_within(proc, 2 + 15)  # the deadline, then stopping the server
+    assert proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, out[-3000:]
+    assert (
+        "reward 'tests.cli_plugins:never_returns': did not return within timeout_s=2 s" in errors[0]
+    )
+    assert "Traceback" not in out, out[-3000:]
+    assert servers_of(run_dir) == []
+
+
+@pytest.mark.parametrize(
+    ("sig", "reward", "code", "message"),
+    [
+        (signal.SIGINT, "tests.cli_plugins:never_returns", 130, "interrupted"),
+        # A thread the interpreter waits for at exit (a pool's worker): the process ends anyway.
+        (signal.SIGTERM, "tests.cli_plugins:never_returns_in_a_pool", 143, "stopped by SIGTERM"),
+    ],
+    ids=["sigint", "sigterm"],
+)
+def test_sigint_and_sigterm_end_a_run_stuck_in_a_plugin_within_seconds(
+    tmp_path: Path, sig: signal.Signals, reward: str, code: int, message: str
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = _stuck_run(run_dir, reward)
+    t0 = time.monotonic()
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # Ctrl-C in a terminal: the whole foreground group
+    else:
+        proc.send_signal(sig)  # `timeout`, `kill`: grail-train alone, which stops its server
+    out = _ends_within(proc, 30)
+    assert time.monotonic() - t0 < cli.EXIT_GRACE_S + 7, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
+    hint = [line for line in out.splitlines() if "resume=true" in line]
+    assert len(hint) == 1 and message in hint[0], out[-3000:]
+    assert f"hydra.run.dir={run_dir}" in hint[0]
+    assert "Traceback" not in out, out[-3000:]
+    assert servers_of(run_dir) == []
+    # A plugin stuck in grail's daemon thread lets the process end by itself; one stuck in a
+    # thread the interpreter waits for is left behind after EXIT_GRACE_S, named.
+    forced = "ending it without waiting for threads still running" in out
+    assert forced == (reward.endswith("in_a_pool")), out[-3000:]
 
 
 def _compose(*overrides: str) -> DictConfig:

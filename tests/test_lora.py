@@ -225,6 +225,25 @@ def test_export_refuses_a_missing_checkpoint_a_used_out_dir_and_the_checkpoint_i
     assert (used / "notes.txt").read_text() == "mine" and (used / "config.json").exists()
 
 
+def test_a_full_disk_while_exporting_says_so_in_one_line_and_leaves_no_model(
+    lora_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers.modeling_utils
+
+    def full(*_args: object, **_kwargs: object) -> None:
+        # What safetensors raises when the disk fills (its own Exception type).
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    checkpoint, out = lora_run / "checkpoints" / "iter_003", tmp_path / "merged"
+    with pytest.raises(SystemExit) as info:
+        export_main([str(checkpoint), str(out)])
+    assert (
+        str(info.value.code) == f"grail-export-merged: no space left on device while writing {out}"
+    )
+    assert not out.exists()  # no half-written model that something could load
+
+
 @pytest.mark.parametrize(
     ("lora", "match"),
     [

@@ -262,6 +262,49 @@ def test_a_timeout_names_the_timeout_and_attempts(scorer: Scorer) -> None:
     assert len(scorer.requests) == 2
 
 
+def _trickler(interval_s: float) -> tuple[str, threading.Event]:
+    """A scorer that answers 200 with headers at once, then its body one byte per `interval_s`
+    (a stalled proxy, a slow-loris server): each wait for a byte is short, so no per-read
+    timeout fires. Returns its URL and an event set once the client hung up on it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    hung_up = threading.Event()
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                body = b"[" + b" " * 100_000 + b"1.0]"
+                head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                try:
+                    conn.sendall(head)
+                    for i in range(len(body)):
+                        conn.sendall(body[i : i + 1])
+                        time.sleep(interval_s)
+                except OSError:  # the client closed the connection
+                    hung_up.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/score", hung_up
+
+
+def test_a_scorer_that_trickles_bytes_is_cut_off_at_the_deadline() -> None:
+    url, hung_up = _trickler(0.05)  # a byte every 50 ms: far within the 1 s per-read timeout
+    t0 = time.monotonic()
+    with pytest.raises(
+        RewardError,
+        match=r"no complete answer within timeout_s=1 \(the scorer was still sending\); gave "
+        r"up after 1 attempt",
+    ):
+        _remote(url, max_retries=0, timeout_s=1)(["p"], ["a"])
+    assert time.monotonic() - t0 < 5  # its body alone would take 5000 s
+    assert hung_up.wait(5), "the abandoned request's connection should be closed"
+
+
 # --- what the scorer answers ------------------------------------------------------------------
 
 
@@ -332,7 +375,9 @@ def test_a_closed_scorer_refuses_to_score(scorer: Scorer) -> None:
     [
         (["ftp://host/score"], r"'ftp://host/score'.*must start with http:// or https://"),
         (["http:///score"], r"'http:///score': the URL has no host"),
-        ([{"fn": "correctness", "timeout_s": 5}], r"#0 \('correctness'\): 'timeout_s' is only"),
+        ([{"fn": "correctness", "batch_size": 5}], r"#0 \('correctness'\): 'batch_size' is only"),
+        ([{"fn": "correctness", "timeout_s": 0}], r"#0 \('correctness'\): timeout_s must be a fin"),
+        ([{"fn": "correctness", "timeout_s": float("inf")}], "timeout_s must be a finite number"),
         ([{"fn": "http://h/s", "max_concurrency": 0}], "max_concurrency must be an integer >= 1"),
         ([{"fn": "http://h/s", "batch_size": 2.5}], "batch_size must be an integer >= 1"),
         ([{"fn": "http://h/s", "timeout_s": 0}], "timeout_s must be a finite number > 0"),

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from grail.core.errors import UserError
 from grail.envs import CopyDigitsEnv, SATEnv
-from grail.envs.rewards.base import RewardError
+from grail.envs.rewards.base import RewardError, RewardTimeout
 from grail.envs.rewards.builtins import correctness, keyword_match, strict_format
-from grail.envs.rewards.plugins import RewardFunctions, load_reward_fn, score_completions
+from grail.envs.rewards.plugins import (
+    PLUGIN_TIMEOUT_S,
+    RewardFunctions,
+    load_reward_fn,
+    score_completions,
+)
 
 TESTS_DIR = Path(__file__).parent
 P = "reward_plugins"  # module in tests/, importable once TESTS_DIR is on sys.path
@@ -301,3 +308,40 @@ def test_score_completions_reports_plugin_errors_by_sample() -> None:
     extras = RewardFunctions.from_specs([f"{P}:nan_at_1"])
     with pytest.raises(RewardError, match=r"reward 'reward_plugins:nan_at_1' \(sample 1\)"):
         score_completions(env, problems, ["a", "b", "c"], extras)
+
+
+# --- deadlines -------------------------------------------------------------------------------
+
+
+def test_a_plugin_past_its_timeout_fails_the_batch_naming_it_and_is_left_behind() -> None:
+    import reward_plugins
+
+    env = CopyDigitsEnv()
+    problems = [env.problem(s) for s in range(2)]
+    extras = RewardFunctions.from_specs([{"fn": f"{P}:waits_for_release", "timeout_s": 0.3}])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardTimeout) as info:
+            score_completions(env, problems, ["1", "2"], extras)
+        assert time.monotonic() - t0 < 3
+        assert str(info.value) == (
+            "reward 'reward_plugins:waits_for_release': did not return within timeout_s=0.3 s "
+            "(it is left running); set a larger timeout_s on its data.rewards entry if it needs "
+            "longer"
+        )
+        assert isinstance(info.value, UserError)  # grail-train prints it as one line
+        # Still running, in a thread the interpreter does not wait for at exit.
+        stuck = [t for t in threading.enumerate() if t.name == "grail-reward"]
+        assert stuck and all(t.daemon for t in stuck)
+    finally:
+        reward_plugins.RELEASE.set()
+
+
+def test_every_plugin_entry_has_a_deadline_and_a_url_entry_keeps_its_own() -> None:
+    rewards = RewardFunctions.from_specs(
+        ["correctness", {"fn": f"{P}:length_bonus", "timeout_s": 5}, "http://127.0.0.1:9/s"]
+    )
+    assert [r.timeout_s for r in rewards] == [PLUGIN_TIMEOUT_S, 5.0, None]
+    assert PLUGIN_TIMEOUT_S == 60.0  # docs/rewards.md gives this default
+    fast = RewardFunctions.from_specs([{"fn": "correctness", "timeout_s": 5}])
+    assert fast(["", ""], ["1", "2"], answers=["1", "3"]) == {"correctness": [1.0, 0.0]}

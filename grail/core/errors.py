@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class UserError(Exception):
     """An error the user fixes from its message alone: a bad config value, a missing data file or
@@ -14,3 +16,14 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A configuration value that cannot work; the message names the key."""
+
+
+class DiskFullError(UserError, OSError):
+    """No space was left on the device while a run's file was being written (a checkpoint, metrics,
+    the summary, the server's weights, an export). What was being written is discarded and what
+    was written before stays intact, so the run resumes once space is freed."""
+
+    def __init__(self, path: object) -> None:
+        super().__init__(f"no space left on device while writing {path}")
+        self.errno = errno.ENOSPC
+        self.path = path

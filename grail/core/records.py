@@ -43,6 +43,7 @@ from typing import Any
 
 import jsonschema
 
+from grail.core.disk import writing
 from grail.core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -208,18 +209,22 @@ def follow_umask(path: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write `text` to `path` through a temporary file, fsynced and renamed over it: `path`
+    holds the old text or the new, never part of either. A full disk raises a `DiskFullError`
+    naming `path`, the old file intact."""
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, FILE_MODE)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def write_metrics(path: Path, record: dict[str, Any], schema: str) -> None:

@@ -14,12 +14,12 @@ groups.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from grail.core.threads import in_daemon_thread
 from grail.envs.base import Environment, Problem
 from grail.envs.rewards.plugins import RewardFunctions, score_completions
 from grail.inference.client import SamplingParams
@@ -144,12 +144,19 @@ class RolloutGenerator:
         # One scoring call for the whole batch, every group's samples in order: extra rewards see
         # the batch as TRL gives it to a reward function (once per batch), and a remote scorer
         # gets one request (or its chunks) instead of one per problem. It runs in a worker thread
-        # so that a slow scorer does not block the event loop other generations run on.
+        # so that a slow scorer does not block the event loop other generations run on: a daemon
+        # thread, not asyncio.to_thread's pool, whose threads the interpreter waits for at exit,
+        # so that a plugin stuck there cannot keep a stopped run alive (grail/core/threads.py).
         flat_problems = [p for p, cs in zip(problems, results, strict=True) for _ in cs]
         flat_texts = [c.text for cs in results for c in cs]
         all_scores = (
-            await asyncio.to_thread(
-                score_completions, self.env, flat_problems, flat_texts, self.extra_rewards
+            await in_daemon_thread(
+                score_completions,
+                self.env,
+                flat_problems,
+                flat_texts,
+                self.extra_rewards,
+                name="grail-scoring",
             )
             if flat_texts
             else []

@@ -37,6 +37,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from grail.core.disk import writing
 from grail.core.errors import UserError
 from grail.core.manifest import file_entry, file_problem
 from grail.core.records import (
@@ -114,16 +115,19 @@ def stage_checkpoint(
     always has its metrics beside it. `source_state`: the rollout source's (JSON-able)."""
     tmp = checkpoints_dir / f".{iteration_name(iteration)}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        torch.save({**trainer_state, "iteration": iteration, "rng": rng_state()}, tmp / STATE_FILE)
-        if source_state:
-            # NaN and infinities allowed: a -inf log-probability must round-trip (json reads them).
-            atomic_write_text(tmp / SOURCE_STATE_FILE, json.dumps(source_state) + "\n")
-        follow_umask(tmp)
-        _seal(tmp)
+        # A full disk is named by the checkpoint it was to become (DiskFullError).
+        with writing(checkpoints_dir / iteration_name(iteration)):
+            tmp.mkdir(parents=True)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            state = {**trainer_state, "iteration": iteration, "rng": rng_state()}
+            torch.save(state, tmp / STATE_FILE)
+            if source_state:
+                # NaN and infinities allowed: a -inf log-probability must round-trip.
+                atomic_write_text(tmp / SOURCE_STATE_FILE, json.dumps(source_state) + "\n")
+            follow_umask(tmp)
+            _seal(tmp)
     except BaseException:  # Ctrl-C or a full disk mid-write: leave nothing half-written behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise

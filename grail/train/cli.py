@@ -8,8 +8,11 @@ anything loads or starts.
 
 A single run reports a known user error (`grail.core.errors.UserError`: a bad config, a missing data
 file, a plugin that cannot load, a run directory in use, ...) as one line and keeps the traceback
-in the run's log file (Hydra's `RUN_DIR/<job>.log`); Ctrl-C prints the command that resumes the
-run. Any other exception keeps its traceback.
+in the run's log file (Hydra's `RUN_DIR/<job>.log`); Ctrl-C and SIGTERM (what SLURM and `timeout`
+send) stop the run the same way: the inference server is stopped and the command that resumes the
+run is printed. Any other exception keeps its traceback. A process whose run has ended never waits
+for a thread still stuck in user code (a reward plugin that never returns): past `EXIT_GRACE_S`
+it ends without it (`main`).
 
 Sweeps (`-m`) add three things around `run()` (see grail/study/sweep.py and docs/sweeps.md):
 - a run that raises does not stop the sweep: its `summary.json` says "failed" and why, and
@@ -17,9 +20,10 @@ Sweeps (`-m`) add three things around `run()` (see grail/study/sweep.py and docs
 - runs that share this machine (hydra/launcher=local) get disjoint GPUs and a share of the cores;
 - with `resume=true` a rerun skips completed runs, resumes interrupted ones, retries failed ones.
 A single run (no `-m`) exits non-zero on failure: 2 for a configuration error (Hydra's own
-included, reported by `main` as one line), 1 for another known user error or an exception (with its
-traceback; either way a run that got its directory writes summary.json with the error), 130 after
-Ctrl-C. With `resume=true` a run takes its saved config and refuses changes outside a short list
+included, reported by `main` as one line), 1 for another known user error (a full disk included:
+one line naming the file, and the resume command) or an exception (with its traceback; either way
+a run that got its directory writes summary.json with the error), 130 after Ctrl-C, 143 after
+SIGTERM. With `resume=true` a run takes its saved config and refuses changes outside a short list
 (grail/train/resume.py).
 """
 
@@ -30,6 +34,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -44,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grail.core.config import Config
-from grail.core.errors import ConfigError, UserError
+from grail.core.errors import ConfigError, DiskFullError, UserError
 from grail.core.placement import available_cores, prefer_passive_openmp
 from grail.core.records import (
     SUMMARY,
@@ -115,10 +120,34 @@ OmegaConf.register_new_resolver("grail_parallel", _parallel_resolver, replace=Tr
 OmegaConf.register_new_resolver("grail_gpus", visible_gpus, replace=True)
 
 
-def exit_on_sigterm(signum: int, _frame: object) -> None:
-    # SLURM and process managers stop jobs with SIGTERM; raising SystemExit runs the cleanup
-    # (context managers stop the inference server) that a bare SIGTERM would skip.
-    raise SystemExit(128 + signum)
+# How long the process may take to end once the run is over (failed or interrupted), before it
+# ends without waiting for threads still running: a stuck thread cannot be stopped, and the
+# interpreter would otherwise wait for it forever. The cleanup that matters (stopping the server,
+# the resume hint) has happened by then; exiting normally takes well under a second.
+EXIT_GRACE_S = 5.0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, which SLURM, `timeout` and process managers send to stop a job, as an interrupt:
+    it stops the run exactly as Ctrl-C does (every context manager's cleanup runs, the inference
+    server is stopped, the resume command is printed), exiting with 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupt_on_sigterm(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
+def interrupt_exit_code(exc: KeyboardInterrupt) -> int:
+    """130 after Ctrl-C (128 + SIGINT), 143 after SIGTERM."""
+    return 128 + (exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT))
+
+
+def interrupt_message(exc: KeyboardInterrupt) -> str:
+    return f"stopped by {exc.args[0]}" if isinstance(exc, Terminated) else "interrupted"
 
 
 def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
@@ -236,15 +265,21 @@ def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume |
     except ConfigError as exc:
         _report(f"invalid configuration: {exc}", exc)
         sys.exit(2)
+    except DiskFullError as exc:
+        # What was being written is discarded, what was written before is intact (the newest
+        # checkpoint and its metrics): the run goes on from there once there is space.
+        command = resume_command(run_dir.absolute())
+        _report(str(exc), exc, f"; free some space, then continue the run: {command}")
+        sys.exit(1)
     except UserError as exc:
         _report(str(exc), exc)
         sys.exit(1)
-    except KeyboardInterrupt as exc:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         # The run's files are consistent at any moment (see grail/train/loop.py): what was
         # checkpointed is kept, so the useful answer is how to continue, not where it stopped.
         command = resume_command(run_dir.absolute())
-        _report("interrupted", exc, f"; to continue from the newest checkpoint: {command}")
-        sys.exit(130)
+        _report(interrupt_message(exc), exc, f"; to continue from the newest checkpoint: {command}")
+        sys.exit(interrupt_exit_code(exc))
 
 
 def _env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | None:
@@ -292,6 +327,8 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | 
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         preflight(config, _env_choice(hydra_cfg, run_dir, resume))
         _train(config, run_dir, resume)
+    except DiskFullError:
+        raise  # every later run would hit it too: the sweep stops (train_job), resumable
     except Exception as exc:
         log.exception("run %s failed; the sweep goes on", run_dir)
         try:
@@ -327,7 +364,7 @@ def save_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: Any) -> None:
 def train_job(cfg: DictConfig) -> None:
     """What `grail-train` does with a composed config: one run, or one job of a sweep (`-m`).
     Everything it does, from writing `.hydra/` on, happens holding the run directory's lock."""
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -349,17 +386,29 @@ def train_job(cfg: DictConfig) -> None:
         # The directory belongs to the process running there: this job writes nothing into it (no
         # "failed" summary), and the sweep goes on; SweepOutcome lists the run if it never ends.
         _report(f"sweep job {int(hydra_cfg.job.num)} not run: {exc}", exc)
+    except DiskFullError as exc:  # writing .hydra/, or in a sweep (_single_run reports its own)
+        if multirun:
+            sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
+            then = (
+                "; free some space, then finish the sweep: rerun the same command with "
+                f"resume=true hydra.sweep.dir={sweep_dir}"
+            )
+        else:
+            command = resume_command(run_dir.absolute())
+            then = f"; free some space, then continue the run: {command}"
+        _report(str(exc), exc, then)
+        sys.exit(1)
     except KeyboardInterrupt as exc:
         if not multirun:
             raise  # Ctrl-C during a single run is reported (with the resume command) by _single_run
         sweep_dir = Path(str(hydra_cfg.sweep.dir)).absolute()
         _report(
-            "interrupted",
+            interrupt_message(exc),
             exc,
             "; to finish the sweep, rerun the same command with resume=true "
             f"hydra.sweep.dir={sweep_dir}",
         )
-        sys.exit(130)
+        sys.exit(interrupt_exit_code(exc))
 
 
 def _plan_resume(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, multirun: bool) -> Resume | None:
@@ -378,9 +427,29 @@ def _plan_resume(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, multirun: bool)
         sys.exit(2)
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
-def _hydra_main(cfg: DictConfig) -> None:
-    train_job(cfg)
+def end_within(grace_s: float, code: int) -> None:
+    """Make sure the process ends within `grace_s` seconds with exit code `code`, even if a
+    thread stuck in user code (a reward plugin in a C call or a sleep) holds up the interpreter's
+    exit: a daemon thread that, should the process still be alive then, names the threads still
+    running, flushes the logs and ends the process without waiting for them."""
+
+    def end() -> None:
+        time.sleep(grace_s)  # a daemon thread: a process that ends first never gets further
+        main_thread, me = threading.main_thread(), threading.current_thread()
+        stuck = [t.name for t in threading.enumerate() if t not in (main_thread, me)]
+        log.warning(
+            "the process did not end within %g s of its run; ending it without waiting for "
+            "threads still running (%s)",
+            grace_s,
+            ", ".join(stuck) or "none",
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    threading.Thread(target=end, name="grail-exit", daemon=True).start()
 
 
 def hydra_error_line(exc: BaseException) -> str:
@@ -404,11 +473,33 @@ def hydra_error_line(exc: BaseException) -> str:
     return message
 
 
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="offline_grpo")
+def _hydra_main(cfg: DictConfig) -> None:
+    train_job(cfg)
+
+
 def main() -> None:
-    """`grail-train`: Hydra's entry point, with its errors reported as ours: a configuration error,
-    Hydra's own included, is one line and exit code 2. HYDRA_FULL_ERROR=1 makes Hydra raise
-    instead of printing its multi-line error, so that we can; set it yourself to get Hydra's
-    tracebacks as they are."""
+    """`grail-train`. A run that failed or was stopped ends within `EXIT_GRACE_S` of its last
+    line: the interpreter would otherwise wait at exit for any thread still running."""
+    try:
+        _hydra_with_our_errors()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            end_within(EXIT_GRACE_S, exc.code if isinstance(exc.code, int) else 1)
+        raise
+    except KeyboardInterrupt as exc:  # an interrupt outside the run (while Hydra starts)
+        end_within(EXIT_GRACE_S, interrupt_exit_code(exc))
+        raise
+    except BaseException:
+        end_within(EXIT_GRACE_S, 1)
+        raise
+
+
+def _hydra_with_our_errors() -> None:
+    """Hydra's entry point, with its errors reported as ours: a configuration error, Hydra's own
+    included, is one line and exit code 2. HYDRA_FULL_ERROR=1 makes Hydra raise instead of
+    printing its multi-line error, so that we can; set it yourself to get Hydra's tracebacks as
+    they are."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         _hydra_main()
         return

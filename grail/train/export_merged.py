@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from peft import PeftModel
 
+from grail.core.disk import writing
 from grail.core.records import follow_umask
 from grail.models.lora import ADAPTER_CONFIG, is_adapter_dir
 
@@ -16,7 +18,8 @@ def export_merged(
     """Write the model of a LoRA checkpoint (`RUN_DIR/checkpoints/iter_XXX`) as one plain
     `save_pretrained` directory, base and adapter merged, with the tokenizer: what transformers,
     vLLM or SGLang load as any model. The base is the one the run's config names. `out_dir`
-    must be new or empty (`force`: written into anyway), and never the checkpoint."""
+    must be new or empty (`force`: written into anyway), and never the checkpoint. A full disk
+    raises a `DiskFullError` naming `out_dir`, and a new or empty `out_dir` is left empty."""
     import yaml
 
     from grail.models.loading import load_model, load_tokenizer
@@ -41,9 +44,19 @@ def export_merged(
     config = yaml.safe_load(load_trainer_state(checkpoint)["config"])
     base = load_model(resolve_model(config["model"]["train_id"]), dtype=dtype)
     model = PeftModel.from_pretrained(base, checkpoint).merge_and_unload()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(checkpoint).save_pretrained(out_dir)
-    follow_umask(out_dir)
+    existed = out_dir.exists()
+    fresh = not existed or not any(out_dir.iterdir())  # nothing of the user's in it
+    try:
+        with writing(out_dir):  # a full disk: a DiskFullError naming OUT_DIR
+            model.save_pretrained(out_dir, safe_serialization=True)
+            load_tokenizer(checkpoint).save_pretrained(out_dir)
+        follow_umask(out_dir)
+    except BaseException:
+        if fresh:  # leave no half-written model that something could load
+            shutil.rmtree(out_dir, ignore_errors=True)
+            if existed:
+                out_dir.mkdir()
+        raise
     return out_dir
 
 

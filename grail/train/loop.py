@@ -92,16 +92,22 @@ def run(cfg: Config, run_dir: Path, resume: Resume | None = None) -> dict[str, A
                 with open_loggers(cfg, run_dir) as loggers:
                     return train(cfg, run_dir, loggers, resume_from, part)
             except BaseException:
-                part.save()  # the wall time of a part that failed or was interrupted
+                try:
+                    part.save()  # the wall time of a part that failed or was interrupted
+                except OSError as exc:  # a full disk, say: the error that stopped the run matters
+                    log.warning("the wall time of this part is not recorded: %s", exc)
                 raise
         except Exception as exc:
-            write_summary(
-                run_dir,
-                time.perf_counter() - t0,
-                error=exc,
-                environment=cfg.data.environment,
-                config=config_record(cfg),
-            )
+            try:
+                write_summary(
+                    run_dir,
+                    time.perf_counter() - t0,
+                    error=exc,
+                    environment=cfg.data.environment,
+                    config=config_record(cfg),
+                )
+            except OSError as unwritten:  # a full disk, say: the error that stopped the run matters
+                log.warning("summary.json not written: %s", unwritten)
             raise
 
 

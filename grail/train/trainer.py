@@ -23,6 +23,7 @@ from grail.algo.advantages import compute_advantages
 from grail.algo.kl_control import AdaptiveKL
 from grail.core.choices import ScaleRewards
 from grail.core.config import Config
+from grail.core.disk import writing
 from grail.core.placement import cpu_threads, gpu_placement
 from grail.core.records import follow_umask
 from grail.core.reproducible import check_torch_honours
@@ -295,12 +296,13 @@ class Trainer:
         """What the inference server starts from: the current weights, or under LoRA the frozen
         base (the adapter goes separately, `save_weights`). The tokenizer with it."""
         model = self.accelerator.unwrap_model(self.model)
-        if self.lora:
-            base = model.get_base_model()
-            base.save_pretrained(directory, state_dict=base_state_dict(model))
-        else:
-            model.save_pretrained(directory, safe_serialization=True)
-        self.tokenizer.save_pretrained(directory)
+        with writing(directory):  # a full disk: a DiskFullError naming the directory
+            if self.lora:
+                base = model.get_base_model()
+                base.save_pretrained(directory, state_dict=base_state_dict(model))
+            else:
+                model.save_pretrained(directory, safe_serialization=True)
+            self.tokenizer.save_pretrained(directory)
         follow_umask(directory)
 
     def stage_checkpoint(

@@ -7,7 +7,7 @@ import math
 import numbers
 from collections.abc import Callable
 
-from grail.core.errors import UserError
+from grail.core.errors import ConfigError, UserError
 
 RewardFn = Callable[..., list[float]]
 
@@ -22,6 +22,18 @@ IMPORTABLE = (
 )
 
 
+def check_timeout(where: str, value: object) -> float:
+    """A reward entry's `timeout_s` as a float, if it is a finite number > 0; a ConfigError
+    starting with `where` otherwise."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (math.isfinite(float(value)) and float(value) > 0)
+    ):
+        raise ConfigError(f"{where}: timeout_s must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 class RewardError(UserError):
     """A reward function is unusable or misbehaved. `spec` names it; `index` is the sample."""
 
@@ -30,6 +42,10 @@ class RewardError(UserError):
         super().__init__(f"reward {spec!r}{where}: {message}")
         self.spec = spec
         self.index = index
+
+
+class RewardTimeout(RewardError, TimeoutError):
+    """A reward function did not return within its entry's `timeout_s`."""
 
 
 def check_reward_values(

@@ -28,6 +28,12 @@ Problems are never hidden: any plugin that cannot be imported, cannot take the a
 raises, or returns something other than a list of one finite number per sample raises a
 `RewardError` naming the plugin spec (and the sample index where the problem is one sample);
 remote scorers are held to the same checks (`check_reward_values`).
+
+Deadlines: a built-in or plugin gets `timeout_s` seconds per call (an entry key; default
+`PLUGIN_TIMEOUT_S`), after which the batch fails with a `RewardTimeout` naming it. The call runs
+in a daemon thread (grail/core/threads.py): one that never returns is abandoned, still running,
+and cannot keep the process alive. A remote scorer's `timeout_s` bounds each of its attempts
+instead (grail/envs/rewards/remote.py), so its calls are not wrapped again.
 """
 
 from __future__ import annotations
@@ -41,10 +47,28 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from grail.core.errors import ConfigError
+from grail.core.threads import DeadlineExceeded, call_with_deadline
 from grail.envs.base import Environment, Problem, Score
-from grail.envs.rewards.base import IMPORTABLE, RewardError, RewardFn, check_reward_values
+from grail.envs.rewards.base import (
+    IMPORTABLE,
+    RewardError,
+    RewardFn,
+    RewardTimeout,
+    check_reward_values,
+    check_timeout,
+)
 from grail.envs.rewards.builtins import correctness, keyword_match, strict_format
 from grail.envs.rewards.remote import REMOTE_OPTIONS, RemoteReward, is_remote_spec
+
+# How long one call of a built-in or plugin (one batch) may take, unless its entry sets
+# `timeout_s`. A batch is every sample of a generation round (hundreds to a few thousand
+# completions); a sane plugin spends milliseconds per sample, so a minute is far beyond what one
+# needs, yet short enough that a stuck plugin ends the run in about a minute instead of never.
+# A plugin that is slow on purpose (a model as judge) sets its own.
+PLUGIN_TIMEOUT_S = 60.0
+
+# Keys every entry may carry; a URL entry also takes the rest of REMOTE_OPTIONS.
+ENTRY_KEYS = ("fn", "weight", "name", "timeout_s")
 
 # ---------------------------------------------------------------------------------------------
 # Built-ins
@@ -127,9 +151,19 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 def call_reward_fn(
-    spec: str, fn: RewardFn, prompts: list[str], completions: list[str], **kwargs: Any
+    spec: str,
+    fn: RewardFn,
+    prompts: list[str],
+    completions: list[str],
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float | None = PLUGIN_TIMEOUT_S,
 ) -> list[float]:
-    """Call `fn` once on the batch and check its result: a list of len(completions) finite reals."""
+    """Call `fn(prompts, completions, **kwargs)` once on the batch and check its result: a list of
+    len(completions) finite reals. With `timeout_s`, a call still running after that many
+    seconds raises a `RewardTimeout` and is abandoned (None, or a remote scorer: no deadline
+    here; a remote scorer's options bound its attempts)."""
+    kwargs = dict(kwargs or {})
     sig = _signature(fn)
     if sig is not None:
         try:
@@ -138,10 +172,23 @@ def call_reward_fn(
             raise RewardError(
                 spec, f"cannot be called with this batch ({exc}); it provides {sorted(kwargs)}"
             ) from None
+
+    def call() -> object:
+        return fn(prompts, completions, **kwargs)
+
     try:
-        values = fn(prompts, completions, **kwargs)
+        if timeout_s is None or isinstance(fn, RemoteReward):  # it bounds its own attempts
+            values = call()
+        else:
+            values = call_with_deadline(call, timeout_s=timeout_s, name="grail-reward")
     except RewardError:
         raise
+    except DeadlineExceeded:
+        raise RewardTimeout(
+            spec,
+            f"did not return within timeout_s={timeout_s:g} s (it is left running); set a "
+            "larger timeout_s on its data.rewards entry if it needs longer",
+        ) from None
     except Exception as exc:
         raise RewardError(spec, f"raised {type(exc).__name__}: {exc}") from exc
     return check_reward_values(spec, values, len(completions))
@@ -166,6 +213,9 @@ class WeightedReward:
     spec: str  # what the user wrote: a built-in name, "module:function" or a scorer's URL
     fn: RewardFn
     weight: float
+    # Seconds one call may take (a built-in or plugin); None for a remote scorer, whose own
+    # options bound each attempt.
+    timeout_s: float | None = PLUGIN_TIMEOUT_S
 
 
 class RewardFunctions:
@@ -188,8 +238,9 @@ class RewardFunctions:
 
         A bare string means weight 1.0. The name defaults to the spec (the built-in name, or
         the function name of a plugin, e.g. "pkg.mod:len_penalty" -> "len_penalty"), and to
-        "remote" for a URL. A URL entry may also set the options in `REMOTE_OPTIONS`; other
-        entries may not. Nothing is contacted here: URLs are only parsed.
+        "remote" for a URL. Any entry may set `timeout_s` (for a built-in or plugin: seconds per
+        call, default `PLUGIN_TIMEOUT_S`); a URL entry may also set the other options in
+        `REMOTE_OPTIONS`. Nothing is contacted here: URLs are only parsed.
         """
         if specs is None:
             return cls()
@@ -202,11 +253,12 @@ class RewardFunctions:
             entry: Mapping[str, Any] = {"fn": item} if isinstance(item, str) else item
             if not isinstance(entry, Mapping):
                 raise ConfigError(f"reward spec #{i} must be a string or a mapping, got {item!r}")
-            unknown = sorted(set(entry) - {"fn", "weight", "name", *REMOTE_OPTIONS})
+            unknown = sorted(set(entry) - {*ENTRY_KEYS, *REMOTE_OPTIONS})
             if unknown:
+                url_only = [k for k in REMOTE_OPTIONS if k not in ENTRY_KEYS]
                 raise ConfigError(
-                    f"reward spec #{i} has unknown key(s) {unknown}; allowed: fn, weight, name "
-                    f"(and for a URL scorer: {', '.join(REMOTE_OPTIONS)})"
+                    f"reward spec #{i} has unknown key(s) {unknown}; allowed: "
+                    f"{', '.join(ENTRY_KEYS)} (and for a URL scorer: {', '.join(url_only)})"
                 )
             if "fn" not in entry:
                 raise ConfigError(f"reward spec #{i} has no 'fn' key: {_safe_entry(entry)}")
@@ -219,19 +271,26 @@ class RewardFunctions:
                 or not math.isfinite(float(weight))
             ):
                 raise ConfigError(f"reward spec #{i} ({spec!r}): weight must be finite, {weight!r}")
+            timeout_s: float | None
             if is_remote_spec(spec):
                 fn: RewardFn = RemoteReward.from_options(spec, options, where=f"reward spec #{i}")
-                default_name = "remote"
+                default_name, timeout_s = "remote", None
             else:
-                if options:
+                url_only = [k for k in options if k not in ENTRY_KEYS]
+                if url_only:
                     raise ConfigError(
-                        f"reward spec #{i} ({spec!r}): {next(iter(options))!r} is only for a "
+                        f"reward spec #{i} ({spec!r}): {url_only[0]!r} is only for a "
                         "remote scorer (an http:// or https:// URL as `fn`)"
                     )
+                timeout_s = check_timeout(
+                    f"reward spec #{i} ({spec!r})", entry.get("timeout_s", PLUGIN_TIMEOUT_S)
+                )
                 fn = load_reward_fn(spec)
                 default_name = str(spec).strip().rpartition(":")[2]
             name = entry.get("name") or default_name
-            rewards.append(WeightedReward(str(name), str(spec).strip(), fn, float(weight)))
+            rewards.append(
+                WeightedReward(str(name), str(spec).strip(), fn, float(weight), timeout_s)
+            )
         return cls(rewards)
 
     def close(self) -> None:
@@ -272,7 +331,12 @@ class RewardFunctions:
         """Unweighted values of each function on the batch, by name."""
         return {
             r.name: call_reward_fn(
-                r.spec, r.fn, list(prompts), list(completions), **_copied(kwargs)
+                r.spec,
+                r.fn,
+                list(prompts),
+                list(completions),
+                _copied(kwargs),
+                timeout_s=r.timeout_s,
             )
             for r in self.rewards
         }
@@ -333,7 +397,12 @@ def score_completions(
     extra_rewards.check_names(env.name, list(dict.fromkeys(k for c in components for k in c)))
     for r in extra_rewards:
         values = call_reward_fn(
-            r.spec, r.fn, list(prompt_texts), list(completions), **_copied(kwargs)
+            r.spec,
+            r.fn,
+            list(prompt_texts),
+            list(completions),
+            _copied(kwargs),
+            timeout_s=r.timeout_s,
         )
         for i, v in enumerate(values):
             rewards[i] += r.weight * v

@@ -14,7 +14,9 @@ and reads back one number per sample, either a JSON list `[0.0, 1.0, ...]` or
 samples, posted concurrently and put back together in order.
 
 Options (keys of the entry, only for URL specs; defaults in `RemoteOptions`):
-- timeout_s: each attempt's httpx timeout (connect, send, and each wait for response bytes).
+- timeout_s: each attempt's deadline: the whole answer must have arrived by then (a scorer that
+  trickles bytes is cut off), and httpx's timeout for connecting, sending and each wait for
+  response bytes.
 - max_retries: more attempts after a 5xx, a 429, a connection error or a timeout, waiting
   0.5 s, 1 s, 2 s, ... (at most `MAX_BACKOFF_S`) between them; a 4xx is never retried (the
   request itself is wrong, and sending it again cannot help).
@@ -32,10 +34,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
-import numbers
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -43,7 +44,7 @@ from typing import Any, Self
 import httpx
 
 from grail.core.errors import ConfigError
-from grail.envs.rewards.base import RewardError, check_reward_values
+from grail.envs.rewards.base import RewardError, check_reward_values, check_timeout
 
 # Entry keys a URL spec may carry besides fn, weight and name (in the order docs list them).
 REMOTE_OPTIONS = ("timeout_s", "max_retries", "max_concurrency", "batch_size", "headers")
@@ -109,13 +110,7 @@ class RemoteOptions:
                 f"{where}: unknown option(s) {unknown}; allowed: {', '.join(REMOTE_OPTIONS)}"
             )
         defaults = cls()
-        timeout = entry.get("timeout_s", defaults.timeout_s)
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, numbers.Real)
-            or not (math.isfinite(float(timeout)) and float(timeout) > 0)
-        ):
-            raise ConfigError(f"{where}: timeout_s must be a finite number > 0, got {timeout!r}")
+        timeout = check_timeout(where, entry.get("timeout_s", defaults.timeout_s))
         batch_size = entry.get("batch_size", defaults.batch_size)
         if batch_size is not None:
             batch_size = _positive_int(where, "batch_size", batch_size, 1)
@@ -134,7 +129,7 @@ class RemoteOptions:
                     f"{where}: headers must map names to strings; header {name!r} does not"
                 )
         return cls(
-            timeout_s=float(timeout),
+            timeout_s=timeout,
             max_retries=_positive_int(
                 where, "max_retries", entry.get("max_retries", defaults.max_retries), 0
             ),
@@ -305,13 +300,10 @@ class RemoteReward:
     def _post(self, body: bytes) -> httpx.Response:
         """One attempt: the response if it is a success, `_Failure` if it may pass on a retry,
         a RewardError if it cannot (a 4xx other than 429, a redirect)."""
-        client = self._http()
         timeout = self.options.timeout_s
         try:
             with self._slots:
-                response = client.post(
-                    self.url, content=body, headers={"content-type": "application/json"}
-                )
+                response = self._exchange(body, time.monotonic() + timeout)
         except httpx.TimeoutException as exc:
             raise _Failure(
                 f"no answer within timeout_s={timeout:g} ({type(exc).__name__})"
@@ -327,6 +319,41 @@ class RemoteReward:
         if 400 <= status < 500:
             raise RewardError(self.spec, f"{what} (a client error: not retried)")
         raise RewardError(self.spec, f"{what} (expected a 2xx answer; redirects are not followed)")
+
+    def _exchange(self, body: bytes, deadline: float) -> httpx.Response:
+        """POST `body` and read the whole answer by `deadline` (time.monotonic), else `_Failure`.
+
+        httpx's timeouts bound each wait for bytes, never the whole request: a scorer that sends
+        a byte every second passes every one of them forever. So the answer is streamed and the
+        deadline checked after each piece; past it the request is abandoned, its connection
+        closed (it is not returned to the pool half-read) and its concurrency slot freed, in
+        this thread. (A watchdog thread could not do that: httpx cannot cancel a request from
+        another thread, only leave it running.) Each wait for bytes is still bounded by httpx's
+        timeout (`timeout_s`), so an attempt ends within twice `timeout_s` at worst. The headers
+        are read by httpx before the first piece: a scorer that trickles its *headers* is
+        stopped by h11's limit on their size (16 KiB), not by the deadline."""
+        client = self._http()
+        with client.stream(
+            "POST", self.url, content=body, headers={"content-type": "application/json"}
+        ) as response:
+            pieces = []
+            for piece in response.iter_raw():
+                pieces.append(piece)
+                if time.monotonic() > deadline:
+                    break
+            if time.monotonic() > deadline:
+                raise _Failure(
+                    f"no complete answer within timeout_s={self.options.timeout_s:g} (the "
+                    "scorer was still sending)"
+                )
+            # A response holding the raw bytes, decoded (gzip, ...) as a read one would be.
+            return httpx.Response(
+                response.status_code,
+                headers=response.headers,
+                content=b"".join(pieces),
+                request=response.request,
+                extensions=response.extensions,
+            )
 
     def _values(self, response: httpx.Response) -> object:
         """The list of values in a success response (checked by the caller)."""

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from grail.core.disk import writing
 from grail.core.records import follow_umask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,12 +39,13 @@ class PolicyWeights:
     def save(self, directory: Path, dtype: torch.dtype | None = None) -> None:
         """`save_pretrained` into `directory`: the whole model in `dtype` (None: as trained), or
         under LoRA the adapter alone (peft's format, as trained)."""
-        if self.lora or dtype is None or dtype == self.master_dtype:
-            self.model.save_pretrained(directory, safe_serialization=True)
-        else:
-            self.model.save_pretrained(
-                directory, safe_serialization=True, state_dict=self.state_dict(dtype)
-            )
+        with writing(directory):  # a full disk: a DiskFullError naming the directory
+            if self.lora or dtype is None or dtype == self.master_dtype:
+                self.model.save_pretrained(directory, safe_serialization=True)
+            else:
+                self.model.save_pretrained(
+                    directory, safe_serialization=True, state_dict=self.state_dict(dtype)
+                )
         follow_umask(directory)
 
     @property

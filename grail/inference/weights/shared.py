@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from grail.core.choices import WeightSyncMode
+from grail.core.disk import writing
 from grail.core.records import follow_umask
 from grail.inference.process import SyncResult
 from grail.inference.weights.policy import PolicyWeights, torch_dtype
@@ -152,8 +153,13 @@ class FlatWeights:
         there (shards and their index included); config and tokenizer files stay."""
         tensors = {name: view.detach().to("cpu").clone() for name, view in self.named_views()}
         tmp = directory / "model.safetensors.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        follow_umask(tmp)
+        try:
+            with writing(directory):
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+            follow_umask(tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk: the old weights stay, whole
+            raise
         # Written in full before the old files go: a crash in between leaves weights to load.
         for old in [*directory.glob("*.safetensors"), directory / "model.safetensors.index.json"]:
             with contextlib.suppress(FileNotFoundError):
