@@ -38,16 +38,14 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from hydra.plugins.launcher import Launcher
-from hydra.plugins.sweeper import Sweeper
-from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from grail.core.records import LAUNCH_KEYS, atomic_write_text, override_key
 from grail.study.race import Decided, Judge, Race, RaceOptions
 from grail.study.race_runner import RaceRunner, Setting
 from grail.study.stats import SEED_KEY
 from grail.study.sweep import SweepError
+from grail.study.sweeper_base import GrailSweeper, sweep_overrides
 
 log = logging.getLogger("grail.study.race")
 
@@ -84,23 +82,11 @@ def parse_settings(
 ) -> tuple[list[Setting], list[str]]:
     """The settings (the cartesian product of the swept values, in Hydra's grid order) and the
     overrides every run gets. Raises SweepError naming a bad entry."""
-    entries = [(f"hydra.sweeper.params.{k}", f"{k}={v}") for k, v in params.items()]
-    entries += [("the command line", a) for a in arguments]
     swept: dict[str, list[str]] = {}
     fixed: dict[str, str] = {}
-    for where, text in entries:
-        try:
-            (override,) = parser.parse_overrides([text])
-        except HydraException as exc:
-            raise SweepError(f"{where}: cannot parse {text!r}: {exc}") from exc
-        if override.is_hydra_override():
-            continue  # applied by Hydra already
+    seed = "the race chooses itself (seeds 0, 1, ... up to hydra.sweeper.max_seeds)"
+    for where, text, override in sweep_overrides(params, arguments, parser, seed):
         key = override.get_key_element()
-        if override_key(key) == SEED_KEY:
-            raise SweepError(
-                f"{where}: {text!r} sets the seed, which the race chooses itself (seeds 0, 1, ... "
-                "up to hydra.sweeper.max_seeds)"
-            )
         swept.pop(key, None)
         fixed.pop(key, None)
         if override.is_sweep_override():
@@ -122,7 +108,7 @@ def parse_settings(
 # ---- the sweeper --------------------------------------------------------------------------------
 
 
-class RaceSweeper(Sweeper):
+class RaceSweeper(GrailSweeper):
     """Hydra sweeper running a race (see the module doc). Hydra instantiates it as
     hydra_plugins.grail_race.race_sweeper.RaceSweeper: plugins must live there."""
 
@@ -137,32 +123,14 @@ class RaceSweeper(Sweeper):
         delta: float = 0.02,
         max_batch_size: int | None = None,
     ) -> None:
-        super().__init__()
-        if isinstance(params, DictConfig):
-            params = OmegaConf.to_container(params)  # type: ignore[assignment]
-        self.params = dict(params or {})
+        super().__init__(params, max_batch_size)
         self.initial_seeds = initial_seeds
         self.max_seeds = max_seeds
         self.max_runs = max_runs
         self.metric = metric
         self.alpha = alpha
         self.delta = delta
-        self.max_batch_size = max_batch_size
-        self.hydra_context: HydraContext | None = None
-        self.config: DictConfig | None = None
-        self.launcher: Launcher | None = None
         self.race: Race | None = None  # the last sweep's, for a look at its state
-
-    def setup(
-        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
-    ) -> None:
-        from hydra.core.plugins import Plugins
-
-        self.hydra_context = hydra_context
-        self.config = config
-        self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
 
     # -- checks --
 

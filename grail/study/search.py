@@ -49,10 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.plugins.launcher import Launcher
-from hydra.plugins.sweeper import Sweeper
-from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from grail.study.search_runner import SearchRunner
 from grail.study.search_space import (
@@ -65,6 +62,7 @@ from grail.study.search_space import (
 from grail.study.search_study import JOURNAL, SEARCH_DIR, open_study, study_signature
 from grail.study.stats import METRICS
 from grail.study.sweep import SweepError
+from grail.study.sweeper_base import GrailSweeper
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -103,7 +101,7 @@ ConfigStore.instance().store(
 # ---- the sweeper --------------------------------------------------------------------------------
 
 
-class OptunaSearchSweeper(Sweeper):
+class OptunaSearchSweeper(GrailSweeper):
     """Hydra sweeper running the search (see the module doc). Hydra instantiates it as
     hydra_plugins.grail_search.search_sweeper.OptunaSearchSweeper: plugins must live there."""
 
@@ -119,10 +117,7 @@ class OptunaSearchSweeper(Sweeper):
         n_startup_trials: int = 10,
         max_batch_size: int | None = None,
     ) -> None:
-        super().__init__()
-        if isinstance(params, DictConfig):
-            params = OmegaConf.to_container(params)  # type: ignore[assignment]
-        self.params = dict(params or {})
+        super().__init__(params, max_batch_size)
         self.n_trials = n_trials
         self.seeds_spec = seeds
         self.metric = metric
@@ -130,22 +125,7 @@ class OptunaSearchSweeper(Sweeper):
         self.study_name = study_name
         self.sampler_seed = sampler_seed
         self.n_startup_trials = n_startup_trials
-        self.max_batch_size = max_batch_size
-        self.hydra_context: HydraContext | None = None
-        self.config: DictConfig | None = None
-        self.launcher: Launcher | None = None
         self.runner: SearchRunner | None = None  # the last sweep's, for a look at its study
-
-    def setup(
-        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
-    ) -> None:
-        from hydra.core.plugins import Plugins
-
-        self.hydra_context = hydra_context
-        self.config = config
-        self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
 
     # -- checks --
 

@@ -24,6 +24,7 @@ from omegaconf import ListConfig, OmegaConf
 
 from grail.study.stats import SEED_KEY
 from grail.study.sweep import SweepError
+from grail.study.sweeper_base import sweep_overrides
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -94,23 +95,14 @@ def parse_space(
     value (interval, range, choice, a,b,c) is searched, a plain value fixed for every job. The
     command line wins over `params` for the same key. Raises SweepError naming the bad entry."""
     parser = parser or OverridesParser.create()
-    entries = [(f"hydra.sweeper.params.{k}", f"{k}={v}") for k, v in (params or {}).items()]
-    entries += [("the command line", a) for a in arguments]
     searched: dict[str, BaseDistribution] = {}
     fixed: dict[str, str] = {}
-    for where, text in entries:
-        try:
-            (override,) = parser.parse_overrides([text])
-        except HydraException as exc:
-            raise SweepError(f"{where}: cannot parse {text!r}: {exc}") from exc
+    seed = (
+        "the search sets for every job from hydra.sweeper.seeds (a number k for seeds 0..k-1, "
+        "or a list such as [3,7,11])"
+    )
+    for where, text, override in sweep_overrides(params, arguments, parser, seed):
         name = override.get_key_element()
-        if override.is_hydra_override():
-            continue  # Hydra applied it already; never part of a job's overrides
-        if name.lstrip("+~") == SEED_KEY:
-            raise SweepError(
-                f"{where}: {text!r} sets the seed, which the search sets for every job from "
-                "hydra.sweeper.seeds (a number k for seeds 0..k-1, or a list such as [3,7,11])"
-            )
         try:
             distribution = distribution_of(override)
         except (ValueError, HydraException) as exc:
