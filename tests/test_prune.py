@@ -33,6 +33,7 @@ from grail.core.records import (
 )
 from grail.core.validate import validate
 from grail.report.cli import main as report_main
+from grail.study import prune as prune_module
 from grail.study.prune import (
     NoPruning,
     RunTrial,
@@ -52,7 +53,8 @@ def _config(study_dir: Path, seed: int = 0, **prune: object) -> Config:
         study_dir=str(study_dir),
         data=DataConfig(environment="copy_digits"),
         eval=EvalConfig(interval=2),
-        prune=PruneConfig(**{"pruner": "asha", "min_iterations": 2, **prune}),  # type: ignore[arg-type]
+        # The rung mechanics at the full error level (spending: tests/test_prune_rungs.py, below).
+        prune=PruneConfig(**{"pruner": "asha", "min_iterations": 2, "spending": False, **prune}),  # type: ignore[arg-type]
     )
 
 
@@ -347,6 +349,7 @@ def test_the_config_group_switches_it_on() -> None:
         "reduction_factor": 3,
         "min_seeds": 3,
         "alpha": 0.05,
+        "spending": True,
         "metric": "auc",
     }
     config: Config = OmegaConf.to_object(asha)  # type: ignore[assignment]
@@ -491,7 +494,7 @@ SMALL = [
     "checkpoint.save_interval=5",  # iteration 1 is checkpointed only because it is pruned there
     "train.iterations=6",
 ]
-PRUNE = ["+prune=asha", "prune.min_iterations=2"]
+PRUNE = ["+prune=asha", "prune.min_iterations=2", "prune.spending=False"]  # as the sweep writes it
 
 
 def _grail_train(*args: str, timeout: float = 240) -> tuple[int, str]:
@@ -576,3 +579,18 @@ def test_a_sweep_prunes_a_run_keeps_its_files_and_a_rerun_skips_it(tmp_path: Pat
     assert "pruned after iteration 1 (auc" in out  # the summary shown at the end
     assert read_metrics(pruned / "summary.json")["status"] == "pruned"
     assert not (pruned / "metrics" / "train_iter_002.json").exists()
+
+
+@pytest.mark.parametrize(("spending", "rung_alpha"), [(True, 0.05 * (2 / 20) ** 3), (False, 0.05)])
+def test_early_rungs_judge_at_the_spent_error_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spending: bool, rung_alpha: float
+) -> None:
+    """prune.spending (the default): the rung at iteration 2 of 20 judges at alpha x 0.1^3."""
+    levels: list[float] = []
+    real = prune_module.verdicts_judge
+    monkeypatch.setattr(prune_module, "verdicts_judge", lambda a: levels.append(a) or real(a))
+    cfg = _config(tmp_path, spending=spending)
+    cfg.train.iterations = 20
+    trial = _open(cfg, tmp_path / "run", "1e-3")
+    trial.decide(step=2)
+    assert levels == [pytest.approx(rung_alpha)]

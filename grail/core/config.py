@@ -201,6 +201,11 @@ class PruneConfig:
     # shown worse than the best over at least this many shared seeds.
     min_seeds: int = 3
     alpha: float = 0.05  # family-wise error of "worse" at a rung (Holm over the settings there)
+    # Spend alpha over the run: a rung a fraction t of train.iterations in judges at alpha x t^3
+    # (grail/study/rungs.py spent_alpha), so an early rung prunes only on overwhelming evidence:
+    # early curves do not predict late ones (issue 27: the early leader collapses, the best learns
+    # late).
+    spending: bool = True
     # What settings are compared by at a rung: auc (mean eval success over the evals so far,
     # steadier) | success (that eval's success rate).
     metric: PruneMetric = PruneMetric.auc

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from grail.core.config import Config, PruneConfig
 from grail.core.errors import ConfigError
 from grail.core.records import PRUNE_TRIAL, atomic_write_text, metric_records, read_json
-from grail.study.rungs import Judge, Prune, RunCurve, judge_rung, latest_rung
+from grail.study.rungs import Judge, Prune, RunCurve, judge_rung, latest_rung, spent_alpha
 from grail.study.runs import read_overrides
 from grail.study.stats import metric_of, setting_of
 from grail.study.verdicts import VerdictSettings, judge
@@ -141,13 +141,15 @@ class RunTrial:
         journal: Path,
         pruned: dict[str, Any] | None = None,
         judge: Judge | None = None,
+        iterations: int | None = None,
     ) -> None:
         import optuna
 
         self.run_dir, self.cfg, self.study, self.number = run_dir, cfg, study, number
         self.journal = journal  # the storage's file, named in prune_trial.json
         self.pruned = pruned  # set once the rule said stop (grail.core.records.read_pruned)
-        self.judge = judge if judge is not None else verdicts_judge(cfg.alpha)
+        self.judge = judge  # None: the verdicts' judge at the rung's spent error level
+        self.iterations = iterations  # train.iterations: how far through the run a rung is
         # The public way to a trial by its number: the storage's ids (the storage is the study's,
         # which Study keeps as `_storage`; ask() hands out Trial objects the same way).
         self._storage = study._storage
@@ -205,7 +207,11 @@ class RunTrial:
         if rung is None:
             return None
         curves = study_curves(self.study)
-        return judge_rung(curves, self.setting, rung, self.cfg.min_seeds, self.judge)
+        alpha = self.cfg.alpha
+        if self.cfg.spending and self.iterations is not None:
+            alpha = spent_alpha(alpha, rung, self.iterations)
+        judge = self.judge or verdicts_judge(alpha)
+        return judge_rung(curves, self.setting, rung, self.cfg.min_seeds, judge)
 
     def should_prune(self, iteration: int) -> bool:
         """After the evaluation of `iteration` (its metrics file written): report it, and whether
@@ -292,7 +298,14 @@ def open_trial(
     if old.get("study") == study.study_name and old.get("storage") == str(journal):
         try:
             trial = RunTrial(
-                run_dir, cfg.prune, study, old["trial"], journal, old.get("pruned"), judge
+                run_dir,
+                cfg.prune,
+                study,
+                old["trial"],
+                journal,
+                old.get("pruned"),
+                judge,
+                cfg.train.iterations,
             )
         except KeyError:  # the storage lost it (the journal removed): a new trial below
             log.warning(
@@ -304,7 +317,15 @@ def open_trial(
                     trial.backfill(start_iteration)
                     return trial
                 trial.fail()  # this run starts over: the old attempt's trial ends here
-    trial = RunTrial(run_dir, cfg.prune, study, study.ask().number, journal, judge=judge)
+    trial = RunTrial(
+        run_dir,
+        cfg.prune,
+        study,
+        study.ask().number,
+        journal,
+        judge=judge,
+        iterations=cfg.train.iterations,
+    )
     trial.label(setting_label(read_overrides(run_dir)), str(cfg.seed))
     trial.save()
     trial.backfill(start_iteration)

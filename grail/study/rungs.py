@@ -28,8 +28,14 @@ Definitions (docs/sweeps.md, "Prune hopeless runs"):
   by where it is now, not by where it started. (So a run that outpaces the others to the next
   rung leaves the earlier rung's evidence behind; it faces the next rung's instead.)
 - What no rule at a rung can do is see the future: a late learner behind the early leader there,
-  on enough seeds, is shown worse and pruned. tests/test_prune_rungs.py measures how often, on
-  curves shaped like issue 27's; docs/sweeps.md says where to put the first rung.
+  on enough seeds, is shown worse. Early rungs therefore judge at a smaller error level, spent
+  over the run (`spent_alpha`): a rung a fraction t of the way through the run tests at
+  alpha x t^3, the power family of Kim & DeMets (1987) that approximates O'Brien-Fleming's
+  group-sequential boundaries, the usual answer to looking at a trial's data again and again.
+  At iteration 20 of 150 that is alpha x 0.0024 (1.2e-4 for alpha 0.05): only overwhelming
+  evidence prunes there (with three settings the verdicts then want 8 shared seeds), while the
+  rungs past mid-run test near alpha. tests/test_prune_rungs.py measures it on curves shaped like
+  issue 27's; docs/sweeps.md says where to put the first rung.
 - Several values for one (setting, seed) (a retried run's new trial beside the failed one): the
   newest trial that has a value at the rung counts.
 """
@@ -65,6 +71,13 @@ class Prune:
     seeds: int  # seeds shared with the best there
     p: float | None  # Holm-adjusted p of "worse than the best"
     effect: float | None  # mean paired difference (this - best)
+
+
+def spent_alpha(alpha: float, rung: int, iterations: int) -> float:
+    """The error level of the verdicts at `rung` of a run of `iterations` iterations: alpha x t^3,
+    t = rung / iterations (capped at 1); see the module doc."""
+    fraction = min(1.0, rung / iterations) if iterations > 0 else 1.0
+    return alpha * fraction**3
 
 
 def latest_rung(step: int, min_iterations: int, reduction_factor: int) -> int | None:
