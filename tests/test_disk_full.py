@@ -151,18 +151,18 @@ def test_grail_train_says_it_in_one_line_with_the_resume_command(
 ) -> None:
     path = tmp_path / "metrics" / "train_iter_001.json"
 
-    def full(config: object, run_dir: Path) -> None:
+    def full(config: object, run_dir: Path, resume: object = None) -> None:
         raise DiskFullError(path)
 
     monkeypatch.setattr(cli, "_train", full)
     with initialize_config_dir(config_dir=cli.CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="offline_grpo")
     with pytest.raises(SystemExit) as info:
-        cli._single_run(cfg, tmp_path, HYDRA)
+        cli._single_run(cfg, tmp_path, HYDRA, None)
     assert info.value.code == 1
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].exc_info is None
-    command = cli.resume_command(["train.lr=2e-3"], tmp_path.absolute())
+    command = cli.resume_command(tmp_path.absolute())
     assert errors[0].getMessage() == (
         f"no space left on device while writing {path}; free some space, then continue the "
         f"run: {command}"
@@ -174,7 +174,7 @@ def test_in_a_sweep_a_full_disk_stops_the_sweep_and_leaves_the_run_to_resume(
 ) -> None:
     run_dir = tmp_path / "0"
 
-    def full(config: object, run_dir: Path) -> None:
+    def full(config: object, run_dir: Path, resume: object = None) -> None:
         raise DiskFullError(run_dir / "checkpoints" / "iter_000")
 
     monkeypatch.setattr(cli, "_train", full)
@@ -192,7 +192,7 @@ def test_in_a_sweep_a_full_disk_stops_the_sweep_and_leaves_the_run_to_resume(
         cfg = compose(config_name="offline_grpo")
     # Every later run would hit it too: not one failed run, but the end of the sweep ...
     with pytest.raises(DiskFullError):
-        cli._sweep_job(cfg, run_dir, hydra_cfg)
+        cli._sweep_job(cfg, run_dir, hydra_cfg, None)
     # ... leaving the run incomplete, not failed: `resume=true` continues it.
     assert not (run_dir / "summary.json").exists()
 
