@@ -30,9 +30,11 @@ from pathlib import Path
 
 import torch
 
+from grail.inference.weights.policy import DTYPES as SERVED_DTYPES
+
 PREFIX = "grail-weights-"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int64": torch.int64}  # fmt: skip
+# The served dtypes (policy.DTYPES) and int64, the integer buffers a model may hold.
+DTYPES = {**SERVED_DTYPES, "int64": torch.int64}
 
 
 def shm_dir() -> Path:
@@ -69,7 +71,7 @@ class SharedFile:
     def __init__(self, numel: int, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.numel = numel
-        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
+        nbytes = max(1, numel) * dtype.itemsize
         self.path = shm_dir() / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._unlink = weakref.finalize(self, _unlink, self.path)
@@ -100,7 +102,7 @@ def open_shared(path: str, dtype: str, numel: int) -> torch.Tensor:
     if file.parent != shm_dir() or not file.name.startswith(PREFIX) or file.is_symlink():
         raise ValueError(f"{path} is not a weight buffer file ({shm_dir()}/{PREFIX}*)")
     torch_dtype = DTYPES[dtype]
-    nbytes = numel * torch.empty((), dtype=torch_dtype).element_size()
+    nbytes = numel * torch_dtype.itemsize
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if numel < 0 or size < nbytes:
