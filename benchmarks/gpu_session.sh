@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md in one go, for a GPU lent for a few minutes:
 #
-#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup attention mfu mfu_compile mfu15 decode loop tests
+#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup attention mfu mfu_dense mfu_flex mfu_compile mfu15 mfu15_flex decode loop tests
 #
 # Every stage runs under its own time limit (a hung stage loses only itself) and writes its log
 # to $OUT/<stage>.log (OUT defaults to /tmp/gpu-out); the last lines of each log are printed at
@@ -58,9 +58,11 @@ for s in "$@"; do
         ;;
     mfu)  # the update on the Qwen2.5-0.5B shape, 151,936-token vocab, completions uniform mean 512
         A="--json --warmup 2 --steps 4"
-        mfu mfu_default 100 $A                             # grail-train's defaults (packed sdpa, 4096)
+        mfu mfu_default 120 $A --profile                   # grail-train's defaults (packed sdpa, 4096)
         mfu mfu_16k 100 $A --micro-batch-tokens 16384 --batch-size 64
-        mfu mfu_dense_mask 100 $A --attn-implementation sdpa  # before packed sdpa: 3.6% on an H200
+        ;;
+    mfu_dense)  # before packed sdpa: the dense block-diagonal mask, 3.6% on an H200 (2026-11-26)
+        mfu mfu_dense_mask 100 --json --warmup 2 --steps 4 --attn-implementation sdpa
         ;;
     mfu_flex)  # flex_attention: its compilation took > 120 s here (2026-11-26)
         mfu mfu_flex_compile 240 --json --warmup 3 --steps 4 --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention --compile
@@ -69,7 +71,10 @@ for s in "$@"; do
         A="--json --warmup 3 --steps 4 --micro-batch-tokens 16384 --batch-size 64 --compile"
         mfu mfu_sdpa_compile 150 $A
         ;;
-    mfu15)  # the Qwen2.5-1.5B shape
+    mfu15)  # the Qwen2.5-1.5B shape, packed sdpa
+        mfu mfu15 150 --json --warmup 2 --steps 3 --shape qwen2.5-1.5b --micro-batch-tokens 16384 --batch-size 64
+        ;;
+    mfu15_flex)  # the Qwen2.5-1.5B shape, flex_attention compiled
         mfu mfu15_flex_compile 200 --json --warmup 3 --steps 3 --shape qwen2.5-1.5b --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention --compile
         ;;
     decode)  # the built-in engine, ~0.47B preset in bf16: eager vs static KV + CUDA graphs
@@ -78,7 +83,7 @@ for s in "$@"; do
         stage decode 100 $PY benchmarks/engine_decode.py --preset mid --device cuda --modes graph --shapes 64x16x512 --out "$OUT/decode_large.json"
         ;;
     tests)
-        stage tests 200 $PY -m pytest tests/gpu -n 0 -p no:cacheprovider -q -rA --durations=10 -o addopts=""
+        stage tests 200 $PY -m pytest tests/gpu -p no:cacheprovider -x -v --tb=short -rA --durations=10 -o addopts=""  # -x: a failure prints before the limit
         ;;
     loop)  # grail-train end to end on the GPU: the default job, and the ~0.47B preset
         rm -rf "$RUNS"
@@ -87,7 +92,7 @@ for s in "$@"; do
         stage loop_mid 200 $PY -m grail.train.cli train.iterations=6 "model.train_id=$RUNS/mid-model" train.lr=1e-5 "hydra.run.dir=$RUNS/mid"
         stage loop_split 30 $PY benchmarks/iteration_times.py "$RUNS/default" "$RUNS/mid"
         ;;
-    *) echo "unknown stage $s (setup attention mfu mfu_compile mfu15 decode loop tests)" ;;
+    *) echo "unknown stage $s (see the top of this file)" ;;
     esac
 done
 

@@ -277,9 +277,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed updates, profile one more and print its top operators to stderr",
+    )
+    parser.add_argument(
         "--device", default="cuda:0", help="cpu runs the same code (a smoke test, no MFU)"
     )
     return parser
+
+
+def print_profile(update: Any, on_cuda: bool, rows: int = 30) -> None:
+    """One update under torch.profiler: its operators by self device (or CPU) time, to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        update()
+    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -400,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     timed = [update() for _ in range(args.steps)]
+    if args.profile:
+        print_profile(update, on_cuda)
 
     seconds = [s for s, _ in timed]
     total_s = sum(seconds)

@@ -23,16 +23,19 @@ runs everywhere, and the CPU tests check it against the padded update.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from peft import PeftModel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED_SDPA = "grail_packed_sdpa"
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @torch.compiler.disable  # one call per sample: traced, every new set of lengths would recompile
@@ -40,6 +43,21 @@ def _per_sample(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, heads, T, head_dim]
     key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,
+    segment_lengths: Sequence[int],
+    **kwargs: Any,
+) -> torch.Tensor:
+    # Not cuDNN's attention, torch's first choice on Hopper: it builds an execution plan for each
+    # new sequence length, ~2.3 ms of CPU per call and again for its backward, and every sample's
+    # length is new (measured on an H200: 7.0 of an update's 9.2 CPU seconds, docs/benchmarks.md).
+    with sdpa_kernel(_BACKENDS) if query.is_cuda else contextlib.nullcontext():
+        return _attend(module, query, key, value, segment_lengths, **kwargs)
+
+
+def _attend(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
     value: torch.Tensor,
     segment_lengths: Sequence[int],
     **kwargs: Any,
