@@ -7,6 +7,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from grail.core.choices import GpuStrategy
+from grail.core.errors import ConfigError
 from grail.core.reproducible import REPRODUCIBLE_THREADS
 
 
@@ -45,16 +46,11 @@ def prefer_passive_openmp(env: MutableMapping[str, str]) -> None:
 
 
 def gpu_placement(gpu: GpuConfig) -> tuple[int, int]:
-    """(server, trainer) CUDA indices: `gpu.server_gpu` and `gpu.training_gpu` where set. Unset,
-    `single` puts both on the other's GPU (GPU 0 when neither is set), `multi` gives them GPUs 0
-    and 1 (whichever the other does not have)."""
-    server, trainer = gpu.server_gpu, gpu.training_gpu
-    if gpu.strategy == "single":
-        shared = next((g for g in (server, trainer) if g is not None), 0)
-        return (shared if server is None else server), (shared if trainer is None else trainer)
-    if server is None:
-        server = 1 if trainer == 0 else 0
-    return server, (1 if server == 0 else 0) if trainer is None else trainer
+    """(server, trainer) CUDA indices of a one-process trainer: the first GPU of each side of
+    `gpu_layout`. Unset, `single` puts both on the other's GPU (GPU 0 when neither is set),
+    `multi` gives them GPUs 0 and 1 (whichever the other does not have)."""
+    layout = gpu_layout(gpu)
+    return layout.server[0], layout.trainer[0]
 
 
 def cpu_threads(
@@ -77,9 +73,178 @@ def cpu_threads(
 
 @dataclass
 class GpuConfig:
+    """Which CUDA indices (as this process sees them) the server and the trainer use.
+
+    One side is named by its scalar key (one GPU) or its list key (several: one per trainer
+    process, `train.processes`), never both. Sides left unset are placed by the strategy:
+    `single` shares the server's GPU with the trainer (rank 0's), `multi` gives each side GPUs of
+    its own, the lowest the other side does not hold. With both sides named, the lists say it
+    all: the server shares the trainer's GPUs when its GPUs are among them (what `single` means;
+    `multi` refuses it), and has its own when the lists are apart (`gpu_layout`)."""
+
     strategy: GpuStrategy = (
         GpuStrategy.single
     )  # single: server and trainer share a device | multi: one GPU each
-    # CUDA indices as this process sees them; None: see `gpu_placement` (0, or 0 and 1 for multi)
+    # CUDA indices as this process sees them; None: see `gpu_layout` (0, or 0 and 1 for multi)
     server_gpu: int | None = None
     training_gpu: int | None = None
+    # The same as lists, e.g. training_gpus=[1,2,3] server_gpus=[0]: one trainer rank per GPU
+    server_gpus: list[int] | None = None
+    training_gpus: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """Where each side runs: `trainer[r]` is rank r's GPU, `server` the servers' GPUs."""
+
+    server: tuple[int, ...]
+    trainer: tuple[int, ...]
+
+    @property
+    def shared(self) -> bool:
+        """Whether the server runs on the trainer's GPUs (`gpu.strategy=single`)."""
+        return bool(set(self.server) & set(self.trainer))
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        """Every GPU the run uses, once each."""
+        return tuple(sorted({*self.server, *self.trainer}))
+
+
+def _show(ids: list[int] | tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, ids)) + "]"
+
+
+def _named(gpu: GpuConfig, side: str) -> tuple[str, list[int]] | None:
+    """(`key=value` as the user wrote it, GPUs) of one side (`server` or `training`), or None
+    when neither its scalar nor its list key is set."""
+    scalar_key, list_key = f"gpu.{side}_gpu", f"gpu.{side}_gpus"
+    scalar, many = getattr(gpu, f"{side}_gpu"), getattr(gpu, f"{side}_gpus")
+    if scalar is not None and many is not None:
+        raise ConfigError(
+            f"{scalar_key}={scalar} and {list_key}={_show(list(many))} both name the {side} "
+            "GPUs: set one of them"
+        )
+    if scalar is not None:
+        if scalar < 0:
+            raise ConfigError(f"{scalar_key} must be >= 0 or null, got {scalar}")
+        return f"{scalar_key}={scalar}", [int(scalar)]
+    if many is None:
+        return None
+    ids = [int(i) for i in many]
+    if not ids:
+        raise ConfigError(f"{list_key}=[] names no GPU: name at least one, or leave it null")
+    for i in ids:
+        if i < 0:
+            raise ConfigError(f"{list_key}={_show(ids)} holds {i}: GPU indices are >= 0")
+        if ids.count(i) > 1:
+            raise ConfigError(f"{list_key}={_show(ids)} names GPU {i} twice")
+    return f"{list_key}={_show(ids)}", ids
+
+
+def _lowest_free(taken: list[int] | tuple[int, ...], count: int) -> list[int]:
+    """The `count` lowest indices not in `taken`."""
+    free: list[int] = []
+    i = 0
+    while len(free) < count:
+        if i not in taken:
+            free.append(i)
+        i += 1
+    return free
+
+
+def gpu_layout(gpu: GpuConfig, processes: int | None = None) -> GpuLayout:
+    """The run's GPUs by side, before any is checked against the machine (`trainer_devices`).
+
+    `processes`: train.processes when the user set it, else None (then a named training list
+    sets the count, else 1). Raises ConfigError, naming the key, for a list that is empty or
+    names a GPU twice, a side named by both its keys, a training list whose length is not
+    `processes`, and a server that shares some of the trainer's GPUs but not all of its own, or
+    any with `gpu.strategy=multi`. Examples (strategy, set -> server, trainer):
+
+        single, nothing, processes=2          -> (0,), (0, 1)
+        multi, nothing, processes=3           -> (0,), (1, 2, 3)
+        any, server_gpus=[0] training_gpus=[1,2,3] -> (0,), (1, 2, 3)
+        single, training_gpus=[0,1]           -> (0,), (0, 1)   (rank 0 shares with the server)
+    """
+    strategy = str(gpu.strategy)
+    server = _named(gpu, "server")
+    trainer = _named(gpu, "training")
+    if processes is not None and processes < 1:
+        raise ConfigError(f"train.processes must be >= 1, got {processes}")
+    if trainer is not None and processes is not None and len(trainer[1]) != processes:
+        raise ConfigError(
+            f"{trainer[0]} names {len(trainer[1])} GPU(s) but train.processes={processes}: "
+            "one training GPU per process"
+        )
+    n = processes if processes is not None else (len(trainer[1]) if trainer else 1)
+    if server is not None and trainer is not None:
+        s, t = server[1], trainer[1]
+        both = sorted(set(s) & set(t))
+        if both and strategy == "multi":
+            raise ConfigError(
+                f"gpu.strategy=multi needs {server[0]} apart from {trainer[0]} (GPU {both[0]} is "
+                "in both); use gpu.strategy=single to share one GPU"
+            )
+        if both and not set(s) <= set(t):
+            raise ConfigError(
+                f"{server[0]} shares only some of its GPUs with {trainer[0]}: give the server "
+                "GPUs of its own (lists apart) or only training GPUs (shared)"
+            )
+        return GpuLayout(tuple(s), tuple(t))
+    if strategy == "single":
+        if trainer is not None:
+            return GpuLayout((trainer[1][0],), tuple(trainer[1]))
+        s = server[1] if server is not None else [0]
+        if len(s) > n:
+            raise ConfigError(
+                f"gpu.strategy=single shares the server's GPUs with the trainer's: "
+                f"{server[0] if server else 'the server'} needs train.processes >= {len(s)}"
+            )
+        return GpuLayout(tuple(s), (*s, *_lowest_free(s, n - len(s))))
+    if trainer is not None:
+        return GpuLayout(tuple(_lowest_free(trainer[1], 1)), tuple(trainer[1]))
+    s = server[1] if server is not None else [0]
+    return GpuLayout(tuple(s), tuple(_lowest_free(s, n)))
+
+
+def _check_visible(gpu: GpuConfig, layout: GpuLayout, processes: int | None, visible: int) -> None:
+    """Refuse a layout that names a GPU this process cannot see, naming the key that put it
+    there. With no GPU visible the run is on CPU: the strategy and the scalar keys are ignored,
+    as they always were, but a list names GPUs on purpose, so it is refused."""
+    for side, ids in (("server", layout.server), ("training", layout.trainer)):
+        named = _named(gpu, side)
+        if visible <= 0:
+            if getattr(gpu, f"{side}_gpus") is not None and named is not None:
+                raise ConfigError(
+                    f"{named[0]} names GPUs, but this process sees none (no CUDA, or "
+                    "CUDA_VISIBLE_DEVICES hides them): leave it null to run on CPU"
+                )
+            continue
+        missing = [i for i in ids if i >= visible]
+        if missing:
+            why = (
+                named[0]
+                if named is not None
+                else (f"gpu.strategy={gpu.strategy} with train.processes={processes or 1}")
+            )
+            raise ConfigError(
+                f"{why} puts the {side} on GPU {missing[0]}, but this process sees {visible} "
+                f"GPU(s), 0-{visible - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)"
+            )
+
+
+def trainer_devices(gpu: GpuConfig, processes: int | None, visible: int) -> list[int]:
+    """CUDA index of each trainer rank (rank r on element r), checked against the `visible` GPUs
+    this process sees; [] on a CPU machine (visible 0), where the ranks run on CPU. Raises
+    ConfigError naming the key (see `gpu_layout`) before anything starts."""
+    layout = gpu_layout(gpu, processes)
+    _check_visible(gpu, layout, processes, visible)
+    return list(layout.trainer) if visible > 0 else []
+
+
+def server_devices(gpu: GpuConfig, processes: int | None, visible: int) -> list[int]:
+    """CUDA indices of the inference server(s), as `trainer_devices` checks them; [] on CPU."""
+    layout = gpu_layout(gpu, processes)
+    _check_visible(gpu, layout, processes, visible)
+    return list(layout.server) if visible > 0 else []

@@ -26,7 +26,7 @@ from grail.core.choices import (
 )
 from grail.core.config import Config
 from grail.core.errors import ConfigError
-from grail.core.placement import gpu_placement
+from grail.core.placement import gpu_layout
 
 
 def _one_of(key: str, value: str, choices: type[Choice]) -> None:
@@ -124,17 +124,10 @@ def validate(cfg: Config) -> None:
 
 
 def validate_gpu(cfg: Config) -> None:
+    """The GPU lists and their strategy (`grail.core.placement.gpu_layout`); whether the GPUs
+    exist is checked against the machine where the ranks start (`trainer_devices`)."""
     _one_of("gpu.strategy", cfg.gpu.strategy, GpuStrategy)
-    for key in ("server_gpu", "training_gpu"):
-        value = getattr(cfg.gpu, key)
-        if value is not None and value < 0:
-            raise ConfigError(f"gpu.{key} must be >= 0 or null, got {value}")
-    server_gpu, training_gpu = gpu_placement(cfg.gpu)
-    if cfg.gpu.strategy == "multi" and server_gpu == training_gpu:
-        raise ConfigError(
-            f"gpu.strategy=multi needs gpu.server_gpu ({server_gpu}) != gpu.training_gpu "
-            f"({training_gpu}); use gpu.strategy=single to share one GPU"
-        )
+    gpu_layout(cfg.gpu, getattr(cfg.train, "processes", None))
 
 
 def validate_generation(cfg: Config) -> None:
@@ -279,20 +272,21 @@ def validate_weight_transfer(cfg: Config) -> None:
             f"{key} needs generation.backend=builtin (got {gen.backend}); vLLM and SGLang take "
             "weight_transfer=nccl (gpu.strategy=multi) or disk"
         )
-    if route == "shared" and cfg.gpu.strategy != "single":
+    if route == "shared" and not gpu_layout(cfg.gpu).shared:
         raise ConfigError(
             f"{key} needs the server on the trainer's device (gpu.strategy=single, got "
-            f"{cfg.gpu.strategy}); with its own GPU the built-in server syncs from disk"
+            f"{cfg.gpu.strategy}, or gpu.server_gpus among gpu.training_gpus); with its own GPU "
+            "the built-in server syncs from disk"
         )
     if route == "nccl" and gen.backend == "builtin":
         raise ConfigError(
             f"{key} is for generation.backend=vllm or sglang; the built-in server takes "
             "weight_transfer=shared or disk"
         )
-    if route == "nccl" and cfg.gpu.strategy != "multi":
+    if route == "nccl" and gpu_layout(cfg.gpu).shared:
         raise ConfigError(
-            f"{key} needs gpu.strategy=multi: NCCL cannot connect two processes on one GPU "
-            "(the server must have its own)"
+            f"{key} needs gpu.strategy=multi (or gpu.server_gpus apart from gpu.training_gpus): "
+            "NCCL cannot connect two processes on one GPU (the server must have its own)"
         )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from grail.core.config import Config
-from grail.core.placement import cpu_threads, gpu_placement
+from grail.core.placement import cpu_threads, gpu_layout, gpu_placement
 from grail.core.records import without_secrets
 from grail.core.reproducible import apply_reproducible_env
 from grail.envs import Environment, env_arguments, make_env
@@ -118,10 +118,10 @@ def server_manager_from_config(
     With `model.lora.enabled`, `lora_dir` is where the adapter the server serves is written;
     `weight_transfer` is the run's route (`server_and_syncer_from_config` picks it).
 
-    Placement: the server gets `gpu.server_gpu`; with `gpu.strategy=single` the trainer shares
-    that GPU, so the memory fraction defaults low. The built-in server runs on CPU when CUDA is
-    not available; vLLM and SGLang need CUDA and say so. `generation.start_timeout_s` null means
-    the backend's default.
+    Placement: the server gets its first GPU of `gpu_layout`; when the trainer shares it
+    (`gpu.strategy=single`, or the lists overlap) the memory fraction defaults low. The built-in
+    server runs on CPU when CUDA is not available; vLLM and SGLang need CUDA and say so.
+    `generation.start_timeout_s` null means the backend's default.
     """
     if cuda_available is None:
         import torch
@@ -155,7 +155,7 @@ def server_manager_from_config(
         start_timeout=gen.start_timeout_s,
         dtype=None if model_dtype == "auto" else model_dtype,
         gpu_memory_fraction=gen.gpu_memory_fraction,
-        shares_gpu_with_trainer=cfg.gpu.strategy == "single",
+        shares_gpu_with_trainer=gpu_layout(cfg.gpu).shared,
         max_model_len=gen.max_model_len,
         max_num_seqs=gen.max_num_seqs,
         seed=cfg.seed,
@@ -176,7 +176,8 @@ def weight_route_from_config(cfg: Config, cuda_available: bool) -> RouteChoice:
         cfg.generation.weight_transfer,
         BACKEND_CLASSES[cfg.generation.backend].weight_routes,
         backend=cfg.generation.backend,
-        strategy=cfg.gpu.strategy,
+        # what the GPUs are, whichever keys said so: shared when the lists overlap
+        strategy="single" if gpu_layout(cfg.gpu).shared else "multi",
         same_device=not cuda_available or server_gpu == trainer_gpu,
         lora=cfg.model.lora.enabled,
         weight_sync=cfg.generation.weight_sync,

@@ -53,6 +53,8 @@ RESUMABLE = (
     "generation.server_threads",  # per attempt)
     "gpu.server_gpu",
     "gpu.training_gpu",
+    "gpu.server_gpus",  # which GPUs, not how many: a resume with another train.processes is the
+    "gpu.training_gpus",  # checkpoint's to allow or refuse
 )
 # Not resumable, though they may look harmless: eval.* (the evaluations a run records, what a
 # pruner and grail-report compare runs by), data.* and generation's sampling settings (what the
