@@ -23,6 +23,7 @@ from helpers.fake_server import FakeBuiltinServer
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from grail.core.placement import GpuConfig
 from grail.core.validate import validate
 from grail.inference import os_process
 from grail.study.runs import append_attempt, run_record
@@ -31,12 +32,14 @@ from grail.study.sweep import (
     SUBMITIT_SLURM,
     Action,
     RunRecord,
+    RunShape,
     SweepError,
     assign_resources,
     decide,
     default_parallel_runs,
     explicit_keys,
     resource_overrides,
+    run_shape,
 )
 from grail.train import cli
 from grail.train.cli import CONF_DIR
@@ -106,6 +109,104 @@ def test_explicit_settings_win_over_the_assignment() -> None:
         "train.threads",
         "gpu.server_gpu",
     }
+
+
+# Shapes on an 8-GPU machine: (shape, runs packed at once by default, {slot: (server, trainer)})
+EIGHT_GPU_SHAPES = [
+    (RunShape(1, 1, shared=True), 8, {0: ((0,), (0,)), 1: ((1,), (1,)), 7: ((7,), (7,))}),
+    (RunShape(1, 1, shared=False), 4, {0: ((0,), (1,)), 1: ((2,), (3,)), 3: ((6,), (7,))}),
+    (RunShape(1, 3, shared=False), 2, {0: ((0,), (1, 2, 3)), 1: ((4,), (5, 6, 7))}),
+    (RunShape(2, 6, shared=False), 1, {0: ((0, 1), (2, 3, 4, 5, 6, 7))}),
+    (RunShape(1, 2, shared=True), 4, {0: ((0,), (0, 1)), 3: ((6,), (6, 7))}),
+    (RunShape(1, 2, shared=False), 2, {0: ((0,), (1, 2)), 1: ((4,), (5, 6))}),  # windows of 4
+]
+
+
+@pytest.mark.parametrize("shape,parallel,layouts", EIGHT_GPU_SHAPES)
+def test_eight_gpus_pack_as_many_runs_as_fit_each_on_its_own_gpus(
+    shape: RunShape, parallel: int, layouts: dict
+) -> None:
+    assert default_parallel_runs(SUBMITIT_LOCAL, gpus=8, cpus=64, shape=shape) == parallel
+    for batch in range(2):  # Hydra launches job numbers [b*P, b*P + P) together
+        runs = [
+            assign_resources(job, parallel, gpus=8, cpus=64, shape=shape)
+            for job in range(batch * parallel, (batch + 1) * parallel)
+        ]
+        used = [g for r in runs for g in {*r.server_gpus, *r.training_gpus}]
+        assert len(used) == len(set(used)) == parallel * shape.gpus  # disjoint, none idle inside
+        assert all(len(r.training_gpus) == shape.trainer for r in runs)
+        assert all(len(r.server_gpus) == shape.server for r in runs)
+        for slot, expected in layouts.items():
+            assert (runs[slot].server_gpus, runs[slot].training_gpus) == expected
+
+
+def test_runs_of_different_shapes_in_one_sweep_stay_apart() -> None:
+    # train.processes=1,3 with gpu.strategy=multi swept together: each run owns a window of 4
+    small = assign_resources(0, 2, gpus=8, cpus=64, shape=RunShape(1, 1, shared=False))
+    big = assign_resources(1, 2, gpus=8, cpus=64, shape=RunShape(1, 3, shared=False))
+    assert (small.server_gpus, small.training_gpus) == ((0,), (1,))
+    assert (big.server_gpus, big.training_gpus) == ((4,), (5, 6, 7))
+
+
+def test_a_run_larger_than_the_machine_is_refused() -> None:
+    with pytest.raises(
+        SweepError,
+        match=r"1 server \+ 8 training GPU\(s\) needs 9 GPUs per run, "
+        r"this machine has 8: use fewer train.processes",
+    ):
+        assign_resources(0, 1, gpus=8, cpus=64, shape=RunShape(1, 8, shared=False))
+    # the default batch size is then 1, and that one run is what is refused
+    assert (
+        default_parallel_runs(SUBMITIT_LOCAL, gpus=8, cpus=64, shape=RunShape(1, 8, shared=False))
+        == 1
+    )
+    with pytest.raises(
+        SweepError,
+        match=r"3 runs at once, each with 1 server \+ 3 training GPU"
+        r"\(s\), need 12 GPUs, this machine has 8: set "
+        r"hydra.sweeper.max_batch_size=2",
+    ):
+        assign_resources(0, 3, gpus=8, cpus=64, shape=RunShape(1, 3, shared=False))
+    with pytest.raises(SweepError, match="shared server needs no more GPUs"):
+        RunShape(2, 1, shared=True)
+
+
+@pytest.mark.parametrize(
+    "gpu,processes,shape",
+    [
+        (GpuConfig(), None, RunShape(1, 1, shared=True)),
+        (GpuConfig(strategy="multi"), 3, RunShape(1, 3, shared=False)),  # type: ignore[arg-type]
+        (GpuConfig(), 4, RunShape(1, 4, shared=True)),
+        (
+            GpuConfig(server_gpus=[0, 1], training_gpus=[2, 3, 4, 5, 6, 7]),
+            None,
+            RunShape(2, 6, shared=False),
+        ),
+    ],
+)
+def test_a_runs_shape_follows_its_gpu_config(
+    gpu: GpuConfig, processes: int | None, shape: RunShape
+) -> None:
+    assert run_shape(gpu, processes) == shape
+
+
+def test_sides_of_several_gpus_are_set_as_lists_and_explicit_sides_left_whole() -> None:
+    r = assign_resources(1, 2, gpus=8, cpus=8, shape=RunShape(2, 2, shared=False))
+    assert resource_overrides(r, set(), pipelined=False) == {
+        "train.threads": 4,
+        "generation.server_threads": 2,
+        "gpu.server_gpus": [4, 5],
+        "gpu.training_gpus": [6, 7],
+    }
+    # a side the user named, by either of its keys, is left alone
+    assert resource_overrides(r, {"gpu.training_gpu", "gpu.server_gpus"}, pipelined=False) == {
+        "train.threads": 4,
+        "generation.server_threads": 2,
+    }
+    cfg = _compose("gpu.strategy=multi", "train.iterations=1")
+    for key, value in resource_overrides(r, set(), pipelined=False).items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    validate(OmegaConf.to_object(cfg))  # lists set by the sweep make a valid config
 
 
 def _compose(*overrides: str):

@@ -7,7 +7,11 @@ Sharing a machine. Hydra's basic sweeper hands the launcher one batch of `max_ba
 a time and waits for the whole batch, so batch b holds job numbers [b·P, b·P + P) with
 P = max_batch_size, and `slot = job_num mod P` is unique among the runs alive at any moment:
 
-    GPUs:  run in slot s takes GPUs [s·k, s·k + k), k = 1 (gpu.strategy=single) or 2 (multi)
+    GPUs:  with G GPUs, slot s owns the window [s·w, s·w + w), w = G // P, and its run takes the
+           first k of them, k = what the run needs (`RunShape`): its server GPUs first, then its
+           training GPUs (one per rank, train.processes), or only the training GPUs when the
+           server shares them (gpu.strategy=single). Windows of G // P rather than k keep runs
+           of different shapes in one sweep (e.g. train.processes=1,2) apart.
     CPU:   the run's share is max(1, cores // P) cores, split between its trainer and its server
            as a lone run splits the whole machine (`grail.core.placement.split_cores`)
 
@@ -31,8 +35,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from grail.core.placement import split_cores
+from grail.core.placement import GpuConfig, gpu_layout, split_cores
 from grail.core.records import LAUNCH_KEYS, override_key
 
 SUBMITIT_LOCAL = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
@@ -46,14 +51,60 @@ class SweepError(ValueError):
     """A sweep that cannot be laid out on this machine; the message says which setting to change."""
 
 
-def gpus_per_run(strategy: str) -> int:
-    """GPUs one run occupies: `single` shares one GPU between server and trainer, `multi` uses
-    one each."""
+@dataclass(frozen=True)
+class RunShape:
+    """The GPUs one run needs: `server` for its server(s), `trainer` for its ranks (one each);
+    `shared`: the server runs on the trainer's first GPUs (gpu.strategy=single), else on GPUs of
+    its own."""
+
+    server: int = 1
+    trainer: int = 1
+    shared: bool = True
+
+    def __post_init__(self) -> None:
+        if self.server < 1 or self.trainer < 1:
+            raise SweepError(f"a run needs at least one server and one training GPU, got {self}")
+        if self.shared and self.server > self.trainer:
+            raise SweepError(f"a shared server needs no more GPUs than the trainer, got {self}")
+
+    @property
+    def gpus(self) -> int:
+        return self.trainer if self.shared else self.server + self.trainer
+
+    def describe(self) -> str:
+        if self.shared:
+            return f"{self.trainer} GPU(s) shared by server and trainer"
+        return f"{self.server} server + {self.trainer} training GPU(s)"
+
+
+def shape_of(strategy: str) -> RunShape:
+    """The one-rank shapes: `single` shares one GPU between server and trainer, `multi` uses one
+    each."""
     if strategy == "single":
-        return 1
+        return RunShape(1, 1, shared=True)
     if strategy == "multi":
-        return 2
+        return RunShape(1, 1, shared=False)
     raise SweepError(f"gpu.strategy={strategy!r} is not one of single, multi")
+
+
+def run_shape(gpu: GpuConfig, processes: int | None) -> RunShape:
+    """What a run of this config needs (`grail.core.placement.gpu_layout`): its server GPUs and
+    one training GPU per rank, `processes` being train.processes (None: unset)."""
+    layout = gpu_layout(gpu, processes)
+    return RunShape(len(layout.server), len(layout.trainer), shared=layout.shared)
+
+
+def gpus_per_run(strategy: str) -> int:
+    """GPUs one run of a one-rank trainer occupies (`shape_of`)."""
+    return shape_of(strategy).gpus
+
+
+def _pick_shape(strategy: str | None, shape: RunShape | None) -> RunShape:
+    if shape is not None:
+        return shape
+    if strategy is None:
+        raise SweepError("say what a run needs: a gpu.strategy or a RunShape")
+    return shape_of(strategy)
 
 
 def launcher_shares_machine(launcher_target: str | None) -> bool:
@@ -62,39 +113,61 @@ def launcher_shares_machine(launcher_target: str | None) -> bool:
 
 
 def default_parallel_runs(
-    launcher_target: str | None, *, gpus: int, cpus: int, strategy: str
+    launcher_target: str | None,
+    *,
+    gpus: int,
+    cpus: int,
+    strategy: str | None = None,
+    shape: RunShape | None = None,
 ) -> int | None:
     """How many runs the submitit local launcher starts at once (hydra.sweeper.max_batch_size);
     None for launchers that do not share this machine (batching would only make each batch wait
-    for its slowest job).
+    for its slowest job). A run's needs: `shape`, or the one-rank shape of `strategy`.
 
     With G GPUs: G // k runs, each on its own k GPUs; on CPU: min(cores, MAX_DEFAULT_CPU_PARALLEL).
     """
     if not launcher_shares_machine(launcher_target):
         return None
     if gpus > 0:
-        return max(1, gpus // gpus_per_run(strategy))
+        return max(1, gpus // _pick_shape(strategy, shape).gpus)
     return max(1, min(cpus, MAX_DEFAULT_CPU_PARALLEL))
 
 
 @dataclass(frozen=True)
 class Resources:
-    """What one run of a sweep may use. `server_gpu`/`training_gpu` are None on CPU."""
+    """What one run of a sweep may use; the GPU tuples are empty on CPU."""
 
     slot: int
     parallel: int
     cores: int
-    server_gpu: int | None = None
-    training_gpu: int | None = None
+    server_gpus: tuple[int, ...] = ()
+    training_gpus: tuple[int, ...] = ()
+
+    @property
+    def server_gpu(self) -> int | None:
+        """The (first) server GPU; None on CPU."""
+        return self.server_gpus[0] if self.server_gpus else None
+
+    @property
+    def training_gpu(self) -> int | None:
+        """Rank 0's GPU; None on CPU."""
+        return self.training_gpus[0] if self.training_gpus else None
 
 
 def assign_resources(
-    job_num: int, parallel: int, *, gpus: int, cpus: int, strategy: str
+    job_num: int,
+    parallel: int,
+    *,
+    gpus: int,
+    cpus: int,
+    strategy: str | None = None,
+    shape: RunShape | None = None,
 ) -> Resources:
-    """The share of this machine that job `job_num` gets when `parallel` runs share it.
+    """The share of this machine that job `job_num` gets when `parallel` runs share it; what the
+    run needs is `shape` (see `run_shape`), or the one-rank shape of `strategy`.
 
-    Raises SweepError when `parallel` runs need more GPUs than the machine has, naming
-    hydra.sweeper.max_batch_size (the knob that sets `parallel`).
+    Raises SweepError when one run needs more GPUs than the machine has, or `parallel` runs more
+    than it has, naming hydra.sweeper.max_batch_size (the knob that sets `parallel`).
     """
     if job_num < 0:
         raise SweepError(f"job number must be >= 0, got {job_num}")
@@ -106,41 +179,71 @@ def assign_resources(
     cores = max(1, cpus // parallel)
     if gpus <= 0:
         return Resources(slot=slot, parallel=parallel, cores=cores)
-    k = gpus_per_run(strategy)
+    need = _pick_shape(strategy, shape)
+    k = need.gpus
     if k > gpus:
+        fix = "use gpu.strategy=single" if need.trainer == 1 else "use fewer train.processes"
         raise SweepError(
-            f"gpu.strategy={strategy} needs {k} GPUs per run, this machine has {gpus}: "
-            "use gpu.strategy=single"
+            f"{need.describe()} needs {k} GPUs per run, this machine has {gpus}: {fix}"
         )
-    if parallel * k > gpus:
+    window = gpus // parallel
+    if k > window:
         raise SweepError(
-            f"{parallel} runs at once with gpu.strategy={strategy} need {parallel * k} GPUs, "
+            f"{parallel} runs at once, each with {need.describe()}, need {parallel * k} GPUs, "
             f"this machine has {gpus}: set hydra.sweeper.max_batch_size={max(1, gpus // k)} "
             "or fewer"
         )
-    first = slot * k
+    first = slot * window
+    server = tuple(range(first, first + need.server))
+    trainer_first = first if need.shared else first + need.server
     return Resources(
         slot=slot,
         parallel=parallel,
         cores=cores,
-        server_gpu=first,
-        training_gpu=first + k - 1,
+        server_gpus=server,
+        training_gpus=tuple(range(trainer_first, trainer_first + need.trainer)),
     )
+
+
+# The config keys a sweep sets per run: each is left alone when the user set it, or set its
+# side's other key (gpu.server_gpu and gpu.server_gpus name the same thing).
+RESOURCE_KEYS = (
+    "train.threads",
+    "generation.server_threads",
+    "gpu.server_gpu",
+    "gpu.training_gpu",
+    "gpu.server_gpus",
+    "gpu.training_gpus",
+)
+
+
+def _side(key: str, ids: tuple[int, ...]) -> dict[str, Any]:
+    """One side's GPUs as a config value: the scalar key for one GPU (as before the lists), the
+    list key for several."""
+    if not ids:
+        return {}
+    return {key: ids[0]} if len(ids) == 1 else {f"{key}s": list(ids)}
 
 
 def resource_overrides(
     resources: Resources, explicit: set[str] | frozenset[str], *, pipelined: bool
-) -> dict[str, int]:
-    """Config values (dotted key -> value) that put a run on its share, leaving alone every key the
-    user set explicitly (`explicit`): an explicit choice always wins over the automatic one."""
+) -> dict[str, Any]:
+    """Config values (dotted key -> an int, or a list of ints for a side of several GPUs) that put
+    a run on its share, leaving alone every key the user set explicitly (`explicit`): an explicit
+    choice always wins over the automatic one, and a side named by either of its keys is left
+    whole."""
     trainer_threads, server_threads = split_cores(resources.cores, pipelined=pipelined)
-    values: dict[str, int | None] = {
+    values: dict[str, Any] = {
         "train.threads": trainer_threads,
         "generation.server_threads": server_threads,
-        "gpu.server_gpu": resources.server_gpu,
-        "gpu.training_gpu": resources.training_gpu,
     }
-    return {k: v for k, v in values.items() if v is not None and k not in explicit}
+    for key, ids in (
+        ("gpu.server_gpu", resources.server_gpus),
+        ("gpu.training_gpu", resources.training_gpus),
+    ):
+        if not {key, f"{key}s"} & explicit:
+            values.update(_side(key, ids))
+    return {k: v for k, v in values.items() if k not in explicit}
 
 
 def explicit_keys(task_overrides: Sequence[str], keys: Sequence[str]) -> set[str]:
