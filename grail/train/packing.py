@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from peft import PeftModel
@@ -45,6 +45,8 @@ from grail.rollouts.batch import Sample
 # Completion-predicting positions per output-layer chunk: at a 152k vocabulary one chunk's
 # logits are 4096 x 152k x 2 B = 1.2 GB in bf16 (chunks of 4096 measured in docs/gpu.md).
 DEFAULT_HEAD_CHUNK_TOKENS = 4096
+
+T = TypeVar("T")
 
 # train.micro_batch_tokens=null on CUDA. Chosen when the packed row's attention was sdpa with a
 # dense [T, T] block-diagonal mask (no flash kernel, every score of the row computed: ~16% of the
@@ -174,6 +176,45 @@ def packed_logprobs(
     the trainer's forward runs in (accelerate's), since the body and the head are called
     directly rather than through the model's wrapped forward.
     """
+    root = model.peft_model[0] if isinstance(model, AdapterOff) else model
+    return _as_forward_of(
+        root,
+        lambda: _packed_logprobs(
+            model, row, temperature, entropy, entropy_grad, head_chunk_tokens, autocast
+        ),
+    )
+
+
+_FSDP_FORWARD = "grail_packed_forward"
+
+
+def _as_forward_of(root: torch.nn.Module, run: Callable[[], T]) -> T:
+    """`run()`, as a forward pass of `root` when FSDP2 shards it (the update sharded over ranks,
+    issue 29). The packed path calls the body and the output layer itself, not `root.forward`:
+    without FSDP2's hooks around it, the root's own parameters (embeddings, final norm, output
+    layer) would stay sharded and their gradients unreduced. `register_fsdp_forward_method` is
+    FSDP2's way to run its forward hooks around another method (a no-op on other modules)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return run()
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(root, FSDPModule):
+        return run()
+    if not hasattr(root, _FSDP_FORWARD):
+        setattr(root, _FSDP_FORWARD, lambda call: call())
+        register_fsdp_forward_method(root, _FSDP_FORWARD)
+    return getattr(root, _FSDP_FORWARD)(run)
+
+
+def _packed_logprobs(
+    model: torch.nn.Module,
+    row: PackedRow,
+    temperature: float,
+    entropy: bool,
+    entropy_grad: bool,
+    head_chunk_tokens: int,
+    autocast: Callable[[], AbstractContextManager[Any]],
+) -> tuple[Tensor, Tensor | None]:
     decoder, head, context = decoder_and_head(model)
     # With packed sdpa (grail/models/packed_attention.py) each sample attends alone, told by
     # its length; other attentions read the samples from the position ids.

@@ -31,6 +31,17 @@ AdamW moves the weights on a zero gradient too (momentum from earlier steps, wei
 step count its bias correction uses), so each step is taken with gradients set to zero, which is
 the step the full passes would have led to, and the schedule advances as usual. The record says
 `update_skipped: true` and holds null for what needs the policy's log-probabilities.
+
+Sharded over N ranks (torch.distributed initialised, the model under FSDP2: issue 29), every rank
+calls `policy_update` with the same batch, settings and sharded model. Each runs its share of
+every micro-batch (grail/train/rank_share.py: balanced by tokens, the same pieces per rank, dummy
+passes where a rank has fewer), normalised by the whole micro-batch and the whole batch; FSDP2
+sums the ranks' gradients; the pieces' metrics are gathered after each optimizer step and merged
+as one rank merges its own pieces. The update is then the 1-rank update up to float rounding
+(tests/test_distributed_update.py), except for metrics that are not token means: at sequence
+level the ratio and clip fractions, and the importance-sampling metrics of the sequence modes and
+`is_ess`, are merged per piece as the padding-free layout merges them, by tokens. Without
+torch.distributed, or on one rank, none of this runs.
 """
 
 from __future__ import annotations
@@ -57,6 +68,8 @@ from grail.train.packing import (
     split_by_tokens,
     to_padded,
 )
+from grail.train.rank_comm import all_gather, rank_and_world, sum_gradients_over_ranks
+from grail.train.rank_share import rank_share
 
 if TYPE_CHECKING:
     from grail.core.config import Config
@@ -98,19 +111,26 @@ class MicroBatch:
     # (completions, completion tokens) of the whole micro-batch the loss normalises by.
     packed: PackedRow | None = None
     whole: tuple[int, int] | None = None
+    # A pass a rank runs only to keep FSDP2's collectives in step with the other ranks
+    # (grail/train/rank_share.py): its loss is multiplied by 0 and its metrics are dropped.
+    dummy: bool = False
 
 
 def pack_microbatch(
-    items: Sequence[tuple[list[int], Sample]], pad_token_id: int, device: torch.device | str
+    items: Sequence[tuple[list[int], Sample]],
+    pad_token_id: int,
+    device: torch.device | str,
+    min_width: int = 1,
 ) -> MicroBatch:
-    """Pack (prompt ids, sample) pairs into the tensors of one micro-batch."""
+    """Pack (prompt ids, sample) pairs into the tensors of one micro-batch, the completions padded
+    to at least `min_width` columns."""
     index: dict[tuple[int, ...], int] = {}
     prompt_index = [index.setdefault(tuple(prompt), len(index)) for prompt, _ in items]
     prompts = list(index)
     width = max(len(p) for p in prompts)
     samples = [s for _, s in items]
     lengths = [len(s.completion_ids) for s in samples]
-    k = max(*lengths, 1)
+    k = max(*lengths, min_width)
     # Padded Python rows, then one tensor each: a tensor per row costs more than the copying.
     prompt_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -345,7 +365,9 @@ def _optimizer_step(
 ) -> float:
     """Clip, step (not on a non-finite norm), clear the gradients, advance the schedule; returns
     the gradient norm before clipping."""
-    grad_norm = float(clip_grad_norm(grad_clip))
+    norm = clip_grad_norm(grad_clip)
+    # Sharded parameters (FSDP2) give a DTensor norm: its value is the full tensor's.
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if math.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -357,11 +379,14 @@ def _optimizer_step(
 class _Plan:
     """How one iteration's rollouts are run: `units[i]` is micro-batch i as its forward passes
     run it (one piece, or padding-free pieces), `steps` groups the units of each optimizer step
-    and `pieces` lists every forward input in the order they run."""
+    and `pieces` lists every forward input in the order they run; `tokens_in_batch` counts the
+    completion tokens of the whole batch. Sharded over ranks, a unit holds this rank's pieces of
+    the micro-batch, dummies included (`_rank_plan`)."""
 
     units: list[list[MicroBatch]]
     steps: list[list[list[MicroBatch]]]
     pieces: list[MicroBatch]
+    tokens_in_batch: int
 
 
 def _plan(
@@ -372,12 +397,54 @@ def _plan(
         microbatch_pieces(items, pad_token_id, device, budget)
         for items in microbatches(batch, settings.batch_size)
     ]
+    return _plan_of(units, settings, sum(mb.num_tokens for unit in units for mb in unit))
+
+
+def _plan_of(
+    units: list[list[MicroBatch]], settings: UpdateSettings, tokens_in_batch: int
+) -> _Plan:
     pieces = [piece for unit in units for piece in unit]
     steps = [
         units[i : i + settings.grad_accum_steps]
         for i in range(0, len(units), settings.grad_accum_steps)
     ]
-    return _Plan(units=units, steps=steps, pieces=pieces)
+    return _Plan(units=units, steps=steps, pieces=pieces, tokens_in_batch=tokens_in_batch)
+
+
+def _rank_plan(
+    batch: RolloutBatch,
+    settings: UpdateSettings,
+    pad_token_id: int,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+) -> _Plan:
+    """`_plan` of `rank`'s share of every micro-batch (grail/train/rank_share.py), in the same
+    layout; each piece normalised as the whole micro-batch (`whole`), the batch's token count
+    the whole batch's, so the ranks' losses add up to the 1-rank loss. Every rank runs the same
+    number of pieces per micro-batch, made up with dummies (a one-sample piece of the
+    micro-batch), and pads completions to the micro-batch's longest: the padded layout runs one
+    forward pass when that is 1 token, two otherwise, and the ranks must agree on it."""
+    budget = resolve_micro_batch_tokens(settings.micro_batch_tokens, device)
+    units: list[list[MicroBatch]] = []
+    for items in microbatches(batch, settings.batch_size):
+        share = rank_share(items, world_size, rank, budget)
+        whole = (len(items), sum(len(s.completion_ids) for _, s in items))
+        width = max(1, *(len(s.completion_ids) for _, s in items))
+        parts = share.pieces + [items[:1]] * (share.passes - len(share.pieces))
+        units.append(
+            [
+                replace(
+                    pack_microbatch(part, pad_token_id, device, min_width=width),
+                    packed=packed_row(part, device) if budget > 0 else None,
+                    whole=whole,
+                    dummy=i >= len(share.pieces),
+                )
+                for i, part in enumerate(parts)
+            ]
+        )
+    tokens_in_batch = sum(len(s.completion_ids) for s in batch.samples)  # every rank's
+    return _plan_of(units, settings, tokens_in_batch)
 
 
 def _frozen_logprobs(
@@ -422,10 +489,11 @@ def _train_microbatch(
     steps_per_generation: int,
     backward: Callable[[Tensor], None],
     autocast: Callable[[], AbstractContextManager[Any]],
-) -> dict[str, float]:
+) -> list[tuple[dict[str, float], int]]:
     """Forward, loss and backward of one micro-batch, piece after piece (`unit`, with each
-    piece's old and reference log-probs); returns the micro-batch's loss metrics."""
-    unit_metrics: list[dict[str, float]] = []
+    piece's old and reference log-probs); returns each piece's loss metrics and completion
+    tokens, dummies left out."""
+    piece_metrics: list[tuple[dict[str, float], int]] = []
     for mb, old, ref in zip(unit, old_logprobs, ref_logprobs, strict=True):
         logprobs, entropy = policy_logprobs(
             model,
@@ -449,12 +517,23 @@ def _train_microbatch(
             steps_per_generation=steps_per_generation,
             microbatch_counts=mb.whole,
         )
+        if mb.dummy:
+            # Its backward still runs: FSDP2 reduce-scatters on every rank together.
+            backward(loss * 0.0)
+            continue
         backward(loss)  # normalised for the accumulation as TRL does (grpo.py)
-        unit_metrics.append(m)
-    # A micro-batch's pieces: their loss terms add up to the micro-batch's.
-    if len(unit) == 1:
-        return unit_metrics[0]
-    return _merge(unit_metrics, [float(mb.num_tokens) for mb in unit], add=_LOSS_METRICS)
+        piece_metrics.append((m, mb.num_tokens))
+    return piece_metrics
+
+
+def _unit_metrics(pieces: list[tuple[dict[str, float], int]]) -> tuple[dict[str, float], float]:
+    """A micro-batch's loss metrics and completion tokens from its pieces' (on any rank): their
+    loss terms add up to the micro-batch's, the rest are token-weighted means."""
+    tokens = float(sum(n for _, n in pieces))
+    if len(pieces) == 1:
+        return pieces[0][0], tokens
+    metrics = _merge([m for m, _ in pieces], [float(n) for _, n in pieces], add=_LOSS_METRICS)
+    return metrics, tokens
 
 
 def _token_weighted_kl(step_kl: list[tuple[float, float]]) -> float:
@@ -496,7 +575,12 @@ def policy_update(
         return _zero_gradient_update(
             optimizer, scheduler, batch, settings, clip_grad_norm, on_microbatch_done
         )
-    plan = _plan(batch, settings, pad_token_id, device)
+    rank, world_size = rank_and_world()
+    if world_size > 1:
+        sum_gradients_over_ranks(model)
+        plan = _rank_plan(batch, settings, pad_token_id, device, rank, world_size)
+    else:
+        plan = _plan(batch, settings, pad_token_id, device)
     old_logprobs, ref_logprobs = _frozen_logprobs(model, ref_model, plan, settings, autocast)
 
     model.train()
@@ -505,34 +589,42 @@ def policy_update(
     grad_norms: list[float] = []
     skipped = 0
     index = 0  # of the next piece in plan.pieces
-    tokens_in_batch = sum(mb.num_tokens for mb in plan.pieces)
     for step in plan.steps:
         loss_config = settings.loss
         if kl_control is not None:
             loss_config = replace(settings.loss, kl_coef=kl_control.value)
-        step_kl: list[tuple[float, float]] = []  # (kl, tokens) per micro-batch
+        step_pieces: list[list[tuple[dict[str, float], int]]] = []  # per micro-batch, run here
         for unit in step:
-            m = _train_microbatch(
+            pieces = _train_microbatch(
                 model,
                 unit,
                 old_logprobs[index : index + len(unit)],
                 ref_logprobs[index : index + len(unit)],
                 loss_config,
                 settings,
-                tokens_in_batch=tokens_in_batch,
+                tokens_in_batch=plan.tokens_in_batch,
                 accumulation_steps=len(step),
                 steps_per_generation=len(plan.units),
                 backward=backward,
                 autocast=autocast,
             )
             index += len(unit)
+            step_pieces.append(pieces)
+            if on_microbatch_done is not None:
+                on_microbatch_done()
+        if world_size > 1:
+            # Every rank's pieces of each micro-batch, merged as one rank merges its own: the
+            # metrics (and the KL the controller adapts to, on every rank alike) are the
+            # 1-rank run's.
+            ranks = all_gather(step_pieces)
+            step_pieces = [[p for r in ranks for p in r[u]] for u in range(len(step))]
+        step_kl: list[tuple[float, float]] = []  # (kl, tokens) per micro-batch
+        for pieces in step_pieces:
+            m, tokens = _unit_metrics(pieces)
             metrics.append(m)
-            tokens = float(sum(mb.num_tokens for mb in unit))
             weights.append(tokens)
             if "kl" in m:
                 step_kl.append((m["kl"], tokens))
-            if on_microbatch_done is not None:
-                on_microbatch_done()
         grad_norm = _optimizer_step(optimizer, scheduler, clip_grad_norm, settings.grad_clip)
         if math.isfinite(grad_norm):
             grad_norms.append(grad_norm)
