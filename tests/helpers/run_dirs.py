@@ -27,8 +27,10 @@ TINY_RUN = [
 ]
 
 
-def grail_train(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`grail-train ARGS` from the repository root, its output captured."""
+def grail_train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`grail-train ARGS` from the repository root, its output captured. The timeout bounds a
+    hang, not a speed: an 80-iteration run (~30 s idle) took over 120 s on a 2-core machine
+    running three other test processes."""
     return subprocess.run(
         [sys.executable, "-m", "grail.train.cli", *args],
         capture_output=True,
