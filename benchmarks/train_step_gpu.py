@@ -205,7 +205,7 @@ class Layout:
 
 
 def padded_layout(micro_batches: Sequence[Sequence[tuple[list[int], Any]]], shared: bool) -> Layout:
-    """The body's forward passes of padded micro-batches (grail.train.update.completion_logits):
+    """The body's forward passes of padded micro-batches (grail.train.microbatch.completion_logits):
     with `shared`, each distinct prompt once, left-padded to the longest, then every completion
     but its last token, right-padded to the longest minus one, on the prompt's cache; without
     (gradient checkpointing), every row in full, prompt then completion, each padded."""
@@ -327,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     from grail.models.loading import load_model
     from grail.models.packed_attention import use_packed_sdpa
     from grail.models.tiny import build_random_qwen2
+    from grail.train.microbatch import microbatches
     from grail.train.packing import decoder_and_head, resolve_micro_batch_tokens
-    from grail.train.update import UpdateSettings, microbatches, policy_update
+    from grail.train.update import UpdateSettings, policy_update
 
     if args.threads:
         torch.set_num_threads(args.threads)

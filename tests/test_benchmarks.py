@@ -457,8 +457,9 @@ def test_train_step_layout_counts_the_slots_the_update_runs(
     shared prompts (padded), every row in full (gradient checkpointing), packed pieces."""
     from grail.algo.grpo import GRPOLossConfig
     from grail.models.loading import load_model
+    from grail.train.microbatch import microbatches
     from grail.train.packing import decoder_and_head
-    from grail.train.update import UpdateSettings, microbatches, policy_update
+    from grail.train.update import UpdateSettings, policy_update
 
     torch.manual_seed(0)
     model = load_model(str(tiny_model_dir))

@@ -17,6 +17,7 @@ from grail.models.loading import load_model
 from grail.models.lora import AdapterOff, with_new_adapter
 from grail.models.packed_attention import PACKED_SDPA, packed_sdpa_enabled, use_packed_sdpa
 from grail.rollouts.batch import Group, RolloutBatch, Sample
+from grail.train.microbatch import microbatch_pieces, microbatches, policy_logprobs
 from grail.train.packing import (
     DEFAULT_CUDA_MICRO_BATCH_TOKENS,
     packed_logprobs,
@@ -24,13 +25,7 @@ from grail.train.packing import (
     resolve_micro_batch_tokens,
     split_by_tokens,
 )
-from grail.train.update import (
-    UpdateSettings,
-    microbatch_pieces,
-    microbatches,
-    policy_logprobs,
-    policy_update,
-)
+from grail.train.update import UpdateSettings, policy_update
 
 
 def _sample(ids: list[int], advantage: float, gen: torch.Generator) -> Sample:

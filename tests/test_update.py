@@ -14,14 +14,9 @@ from grail.algo.grpo import GRPOLossConfig, token_logprobs
 from grail.envs.base import Problem
 from grail.models.loading import load_model
 from grail.rollouts.batch import Group, RolloutBatch, Sample
-from grail.train import update
-from grail.train.update import (
-    UpdateSettings,
-    completion_logits,
-    microbatches,
-    pack_microbatch,
-    policy_update,
-)
+from grail.train import microbatch, update
+from grail.train.microbatch import completion_logits, microbatches, pack_microbatch
+from grail.train.update import UpdateSettings, policy_update
 
 
 def _sample(ids: list[int], logprobs: list[float], advantage: float) -> Sample:
@@ -172,11 +167,11 @@ def test_old_logprobs_cost_one_forward_per_micro_batch_after_the_first_step(
     model = load_model(tiny_model_dir)
     forwards: list[bool] = []  # grad enabled?, one per completion_logits call
 
-    def counted(m: torch.nn.Module, mb: update.MicroBatch) -> Tensor:
+    def counted(m: torch.nn.Module, mb: microbatch.MicroBatch) -> Tensor:
         forwards.append(torch.is_grad_enabled())
         return completion_logits(m, mb)
 
-    monkeypatch.setattr(update, "completion_logits", counted)
+    monkeypatch.setattr(microbatch, "completion_logits", counted)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     settings = _dapo_settings(grad_accum_steps=grad_accum)

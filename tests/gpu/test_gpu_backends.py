@@ -26,13 +26,14 @@ import pytest
 import torch
 from gpu_helpers import require_package
 
+from grail.algo.logprobs import token_logprobs
 from grail.envs import make_env
 from grail.inference.backends import make_server_manager
 from grail.inference.client import FINISH_REASONS, Completion, CompletionClient, SamplingParams
 from grail.models.loading import load_model, load_tokenizer
 from grail.rollouts.batch import Sample
 from grail.rollouts.generation import render_prompt_ids
-from grail.train.update import completion_logits, pack_microbatch, token_logprobs
+from grail.train.microbatch import completion_logits, pack_microbatch
 
 LOGIT_STD = 4.0
 TEMPERATURE = 0.7
