@@ -31,7 +31,7 @@ micro-batch's tokens need a bigger `--batch-size`), `accelerator.autocast` is pa
 trainer passes it, `--compile` compiles the transformer body as `train.compile` does, and
 `--gradient-checkpointing` is `model.gradient_checkpointing`. Gradient accumulation covers the
 whole batch, so one update is one optimizer step. Attention is what grail-train runs: packed
-pieces without `--compile` attend per sample (grail/models/packed_attention.py), else sdpa;
+pieces attend per sample (grail/models/packed_attention.py), compiled or not, else sdpa;
 `--attn-implementation` overrides it as a diagnostic (`sdpa`: the dense block-diagonal mask of
 packed pieces, as before packed sdpa); `--threads` sets torch's CPU threads.
 
@@ -271,8 +271,8 @@ def _parser() -> argparse.ArgumentParser:
         "--attn-implementation",
         default=None,
         help="transformers attention (sdpa, flex_attention, flash_attention_2, eager); default: "
-        "what grail-train runs (packed sdpa, sdpa per sample, for packed pieces without "
-        "--compile; sdpa otherwise); sdpa here gives packed pieces the dense block-diagonal mask",
+        "what grail-train runs (packed sdpa, sdpa per sample, for packed pieces; sdpa "
+        "otherwise); sdpa here gives packed pieces the dense block-diagonal mask",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = resolve_micro_batch_tokens(args.micro_batch_tokens, torch.device(args.device))
     if args.attn_implementation:
         model.set_attn_implementation(args.attn_implementation)
-    elif budget and not args.compile:
+    elif budget:
         use_packed_sdpa(model)  # as the trainer does (grail/train/trainer.py)
     model = model.to(device)
     # As the trainer does (grail/train/trainer.py): compile the body, then checkpointing.

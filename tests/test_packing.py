@@ -20,6 +20,7 @@ from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train.microbatch import microbatch_pieces, microbatches, policy_logprobs
 from grail.train.packing import (
     DEFAULT_CUDA_MICRO_BATCH_TOKENS,
+    decoder_and_head,
     packed_logprobs,
     packed_row,
     resolve_micro_batch_tokens,
@@ -264,3 +265,29 @@ def test_packed_sdpa_leaves_other_attentions_and_refuses_lengths_that_do_not_fit
             position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
             segment_lengths=(3, 4),
         )
+
+
+def test_a_compiled_body_attends_per_sample_without_recompiling_for_new_lengths(
+    tiny_model_dir: Path,
+) -> None:
+    """train.compile with packed pieces: the samples' lengths reach the per-sample attention as
+    data, so after the first batches (static, then dynamic shapes) rows of new lengths and sample
+    counts run without compiling again, with the eager model's log-probs."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    eager = load_model(tiny_model_dir).eval()
+    compiled = load_model(tiny_model_dir).eval()
+    for model in (eager, compiled):
+        assert use_packed_sdpa(model)
+    decoder_and_head(compiled)[0].compile()
+    graphs = []
+    for seed in range(6):
+        group = _batch(1, 2 + seed % 3, seed=seed).groups[0]
+        row = packed_row([(group.prompt_ids, s) for s in group.samples], torch.device("cpu"))
+        with torch.no_grad():
+            got, _ = packed_logprobs(compiled, row, 1.0)
+            want, _ = packed_logprobs(eager, row, 1.0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[5] == graphs[4] == graphs[3] == graphs[2] > 0, graphs

@@ -180,14 +180,14 @@ def test_adaptive_kl_adapts_after_each_step_is_recorded_and_resumes(tmp_path: Pa
 
 @pytest.mark.parametrize(
     ("tokens", "compile_body", "want"),
-    [(0, False, "sdpa"), (64, False, "grail_packed_sdpa"), (64, True, "sdpa")],
+    [(0, False, "sdpa"), (64, False, "grail_packed_sdpa"), (64, True, "grail_packed_sdpa")],
 )
-def test_packed_pieces_attend_per_sample_unless_the_body_is_compiled(
+def test_packed_pieces_attend_per_sample_compiled_or_not(
     tokens: int, compile_body: bool, want: str
 ) -> None:
     """train.micro_batch_tokens > 0 switches policy and reference from sdpa's dense
-    block-diagonal mask to sdpa per sample (grail/models/packed_attention.py); a compiled body
-    keeps sdpa (the samples' lengths, new every batch, would recompile it)."""
+    block-diagonal mask to sdpa per sample (grail/models/packed_attention.py), also with a
+    compiled body (the samples' lengths reach it as data, tests/test_packing.py)."""
     cfg = _config()
     cfg.train.micro_batch_tokens = tokens
     cfg.train.compile = compile_body

@@ -44,14 +44,24 @@ def _per_sample(
     query: torch.Tensor,  # [1, heads, T, head_dim]
     key: torch.Tensor,  # [1, kv_heads, T, head_dim]
     value: torch.Tensor,
-    segment_lengths: Sequence[int],
+    segment_lengths: Sequence[int] | torch.Tensor,
     **kwargs: Any,
 ) -> torch.Tensor:
+    lengths = (
+        segment_lengths.tolist()
+        if isinstance(segment_lengths, torch.Tensor)
+        else [int(n) for n in segment_lengths]
+    )
+    if sum(lengths) != query.shape[2]:
+        raise ValueError(
+            f"segment_lengths sum to {sum(lengths)} for a row of {query.shape[2]} tokens: a "
+            "packed row's samples' lengths add up to its length"
+        )
     # Not cuDNN's attention, torch's first choice on Hopper: it builds an execution plan for each
     # new sequence length, ~2.3 ms of CPU per call and again for its backward, and every sample's
     # length is new (measured on an H200: 7.0 of an update's 9.2 CPU seconds, docs/benchmarks.md).
     with sdpa_kernel(_BACKENDS) if query.is_cuda else contextlib.nullcontext():
-        return _attend(module, query, key, value, segment_lengths, **kwargs)
+        return _attend(module, query, key, value, lengths, **kwargs)
 
 
 def _attend(
@@ -82,18 +92,17 @@ def packed_sdpa_forward(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    segment_lengths: Sequence[int] | None = None,
+    segment_lengths: Sequence[int] | torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; `segment_lengths` (the samples' lengths in
-    row order, summing to T) makes it attend per sample and ignore the mask."""
+    row order, summing to T) makes it attend per sample and ignore the mask. As a (CPU) tensor
+    the lengths are data to a compiled body, not constants that recompile it at every batch."""
     if segment_lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if query.shape[0] != 1 or sum(segment_lengths) != query.shape[2]:
+    if query.shape[0] != 1:
         raise ValueError(
-            f"segment_lengths sum to {sum(segment_lengths)} for a batch of {query.shape[0]} "
-            f"rows of {query.shape[2]} tokens: a packed row is one row, its samples' lengths "
-            "adding up to its length"
+            f"segment_lengths given for a batch of {query.shape[0]} rows: a packed row is one row"
         )
     for name in ("is_causal", "position_ids"):  # per sample: causal, positions already applied
         kwargs.pop(name, None)

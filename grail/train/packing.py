@@ -218,7 +218,13 @@ def _packed_logprobs(
     decoder, head, context = decoder_and_head(model)
     # With packed sdpa (grail/models/packed_attention.py) each sample attends alone, told by
     # its length; other attentions read the samples from the position ids.
-    per_sample = {"segment_lengths": row.segment_lengths} if packed_sdpa_enabled(decoder) else {}
+    # The lengths as a tensor: data to a compiled body (train.compile), where a tuple of ints
+    # would be constants it recompiles for at every batch.
+    per_sample = (
+        {"segment_lengths": torch.tensor(row.segment_lengths)}
+        if packed_sdpa_enabled(decoder)
+        else {}
+    )
     with context, autocast():
         hidden = decoder(
             input_ids=row.input_ids,

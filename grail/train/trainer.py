@@ -163,9 +163,9 @@ class Trainer:
             )
         packed = resolve_micro_batch_tokens(cfg.train.micro_batch_tokens, device) > 0
         # Packed pieces attend per sample (grail/models/packed_attention.py) rather than through
-        # sdpa's dense block-diagonal mask. Not under compile: the samples' lengths, different
-        # every batch, would make the compiled body recompile.
-        per_sample = packed and not cfg.train.compile
+        # sdpa's dense block-diagonal mask, compiled body or not: the samples' lengths reach the
+        # attention as data, so a compiled body recompiles once for dynamic shapes, not per batch.
+        per_sample = packed
         if per_sample:
             use_packed_sdpa(model)
         if cfg.train.compile:
