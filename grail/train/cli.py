@@ -187,10 +187,36 @@ def _train(config: Config, run_dir: Path, resume: Resume | None = None) -> None:
         # Before torch's first tensor operation, when torch and MKL read them (the server child
         # gets them in its environment); setup_torch checks that torch took them.
         apply_reproducible_env(os.environ)
+    if config.train.processes > 1:  # N ranks, this process their agent (distributed.py)
+        from grail.train.distributed import launch
+
+        files = _log_files()
+        try:
+            launch(config, run_dir, resume, files[0].baseFilename if files else None)
+        except UserError as exc:  # a rank failed: rank 0 could not write summary.json
+            _failed_summary(config, run_dir, exc)
+            command = resume_command(run_dir.absolute())
+            raise type(exc)(f"{exc}; to continue from the newest checkpoint: {command}") from exc
+        return
     # Imported here so that `--help` and config errors answer before torch and transformers load.
     from grail.train.loop import run
 
     run(config, run_dir, resume)
+
+
+def _failed_summary(config: Config, run_dir: Path, exc: BaseException) -> None:
+    from grail.train.loop import config_record
+
+    try:
+        write_summary(
+            run_dir,
+            0.0,
+            error=exc,
+            environment=config.data.environment,
+            config=config_record(config),
+        )
+    except OSError as unwritten:  # a full disk, say: the error that stopped the run matters
+        log.warning("summary.json not written: %s", unwritten)
 
 
 def preflight(config: Config, env_group: str | None = None) -> None:
@@ -262,24 +288,35 @@ def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume |
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         preflight(config, _env_choice(hydra_cfg, run_dir, resume))
         _train(config, run_dir, resume)
-    except ConfigError as exc:
-        _report(f"invalid configuration: {exc}", exc)
-        sys.exit(2)
-    except DiskFullError as exc:
-        # What was being written is discarded, what was written before is intact (the newest
-        # checkpoint and its metrics): the run goes on from there once there is space.
-        command = resume_command(run_dir.absolute())
-        _report(str(exc), exc, f"; free some space, then continue the run: {command}")
-        sys.exit(1)
     except UserError as exc:
-        _report(str(exc), exc)
-        sys.exit(1)
+        code = report_run_error(exc, run_dir)
+        assert code is not None
+        sys.exit(code)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         # The run's files are consistent at any moment (see grail/train/loop.py): what was
         # checkpointed is kept, so the useful answer is how to continue, not where it stopped.
         command = resume_command(run_dir.absolute())
         _report(interrupt_message(exc), exc, f"; to continue from the newest checkpoint: {command}")
         sys.exit(interrupt_exit_code(exc))
+
+
+def report_run_error(exc: BaseException, run_dir: Path) -> int | None:
+    """Report a known user error of a run as one line (the traceback in the log file) and return
+    the exit code it ends the run with; None for any other exception (which keeps its traceback).
+    Also what rank 0 of a multi-process run reports its errors with (grail/train/distributed.py)."""
+    if isinstance(exc, ConfigError):
+        _report(f"invalid configuration: {exc}", exc)
+        return 2
+    if isinstance(exc, DiskFullError):
+        # What was being written is discarded, what was written before is intact (the newest
+        # checkpoint and its metrics): the run goes on from there once there is space.
+        command = resume_command(run_dir.absolute())
+        _report(str(exc), exc, f"; free some space, then continue the run: {command}")
+        return 1
+    if isinstance(exc, UserError):
+        _report(str(exc), exc)
+        return 1
+    return None
 
 
 def _env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | None:

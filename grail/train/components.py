@@ -47,8 +47,13 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     """Everything a run's loop works with, built from `cfg`."""
     env, eval_env = make_envs(cfg)
     extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
-    accelerator = setup_torch(cfg)
-    trainer = Trainer(cfg, accelerator, resume_from)
+    trainer: Trainer
+    if cfg.train.processes > 1:  # rank 0 of a sharded run: the others build theirs with it
+        from grail.train.distributed import driver_trainer
+
+        trainer = driver_trainer(cfg, resume_from)
+    else:
+        trainer = Trainer(cfg, setup_torch(cfg), resume_from)
 
     # The server starts from exactly the trainer's weights, saved where later syncs go.
     weights_dir = run_dir / "weights"

@@ -181,6 +181,7 @@ def run_iterations(
             record = iteration_record(
                 iteration, rollouts, train_metrics, sync, lr, timings, cfg.train.pipeline
             )
+            record["trainer_processes"] = cfg.train.processes
             recorder.train(record)
             if staged is not None:
                 commit_checkpoint(staged)
