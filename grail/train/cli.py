@@ -190,7 +190,7 @@ def _train(config: Config, run_dir: Path, resume: Resume | None = None) -> None:
     if config.train.processes > 1:  # N ranks, this process their agent (distributed.py)
         from grail.train.distributed import launch
 
-        files = _log_files()
+        files = log_files()
         try:
             launch(config, run_dir, resume, files[0].baseFilename if files else None)
         except UserError as exc:  # a rank failed: rank 0 could not write summary.json
@@ -254,7 +254,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
                 raise ConfigError(f"model.{key}: {exc}") from exc
 
 
-def _log_files() -> list[logging.FileHandler]:
+def log_files() -> list[logging.FileHandler]:
     """The handlers writing the run's log file (Hydra's `RUN_DIR/<job>.log`)."""
     handlers = logging.getLogger().handlers
     return [
@@ -265,7 +265,7 @@ def _log_files() -> list[logging.FileHandler]:
 def _report(message: str, exc: BaseException, then: str = "") -> None:
     """`message` and `then` as one line on the console (and in the log file); the traceback of
     `exc` in the log file only, where a user who wants the details finds them."""
-    files = _log_files()
+    files = log_files()
     where = f" (details: {files[0].baseFilename})" if files else ""
     log.error("%s%s%s", message, where, then)
     record = log.makeRecord(

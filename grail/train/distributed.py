@@ -419,8 +419,14 @@ def launch(cfg: Config, run_dir: Path, resume: Resume | None, log_file: str | No
 
     from grail.train.cli import Terminated
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # its INFO lines and failure tables
+    # Their INFO lines, and the failure tables with a rank's traceback, which `raise_failure`
+    # puts in the run's log file: the console gets one line.
+    for name in (
+        "torch.distributed.elastic",
+        "torch.distributed.launcher",
+        "torch.multiprocessing",
+    ):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -460,6 +466,7 @@ def raise_failure(exc: Any) -> None:
         if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
             raise Terminated(code - 128)  # someone signalled rank 0 itself
         sys.exit(code)  # rank 0 reported its own error
+    _details_to_log_file(rank, failure)
     if code < 0:
         cause = f"killed by {signal.Signals(-code).name}"
     else:
@@ -474,3 +481,15 @@ def _error_message(failure: Any) -> str:
         message = message.get("message", "")
     lines = [line for line in str(message or "").splitlines() if line.strip()]
     return lines[-1].strip() if lines else ""
+
+
+def _details_to_log_file(rank: int, failure: Any) -> None:
+    """The failed rank's traceback (as the agent recorded it) into the run's log file only."""
+    from grail.train.cli import log_files
+
+    text = failure.message if isinstance(failure.message, str) else str(failure.message)
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, "trainer rank %d: %s", (rank, text), None
+    )
+    for handler in log_files():
+        handler.handle(record)
