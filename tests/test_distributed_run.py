@@ -154,3 +154,32 @@ def logged_at(line: str) -> float:
     """The time of a log line (`[2026-11-26 03:53:02,050][...`), in seconds."""
     stamp = line[1 : line.index("]")]
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_ctrl_c_stops_every_rank_and_prints_the_resume_command(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grail.train.cli", f"hydra.run.dir={tmp_path}", *SMALL]
+        + ["train.iterations=5", "eval.enabled=false", *TWO],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "iter 000:" in line:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process
+            break
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("grail-train did not stop within 60 s of Ctrl-C")
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out[-3000:]
+    assert_session_empty(proc.pid, out)
+    errors = error_lines(out)
+    assert len(errors) == 1 and "interrupted" in errors[0] and "resume=true" in errors[0], out

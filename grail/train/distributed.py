@@ -421,12 +421,11 @@ def launch(cfg: Config, run_dir: Path, resume: Resume | None, log_file: str | No
 
     # Their INFO lines, and the failure tables with a rank's traceback, which `raise_failure`
     # puts in the run's log file: the console gets one line.
-    for name in (
-        "torch.distributed.elastic",
-        "torch.distributed.launcher",
-        "torch.multiprocessing",
-    ):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torch's modules set their loggers' levels themselves: each one, not only the parents.
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*prefixes, *logging.Logger.manager.loggerDict]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
