@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -70,6 +69,15 @@ from grail.study.sweep import (
     launcher_shares_machine,
     resource_overrides,
 )
+from grail.train.reporting import (
+    interrupt_exit_code,
+    interrupt_message,
+    interrupt_on_sigterm,
+    log_files,
+    report_run_error,
+    resume_command,
+)
+from grail.train.reporting import report as _report
 from grail.train.resume import Resume, plan_resume, saved_choices
 
 ConfigStore.instance().store(name="offline_grpo_schema", node=Config)
@@ -125,29 +133,6 @@ OmegaConf.register_new_resolver("grail_gpus", visible_gpus, replace=True)
 # interpreter would otherwise wait for it forever. The cleanup that matters (stopping the server,
 # the resume hint) has happened by then; exiting normally takes well under a second.
 EXIT_GRACE_S = 5.0
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, which SLURM, `timeout` and process managers send to stop a job, as an interrupt:
-    it stops the run exactly as Ctrl-C does (every context manager's cleanup runs, the inference
-    server is stopped, the resume command is printed), exiting with 128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def interrupt_on_sigterm(signum: int, _frame: object) -> None:
-    raise Terminated(signum)
-
-
-def interrupt_exit_code(exc: KeyboardInterrupt) -> int:
-    """130 after Ctrl-C (128 + SIGINT), 143 after SIGTERM."""
-    return 128 + (exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT))
-
-
-def interrupt_message(exc: KeyboardInterrupt) -> str:
-    return f"stopped by {exc.args[0]}" if isinstance(exc, Terminated) else "interrupted"
 
 
 def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
@@ -254,33 +239,6 @@ def preflight(config: Config, env_group: str | None = None) -> None:
                 raise ConfigError(f"model.{key}: {exc}") from exc
 
 
-def log_files() -> list[logging.FileHandler]:
-    """The handlers writing the run's log file (Hydra's `RUN_DIR/<job>.log`)."""
-    handlers = logging.getLogger().handlers
-    return [
-        h for h in handlers if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull
-    ]
-
-
-def _report(message: str, exc: BaseException, then: str = "") -> None:
-    """`message` and `then` as one line on the console (and in the log file); the traceback of
-    `exc` in the log file only, where a user who wants the details finds them."""
-    files = log_files()
-    where = f" (details: {files[0].baseFilename})" if files else ""
-    log.error("%s%s%s", message, where, then)
-    record = log.makeRecord(
-        log.name, logging.ERROR, __file__, 0, "traceback:", (), (type(exc), exc, exc.__traceback__)
-    )
-    for handler in files:
-        handler.handle(record)
-
-
-def resume_command(run_dir: Path) -> str:
-    """The command that continues the run in `run_dir`: a resume takes the run's saved config
-    (grail/train/resume.py), so no override is needed."""
-    return shlex.join(["uv", "run", "grail-train", "resume=true", f"hydra.run.dir={run_dir}"])
-
-
 def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None) -> None:
     """One run. A failure after the run claimed its directory writes summary.json with its error
     (grail/train/loop.py); a configuration error (exit 2) writes nothing: nothing started."""
@@ -298,25 +256,6 @@ def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume |
         command = resume_command(run_dir.absolute())
         _report(interrupt_message(exc), exc, f"; to continue from the newest checkpoint: {command}")
         sys.exit(interrupt_exit_code(exc))
-
-
-def report_run_error(exc: BaseException, run_dir: Path) -> int | None:
-    """Report a known user error of a run as one line (the traceback in the log file) and return
-    the exit code it ends the run with; None for any other exception (which keeps its traceback).
-    Also what rank 0 of a multi-process run reports its errors with (grail/train/distributed.py)."""
-    if isinstance(exc, ConfigError):
-        _report(f"invalid configuration: {exc}", exc)
-        return 2
-    if isinstance(exc, DiskFullError):
-        # What was being written is discarded, what was written before is intact (the newest
-        # checkpoint and its metrics): the run goes on from there once there is space.
-        command = resume_command(run_dir.absolute())
-        _report(str(exc), exc, f"; free some space, then continue the run: {command}")
-        return 1
-    if isinstance(exc, UserError):
-        _report(str(exc), exc)
-        return 1
-    return None
 
 
 def _env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | None:

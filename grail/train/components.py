@@ -49,7 +49,7 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
     trainer: Trainer
     if cfg.train.processes > 1:  # rank 0 of a sharded run: the others build theirs with it
-        from grail.train.distributed import driver_trainer
+        from grail.train.sharded import driver_trainer
 
         trainer = driver_trainer(cfg, resume_from)
     else:
