@@ -2,7 +2,7 @@
 and set GRAIL_TEST_RANK_FAULT=RANK:ACTION:N, and rank RANK's N-th policy update raises a
 RuntimeError (ACTION=raise) or SIGKILLs its own process (ACTION=kill), as a crash or the OOM
 killer would. Python imports `sitecustomize` at the start of every process (grail-train, its
-ranks, the inference server); only grail.train.distributed is patched, when it is imported."""
+ranks, the inference server); only grail.train.sharded is patched, when it is imported."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 _SPEC = os.environ.get("GRAIL_TEST_RANK_FAULT")
-_MODULE = "grail.train.distributed"
+_MODULE = "grail.train.sharded"
 
 
 def _install(module: Any) -> None:
