@@ -136,6 +136,13 @@ class TrainConfig:
     # iteration i's update) while iteration i trains; importance sampling (is_correction) corrects
     # the lag.
     pipeline: bool = False
+    # Trainer processes (ranks): 1 trains in grail-train's own process; N > 1 starts N ranks with
+    # torch's elastic launcher (gloo on CPU, one NCCL rank per training GPU), the model sharded
+    # with FSDP2, rank 0 driving the loop (grail/train/distributed.py). None: one per GPU of
+    # gpu.training_gpus, else 1 (grail.core.placement.trainer_processes).
+    processes: int | None = None
+    # How long a rank waits in one collective (a command from rank 0 included) before it fails.
+    collective_timeout_s: float = 1800.0
     tis_cap: float | None = None  # removed: is_correction/is_clip_max (validate names them)
 
 

@@ -234,6 +234,12 @@ def _check_visible(gpu: GpuConfig, layout: GpuLayout, processes: int | None, vis
             )
 
 
+def trainer_processes(gpu: GpuConfig, processes: int | None) -> int:
+    """How many trainer ranks a run has: `train.processes`, or unset one per GPU of
+    `gpu.training_gpus`, else 1."""
+    return len(gpu_layout(gpu, processes).trainer)
+
+
 def trainer_devices(gpu: GpuConfig, processes: int | None, visible: int) -> list[int]:
     """CUDA index of each trainer rank (rank r on element r), checked against the `visible` GPUs
     this process sees; [] on a CPU machine (visible 0), where the ranks run on CPU. Raises

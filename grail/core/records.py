@@ -150,6 +150,22 @@ def run_lock(run_dir: Path) -> Iterator[None]:
             os.close(fd)  # closing the last descriptor of the file releases the lock
 
 
+@contextlib.contextmanager
+def held_for_the_ranks(run_dir: Path) -> Iterator[None]:
+    """Rank 0 of a multi-process run (grail/train/distributed.py) writes into `run_dir` under the
+    lock grail-train's process, which launched the ranks and outlives them, holds: `run_lock`
+    inside this block takes that lock as held. An open of the lock file that takes no lock of its
+    own (closing it releases nothing: flock belongs to the holder's open file)."""
+    key = Path(os.path.abspath(run_dir))
+    fd = os.open(key / LOCK_FILE, os.O_RDONLY)
+    _held[key] = (fd, 1)
+    try:
+        yield
+    finally:
+        _held.pop(key, None)
+        os.close(fd)
+
+
 def _now() -> str:
     """Local time with its UTC offset, to the second."""
     return datetime.now().astimezone().isoformat(timespec="seconds")
@@ -366,6 +382,13 @@ def run_summary(
         summary["environment"] = environment
     if config is not None:
         summary["config"] = without_secrets(config)
+        # What ran, as the iterations recorded it; before any, what the config asks for
+        # (train.processes, else one per gpu.training_gpus: grail.core.placement).
+        train, gpu = config.get("train") or {}, config.get("gpu") or {}
+        asked = train.get("processes") or len(gpu.get("training_gpus") or ()) or 1
+        summary["trainer_processes"] = (
+            trains[-1].get("trainer_processes", asked) if trains else asked
+        )
     return summary
 
 

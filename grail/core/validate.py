@@ -203,6 +203,9 @@ def validate_train(cfg: Config) -> None:
             "train.micro_batch_tokens must be >= 0 (0: off) or null (4096 on CUDA, 0 on CPU), "
             f"got {t.micro_batch_tokens}"
         )
+    if t.processes is not None and t.processes < 1:
+        raise ConfigError(f"train.processes must be >= 1, got {t.processes}")
+    _positive("train.collective_timeout_s", t.collective_timeout_s)
     for key in ("kl_coef", "entropy_coef", "warmup_steps", "weight_decay"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")

@@ -113,7 +113,12 @@ def base_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     `...q_proj.base_layer.weight`, and a module of `modules_to_save` as
     `...norm.original_module.weight` beside its trained copy): what the inference server starts
     from. No copy is made."""
-    state = model.get_base_model().state_dict()
+    return base_weights(model.get_base_model().state_dict())
+
+
+def base_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`base_state_dict` of a base model's state dict (`get_base_model().state_dict()`, or the
+    same gathered from the shards of a multi-process run)."""
     return {
         name.replace(".base_layer.", ".").replace(".original_module.", "."): tensor
         for name, tensor in state.items()

@@ -30,6 +30,7 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -109,10 +110,13 @@ def stage_checkpoint(
     tokenizer: Any,
     trainer_state: dict[str, Any],
     source_state: dict[str, Any] | None = None,
+    write_more: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write checkpoint `iter_XXX` into a hidden temporary directory; `commit_checkpoint` publishes
     it. Between the two the caller writes the iteration's metrics, so a committed checkpoint
-    always has its metrics beside it. `source_state`: the rollout source's (JSON-able)."""
+    always has its metrics beside it. `source_state`: the rollout source's (JSON-able);
+    `write_more(directory)` writes further files before the manifest seals them (a multi-process
+    run's sharded optimizer state)."""
     tmp = checkpoints_dir / f".{iteration_name(iteration)}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -126,6 +130,8 @@ def stage_checkpoint(
             if source_state:
                 # NaN and infinities allowed: a -inf log-probability must round-trip.
                 atomic_write_text(tmp / SOURCE_STATE_FILE, json.dumps(source_state) + "\n")
+            if write_more is not None:
+                write_more(tmp)
             follow_umask(tmp)
             _seal(tmp)
     except BaseException:  # Ctrl-C or a full disk mid-write: leave nothing half-written behind

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -48,9 +47,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from grail.core.choices import GpuStrategy
 from grail.core.config import Config
 from grail.core.errors import ConfigError, DiskFullError, UserError
-from grail.core.placement import available_cores, prefer_passive_openmp
+from grail.core.placement import (
+    GpuConfig,
+    available_cores,
+    prefer_passive_openmp,
+    trainer_devices,
+    trainer_processes,
+)
 from grail.core.records import (
     SUMMARY,
     RunDirLocked,
@@ -61,6 +67,7 @@ from grail.core.records import (
 from grail.core.reproducible import apply_reproducible_env
 from grail.core.validate import validate
 from grail.study.sweep import (
+    RESOURCE_KEYS,
     Action,
     SweepError,
     assign_resources,
@@ -69,7 +76,17 @@ from grail.study.sweep import (
     explicit_keys,
     launcher_shares_machine,
     resource_overrides,
+    run_shape,
 )
+from grail.train.reporting import (
+    interrupt_exit_code,
+    interrupt_message,
+    interrupt_on_sigterm,
+    log_files,
+    report_run_error,
+    resume_command,
+)
+from grail.train.reporting import report as _report
 from grail.train.resume import Resume, plan_resume, saved_choices
 
 ConfigStore.instance().store(name="offline_grpo_schema", node=Config)
@@ -86,15 +103,6 @@ log = logging.getLogger("grail.train")
 for _noisy in ("httpx", "httpx2", "openai"):
     logging.getLogger(_noisy).setLevel(logging.WARNING)
 
-# The config fields a sweep sets per run. Each is None unless the user set it (in a YAML file or on
-# the command line), and what the user set is left alone.
-_RESOURCE_KEYS = (
-    "train.threads",
-    "generation.server_threads",
-    "gpu.server_gpu",
-    "gpu.training_gpu",
-)
-
 
 def visible_gpus() -> int:
     """GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
@@ -105,12 +113,15 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _parallel_resolver(launcher_target: str | None, strategy: str) -> int | None:
+def _parallel_resolver(
+    launcher_target: str | None, strategy: str, processes: int | None = None
+) -> int | None:
     # Only the local launcher asks for the GPU count (and so imports torch).
     if not launcher_shares_machine(launcher_target):
         return None
+    shape = run_shape(GpuConfig(strategy=GpuStrategy(strategy)), processes)
     return default_parallel_runs(
-        launcher_target, gpus=visible_gpus(), cpus=available_cores(), strategy=strategy
+        launcher_target, gpus=visible_gpus(), cpus=available_cores(), shape=shape
     )
 
 
@@ -127,30 +138,7 @@ OmegaConf.register_new_resolver("grail_gpus", visible_gpus, replace=True)
 EXIT_GRACE_S = 5.0
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, which SLURM, `timeout` and process managers send to stop a job, as an interrupt:
-    it stops the run exactly as Ctrl-C does (every context manager's cleanup runs, the inference
-    server is stopped, the resume command is printed), exiting with 128 + the signal's number."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def interrupt_on_sigterm(signum: int, _frame: object) -> None:
-    raise Terminated(signum)
-
-
-def interrupt_exit_code(exc: KeyboardInterrupt) -> int:
-    """130 after Ctrl-C (128 + SIGINT), 143 after SIGTERM."""
-    return 128 + (exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT))
-
-
-def interrupt_message(exc: KeyboardInterrupt) -> str:
-    return f"stopped by {exc.args[0]}" if isinstance(exc, Terminated) else "interrupted"
-
-
-def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
+def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, Any]:
     """Config values that give this sweep job its share of the machine (see grail/study/sweep.py),
     leaving out every field the user set."""
     target = OmegaConf.select(hydra_cfg, "launcher._target_", default=None)
@@ -171,10 +159,12 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, int]:
         int(parallel),
         gpus=gpus,
         cpus=available_cores(),
-        strategy=str(cfg.gpu.strategy),
+        shape=run_shape(cast(GpuConfig, OmegaConf.to_object(cfg.gpu)), cfg.train.processes),
     )
-    explicit = explicit_keys(list(hydra_cfg.overrides.task), _RESOURCE_KEYS)
-    explicit |= {key for key in _RESOURCE_KEYS if OmegaConf.select(cfg, key) is not None}
+    # The fields a sweep sets per run are None unless the user set them (in a YAML file or on
+    # the command line), and what the user set is left alone.
+    explicit = explicit_keys(list(hydra_cfg.overrides.task), RESOURCE_KEYS)
+    explicit |= {key for key in RESOURCE_KEYS if OmegaConf.select(cfg, key) is not None}
     if cfg.reproducible:
         # Fixed thread counts, not this machine's share: the same seed gives the same numbers in a
         # sweep or alone, on any machine (grail/core/reproducible.py).
@@ -187,10 +177,37 @@ def _train(config: Config, run_dir: Path, resume: Resume | None = None) -> None:
         # Before torch's first tensor operation, when torch and MKL read them (the server child
         # gets them in its environment); setup_torch checks that torch took them.
         apply_reproducible_env(os.environ)
+    # N ranks, this process their agent (distributed.py)
+    if trainer_processes(config.gpu, config.train.processes) > 1:
+        from grail.train.distributed import launch
+
+        files = log_files()
+        try:
+            launch(config, run_dir, resume, files[0].baseFilename if files else None)
+        except UserError as exc:  # a rank failed: rank 0 could not write summary.json
+            _failed_summary(config, run_dir, exc)
+            command = resume_command(run_dir.absolute())
+            raise type(exc)(f"{exc}; to continue from the newest checkpoint: {command}") from exc
+        return
     # Imported here so that `--help` and config errors answer before torch and transformers load.
     from grail.train.loop import run
 
     run(config, run_dir, resume)
+
+
+def _failed_summary(config: Config, run_dir: Path, exc: BaseException) -> None:
+    from grail.train.loop import config_record
+
+    try:
+        write_summary(
+            run_dir,
+            0.0,
+            error=exc,
+            environment=config.data.environment,
+            config=config_record(config),
+        )
+    except OSError as unwritten:  # a full disk, say: the error that stopped the run matters
+        log.warning("summary.json not written: %s", unwritten)
 
 
 def preflight(config: Config, env_group: str | None = None) -> None:
@@ -204,6 +221,8 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     from grail.models.tiny import TINY_MODEL_NAME
 
     validate(config)
+    # The GPUs named for the trainer ranks and the server exist on this machine.
+    trainer_devices(config.gpu, config.train.processes, visible_gpus())
     name = config.data.environment
     factory = env_factory(name)
     if env_group in ENVIRONMENTS and env_group != name:
@@ -228,33 +247,6 @@ def preflight(config: Config, env_group: str | None = None) -> None:
                 raise ConfigError(f"model.{key}: {exc}") from exc
 
 
-def _log_files() -> list[logging.FileHandler]:
-    """The handlers writing the run's log file (Hydra's `RUN_DIR/<job>.log`)."""
-    handlers = logging.getLogger().handlers
-    return [
-        h for h in handlers if isinstance(h, logging.FileHandler) and h.baseFilename != os.devnull
-    ]
-
-
-def _report(message: str, exc: BaseException, then: str = "") -> None:
-    """`message` and `then` as one line on the console (and in the log file); the traceback of
-    `exc` in the log file only, where a user who wants the details finds them."""
-    files = _log_files()
-    where = f" (details: {files[0].baseFilename})" if files else ""
-    log.error("%s%s%s", message, where, then)
-    record = log.makeRecord(
-        log.name, logging.ERROR, __file__, 0, "traceback:", (), (type(exc), exc, exc.__traceback__)
-    )
-    for handler in files:
-        handler.handle(record)
-
-
-def resume_command(run_dir: Path) -> str:
-    """The command that continues the run in `run_dir`: a resume takes the run's saved config
-    (grail/train/resume.py), so no override is needed."""
-    return shlex.join(["uv", "run", "grail-train", "resume=true", f"hydra.run.dir={run_dir}"])
-
-
 def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None) -> None:
     """One run. A failure after the run claimed its directory writes summary.json with its error
     (grail/train/loop.py); a configuration error (exit 2) writes nothing: nothing started."""
@@ -262,18 +254,10 @@ def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume |
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         preflight(config, _env_choice(hydra_cfg, run_dir, resume))
         _train(config, run_dir, resume)
-    except ConfigError as exc:
-        _report(f"invalid configuration: {exc}", exc)
-        sys.exit(2)
-    except DiskFullError as exc:
-        # What was being written is discarded, what was written before is intact (the newest
-        # checkpoint and its metrics): the run goes on from there once there is space.
-        command = resume_command(run_dir.absolute())
-        _report(str(exc), exc, f"; free some space, then continue the run: {command}")
-        sys.exit(1)
     except UserError as exc:
-        _report(str(exc), exc)
-        sys.exit(1)
+        code = report_run_error(exc, run_dir)
+        assert code is not None
+        sys.exit(code)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
         # The run's files are consistent at any moment (see grail/train/loop.py): what was
         # checkpointed is kept, so the useful answer is how to continue, not where it stopped.

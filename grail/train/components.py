@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from grail.core.config import Config
-from grail.core.placement import cpu_threads, gpu_layout, gpu_placement
+from grail.core.placement import cpu_threads, gpu_layout, gpu_placement, trainer_processes
 from grail.core.records import without_secrets
 from grail.core.reproducible import apply_reproducible_env
 from grail.envs import Environment, env_arguments, make_env
@@ -47,8 +47,14 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     """Everything a run's loop works with, built from `cfg`."""
     env, eval_env = make_envs(cfg)
     extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
-    accelerator = setup_torch(cfg)
-    trainer = Trainer(cfg, accelerator, resume_from)
+    trainer: Trainer
+    # Rank 0 of a sharded run: the others build theirs with it.
+    if trainer_processes(cfg.gpu, cfg.train.processes) > 1:
+        from grail.train.sharded import driver_trainer
+
+        trainer = driver_trainer(cfg, resume_from)
+    else:
+        trainer = Trainer(cfg, setup_torch(cfg), resume_from)
 
     # The server starts from exactly the trainer's weights, saved where later syncs go.
     weights_dir = run_dir / "weights"

@@ -72,7 +72,8 @@ class Display:
         lines = [
             f"{summary['iterations']} iterations, {summary['tokens']['completion']} completion "
             f"tokens, {summary['wall_time_s']:.1f}s wall"
-            + (f" (the start and {resumes} resume{'s' * (resumes > 1)})" if resumes > 0 else ""),
+            + (f" (the start and {resumes} resume{'s' * (resumes > 1)})" if resumes > 0 else "")
+            + f", {summary.get('trainer_processes', 1)} trainer process(es)",
             f"run directory: {run_dir}",
             *(f"  {name:<16}{what}" for name, what in run_files(run_dir)),
         ]

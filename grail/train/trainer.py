@@ -190,6 +190,8 @@ class Trainer:
                 self.ref_model.eval().requires_grad_(False)
                 if per_sample:
                     use_packed_sdpa(self.ref_model)
+                self.ref_model = self._shard(self.ref_model)
+        model = self._shard(model)
         optimizer = torch.optim.AdamW(
             trainable_parameters(model),
             lr=cfg.train.lr,
@@ -212,7 +214,7 @@ class Trainer:
         )
         if resume_from is not None:
             state = load_trainer_state(resume_from.path)
-            optimizer.load_state_dict(state["optimizer"])
+            self._load_optimizer(model, optimizer, state, resume_from.path)
             self.scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
             self.start_iteration = state["iteration"] + 1
@@ -221,6 +223,22 @@ class Trainer:
             self.source_state = load_source_state(resume_from.path)
             log.info("resuming after iteration %d from %s", state["iteration"], resume_from.path)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+
+    def _shard(self, model: Any) -> Any:
+        """The model as this process trains it: itself here; sharded over the ranks of a
+        multi-process run (grail/train/distributed.py), before the optimizer takes its
+        parameters."""
+        return model
+
+    def _load_optimizer(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
+        checkpoint: Path,
+    ) -> None:
+        """The optimizer's state as the checkpoint resumed from holds it (in trainer_state.pt)."""
+        optimizer.load_state_dict(state["optimizer"])
 
     def _master_dtype(self, device: torch.device) -> str:
         """Full fine-tuning keeps float32 master weights. Under LoRA the base is frozen, so it

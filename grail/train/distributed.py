@@ -1,0 +1,205 @@
+"""`train.processes=N`: the trainer as N ranks under torch's elastic launcher, rank 0 driving.
+
+Where Hydra's process ends and the ranks begin: grail-train's own (Hydra) process composes and
+checks the config, claims the run directory (its lock) and then calls `launch`, which runs
+`rank_main` in N fresh processes through `torch.distributed.launcher.api.elastic_launch` (the
+launcher behind `torchrun`: a standalone c10d rendezvous on 127.0.0.1, no restarts, a short monitor
+interval), passing each the resolved `Config`, the run directory and the resume plan. The Hydra
+process stays the elastic agent: it holds the run's lock for the ranks (rank 0 writes under it,
+`held_for_the_ranks`), watches them, and turns how they ended into one line. So the config is
+composed once, Hydra's run directory and logging stay where they are, and a rank is a plain
+function of its arguments.
+
+Rank 0 runs the loop of grail/train/loop.py unchanged (rollouts from the server, evaluation,
+metrics, checkpoints, weight sync, display) with a `ShardedTrainer` (grail/train/sharded.py),
+which tells the other ranks what to do through a few typed commands; the other ranks `follow`.
+
+Faults. The agent watches the ranks: when one fails (raises, or is killed) it stops the others
+(SIGTERM, which rank 0 turns into an interrupt that stops the inference server) and raises
+`ChildFailedError`, which `launch` turns into a `RankFailed` naming the rank and its cause. A rank
+that only saw its peers go away (a collective that failed because the other side died) waits
+`LOST_GRACE_S` before it exits with `LOST_EXIT`, so that the agent sees the rank that failed
+first and names it rather than its bystander. Every collective has the process group's timeout
+(`train.collective_timeout_s`), so a rank that hangs fails the run instead of stopping it forever.
+Ctrl-C or SIGTERM to grail-train reach the agent, which passes them to every rank and waits for
+them; `launch` then raises the interrupt as a single run's, which prints the resume command.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from grail.core.config import Config
+from grail.core.errors import UserError
+from grail.core.placement import trainer_processes
+from grail.core.records import held_for_the_ranks
+from grail.train.resume import Resume
+from grail.train.sharded import PeersLost, Stop, follow, send, setup_rank
+
+log = logging.getLogger("grail.train")
+
+LOST_EXIT = 75  # a rank that ended because its peers went away (not the cause of a failure)
+LOST_GRACE_S = 3.0  # how long such a rank waits, so that the agent names the rank that failed
+MONITOR_INTERVAL_S = 0.2  # how often the agent checks its ranks
+
+
+class RankFailed(UserError, RuntimeError):
+    """A rank of a multi-process run failed: the message names it and why."""
+
+
+# ---- the ranks' processes ---------------------------------------------------------------------
+
+_LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+def _log_to(rank: int, log_file: str | None) -> None:
+    """Rank 0 logs as grail-train's process does (the console and the run's log file); the other
+    ranks their warnings, prefixed with their rank."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    fmt = _LOG_FORMAT if rank == 0 else f"[rank {rank}]{_LOG_FORMAT}"
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if log_file is not None:
+        handlers.append(logging.FileHandler(log_file))
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(fmt))
+        root.addHandler(handler)
+    for noisy in ("httpx", "httpx2", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | None) -> None:
+    """One rank (what `launch` starts N of). Rank 0 reports a known error as grail-train does
+    (one line) and exits with its code; an interrupt (the agent's SIGTERM included) exits quietly
+    with 130 or 143, `launch` says what happened. A rank whose peers went away exits
+    `LOST_EXIT` after `LOST_GRACE_S`."""
+    from grail.train.reporting import (
+        interrupt_exit_code,
+        interrupt_on_sigterm,
+        report_run_error,
+    )
+
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    rank = int(os.environ["RANK"])
+    _log_to(rank, log_file)
+    try:
+        setup_rank(cfg)
+        if rank == 0:
+            from grail.train.loop import run
+
+            with held_for_the_ranks(Path(run_dir)):
+                run(cfg, Path(run_dir), resume)
+            send(Stop())
+        else:
+            follow(cfg)
+    except PeersLost as exc:
+        log.debug("rank %d: %s", rank, exc)
+        time.sleep(LOST_GRACE_S)
+        sys.exit(LOST_EXIT)
+    except KeyboardInterrupt as exc:
+        sys.exit(interrupt_exit_code(exc))
+    except Exception as exc:
+        if rank != 0:
+            raise  # the agent records it (error file): `launch` names the rank and the error
+        code = report_run_error(exc, Path(run_dir))
+        if code is None:  # not a known user error: its traceback, as a single run shows it
+            traceback.print_exc()
+            code = 1
+        sys.exit(code)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(cfg: Config, run_dir: Path, resume: Resume | None, log_file: str | None) -> None:
+    """Run `cfg` as `train.processes` ranks (see the module docstring); returns when every rank
+    has ended. A rank that failed: `RankFailed` naming it and why, or the exit code rank 0
+    reported its own error with (`SystemExit`); an interrupt: `KeyboardInterrupt`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from grail.train.reporting import Terminated
+
+    # Their INFO lines, and the failure tables with a rank's traceback, which `raise_failure`
+    # puts in the run's log file: the console gets one line.
+    # torch's modules set their loggers' levels themselves: each one, not only the parents.
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*prefixes, *logging.Logger.manager.loggerDict]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=trainer_processes(cfg.gpu, cfg.train.processes),
+        run_id=f"grail-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # standalone: the agent hosts the store on a free port
+        max_restarts=0,
+        monitor_interval=MONITOR_INTERVAL_S,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, rank_main)(cfg, str(run_dir), resume, log_file)
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise Terminated(int(exc.sigval)) from None
+    except ChildFailedError as exc:
+        raise_failure(exc)
+
+
+def raise_failure(exc: Any) -> None:
+    """What ended a run whose rank failed (`ChildFailedError.failures`: rank -> ProcessFailure)."""
+    from grail.train.reporting import Terminated
+
+    failures = {f.local_rank: f for f in exc.failures.values()}
+    causes = {r: f for r, f in failures.items() if f.exitcode != LOST_EXIT}
+    if not causes:
+        raise RankFailed(
+            f"the {len(failures)} trainer rank(s) that ended lost contact with the others "
+            "(a rank died or a collective timed out, train.collective_timeout_s); see the log"
+        )
+    rank = min((r for r in causes if r != 0), default=0)
+    failure = causes[rank]
+    code = failure.exitcode
+    if rank == 0 and code > 0:
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            raise Terminated(code - 128)  # someone signalled rank 0 itself
+        sys.exit(code)  # rank 0 reported its own error
+    _details_to_log_file(rank, failure)
+    if code < 0:
+        cause = f"killed by {signal.Signals(-code).name}"
+    else:
+        cause = _error_message(failure) or f"exit code {code}"
+    raise RankFailed(f"trainer rank {rank} (pid {failure.pid}) failed: {cause}")
+
+
+def _error_message(failure: Any) -> str:
+    """The exception a rank raised, as `Type: message` on one line (from the agent's record)."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    lines = [line for line in str(message or "").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _details_to_log_file(rank: int, failure: Any) -> None:
+    """The failed rank's traceback (as the agent recorded it) into the run's log file only."""
+    from grail.train.reporting import log_files
+
+    text = failure.message if isinstance(failure.message, str) else str(failure.message)
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, "trainer rank %d: %s", (rank, text), None
+    )
+    for handler in log_files():
+        handler.handle(record)

@@ -1,0 +1,185 @@
+"""`grail-train train.processes=2` on CPU: two gloo ranks under torch's elastic launcher, rank 0
+driving (grail/train/distributed.py). End to end, each test a grail-train process in its own
+session, so that every process it started (ranks, the inference server) can be found afterwards.
+
+The iteration-0 comparison with the 1-process run holds before the update shards its micro-batches
+over the ranks (each rank trains the whole batch, FSDP averages equal gradients) and after (the
+normalisers are global): it is what both must keep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from helpers.grail_process import SMALL
+from safetensors.torch import load_file
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+FAULT_HOOK = HELPERS / "rank_fault"  # sitecustomize: GRAIL_TEST_RANK_FAULT=RANK:ACTION:N
+TWO = ["train.processes=2", "train.collective_timeout_s=120"]
+FAULTY = ["train.iterations=2", "eval.enabled=false", *TWO]  # the fault tests: short runs
+# Iteration 0's update, which N ranks must compute as one process does (up to float rounding).
+COMPARED = ("loss_total", "loss_pg", "grad_norm", "entropy", "reward_mean", "success_rate")
+
+
+def grail_train(
+    run_dir: Path, *overrides: str, fault: str | None = None, timeout: float = 240
+) -> tuple[int, str, float]:
+    """Run grail-train in its own session to the end: exit code, output, seconds; fails the test
+    if any process of its session is left behind."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if fault is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_HOOK), env.get("PYTHONPATH")]))
+        env["GRAIL_TEST_RANK_FAULT"] = fault
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grail.train.cli", f"hydra.run.dir={run_dir}", *SMALL, *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"grail-train did not finish in {timeout}s:\n{out[-3000:]}")
+    seconds = time.monotonic() - t0
+    assert_session_empty(proc.pid, out)
+    return proc.returncode, out, seconds
+
+
+def session_members(sid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session id
+            found.append(int(stat.parent.name))
+    return found
+
+
+def assert_session_empty(sid: int, out: str) -> None:
+    deadline = time.monotonic() + 10  # a process may take a moment to be reaped
+    while (left := session_members(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {left}\n{out[-2000:]}"
+
+
+def train_record(run_dir: Path, iteration: int) -> dict[str, object]:
+    return json.loads((run_dir / "metrics" / f"train_iter_{iteration:03d}.json").read_text())
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "[ERROR]" in line]
+
+
+def test_two_ranks_train_as_one_process_does(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    code, out, _ = grail_train(one, "train.iterations=3")
+    assert code == 0, out[-3000:]
+    code, out, _ = grail_train(two, "train.iterations=3", *TWO)
+    assert code == 0, out[-3000:]
+    assert "2 trainer process(es)" in out  # the display's summary
+
+    first_one, first_two = train_record(one, 0), train_record(two, 0)
+    for key in COMPARED:
+        a, b = first_one[key], first_two[key]
+        assert isinstance(a, float) and isinstance(b, float)
+        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (key, a, b)
+    assert first_one["trainer_processes"] == 1 and first_two["trainer_processes"] == 2
+    # It keeps learning: every iteration updates the policy, and the weights move.
+    for iteration in range(3):
+        grad_norm = train_record(two, iteration)["grad_norm"]
+        assert isinstance(grad_norm, float) and grad_norm > 0
+    checkpoints = two / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_001", "iter_002"]
+    before = load_file(checkpoints / "iter_001" / "model.safetensors")
+    after = load_file(checkpoints / "iter_002" / "model.safetensors")
+    assert any(not before[k].equal(after[k]) for k in before)
+    assert sorted(p.name for p in (checkpoints / "iter_002" / "optimizer").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["trainer_processes"] == 2
+
+
+def test_a_rank_that_raises_ends_the_run_and_resume_continues(tmp_path: Path) -> None:
+    code, out, seconds = grail_train(tmp_path, *FAULTY, fault="1:raise:2")
+    assert code == 1, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1, out[-3000:]
+    assert "trainer rank 1" in errors[0] and "injected fault in rank 1's update 2" in errors[0]
+    assert "resume=true" in errors[0]
+    assert "Traceback" not in out  # in the log file, not on the console
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "trainer rank 1" in summary["error"]["message"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["iter_000"]
+
+    code, out, _ = grail_train(tmp_path, "resume=true")
+    assert code == 0, out[-3000:]
+    assert "resuming after iteration 0" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == 2
+
+
+def test_a_rank_killed_by_sigkill_ends_the_run_within_a_minute(tmp_path: Path) -> None:
+    code, out, _ = grail_train(tmp_path, *FAULTY, fault="1:kill:2")
+    assert code == 1, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1, out[-3000:]
+    assert "trainer rank 1" in errors[0] and "killed by SIGKILL" in errors[0], errors[0]
+    # Rank 1 kills itself as iteration 1's update starts, right after iteration 0's line; the
+    # agent notices, stops rank 0 (which stops the server) and the run ends with the error line.
+    done = next(line for line in out.splitlines() if "iter 000:" in line)
+    assert logged_at(errors[0]) - logged_at(done) < 60, (done, errors[0])
+    assert (tmp_path / "checkpoints" / "iter_000").is_dir()
+
+
+def logged_at(line: str) -> float:
+    """The time of a log line (`[2026-11-26 03:53:02,050][...`), in seconds."""
+    stamp = line[1 : line.index("]")]
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def test_ctrl_c_stops_every_rank_and_prints_the_resume_command(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grail.train.cli", f"hydra.run.dir={tmp_path}", *SMALL]
+        + ["train.iterations=5", "eval.enabled=false", *TWO],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "iter 000:" in line:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process
+            break
+    try:
+        rest, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("grail-train did not stop within 60 s of Ctrl-C")
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out[-3000:]
+    assert_session_empty(proc.pid, out)
+    errors = error_lines(out)
+    assert len(errors) == 1 and "interrupted" in errors[0] and "resume=true" in errors[0], out
