@@ -143,6 +143,15 @@ class TrainConfig:
     processes: int | None = None
     # How long a rank waits in one collective (a command from rank 0 included) before it fails.
     collective_timeout_s: float = 1800.0
+    # Machines the trainer spans, train.processes ranks on each (torchrun's --nnodes): every node
+    # runs the same grail-train command with the same hydra.run.dir, on a filesystem all nodes see;
+    # node 0 drives (grail/core/nodes.py, docs/gpu.md "Two nodes").
+    nodes: int = 1
+    # This node's rank (torchrun's --node-rank); None: SLURM_NODEID in a SLURM job.
+    node_rank: int | None = None
+    # Node 0's HOST:PORT, where the ranks meet (torchrun's --master-addr:--master-port); None in a
+    # SLURM job: its first host, a port from its job id.
+    rdzv_endpoint: str | None = None
     tis_cap: float | None = None  # removed: is_correction/is_clip_max (validate names them)
 
 

@@ -240,6 +240,12 @@ def trainer_processes(gpu: GpuConfig, processes: int | None) -> int:
     return len(gpu_layout(gpu, processes).trainer)
 
 
+def trainer_ranks(gpu: GpuConfig, processes: int | None, nodes: int) -> int:
+    """How many trainer ranks a run has over all its nodes (`train.nodes`, each running
+    `trainer_processes`): more than 1 is a sharded run."""
+    return nodes * trainer_processes(gpu, processes)
+
+
 def trainer_devices(gpu: GpuConfig, processes: int | None, visible: int) -> list[int]:
     """CUDA index of each trainer rank (rank r on element r), checked against the `visible` GPUs
     this process sees; [] on a CPU machine (visible 0), where the ranks run on CPU. Raises

@@ -386,6 +386,7 @@ def run_summary(
         # (train.processes, else one per gpu.training_gpus: grail.core.placement).
         train, gpu = config.get("train") or {}, config.get("gpu") or {}
         asked = train.get("processes") or len(gpu.get("training_gpus") or ()) or 1
+        asked *= train.get("nodes") or 1
         summary["trainer_processes"] = (
             trains[-1].get("trainer_processes", asked) if trains else asked
         )

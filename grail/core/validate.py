@@ -206,6 +206,8 @@ def validate_train(cfg: Config) -> None:
     if t.processes is not None and t.processes < 1:
         raise ConfigError(f"train.processes must be >= 1, got {t.processes}")
     _positive("train.collective_timeout_s", t.collective_timeout_s)
+    if t.nodes < 1:
+        raise ConfigError(f"train.nodes must be >= 1, got {t.nodes}")
     for key in ("kl_coef", "entropy_coef", "warmup_steps", "weight_decay"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")

@@ -50,6 +50,7 @@ from omegaconf.errors import OmegaConfBaseException
 from grail.core.choices import GpuStrategy
 from grail.core.config import Config
 from grail.core.errors import ConfigError, DiskFullError, UserError
+from grail.core.nodes import NodePlan, node_plan
 from grail.core.placement import (
     GpuConfig,
     available_cores,
@@ -172,18 +173,21 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, Any]:
     return resource_overrides(resources, explicit, pipelined=bool(cfg.train.pipeline))
 
 
-def _train(config: Config, run_dir: Path, resume: Resume | None = None) -> None:
+def _train(
+    config: Config, run_dir: Path, resume: Resume | None = None, plan: NodePlan | None = None
+) -> None:
     if config.reproducible:
         # Before torch's first tensor operation, when torch and MKL read them (the server child
         # gets them in its environment); setup_torch checks that torch took them.
         apply_reproducible_env(os.environ)
-    # N ranks, this process their agent (distributed.py)
-    if trainer_processes(config.gpu, config.train.processes) > 1:
+    # N ranks (on this node), this process their agent (distributed.py)
+    plan = plan or NodePlan.single()
+    if plan.nodes > 1 or trainer_processes(config.gpu, config.train.processes) > 1:
         from grail.train.distributed import launch
 
         files = log_files()
         try:
-            launch(config, run_dir, resume, files[0].baseFilename if files else None)
+            launch(config, run_dir, resume, files[0].baseFilename if files else None, plan)
         except UserError as exc:  # a rank failed: rank 0 could not write summary.json
             _failed_summary(config, run_dir, exc)
             command = resume_command(run_dir.absolute())
@@ -247,13 +251,15 @@ def preflight(config: Config, env_group: str | None = None) -> None:
                 raise ConfigError(f"model.{key}: {exc}") from exc
 
 
-def _single_run(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None) -> None:
+def _single_run(
+    cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None, plan: NodePlan
+) -> None:
     """One run. A failure after the run claimed its directory writes summary.json with its error
     (grail/train/loop.py); a configuration error (exit 2) writes nothing: nothing started."""
     try:
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         preflight(config, _env_choice(hydra_cfg, run_dir, resume))
-        _train(config, run_dir, resume)
+        _train(config, run_dir, resume, plan)
     except UserError as exc:
         code = report_run_error(exc, run_dir)
         assert code is not None
@@ -274,7 +280,9 @@ def _env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | N
     return hydra_cfg.runtime.choices.get("env")
 
 
-def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None) -> None:
+def _sweep_job(
+    cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None, plan: NodePlan
+) -> None:
     """One run of a sweep. Never raises for a failed run (that would stop the sweep): the failure
     goes into summary.json. KeyboardInterrupt and SIGTERM still stop everything, leaving the run
     incomplete for `resume=true` to continue."""
@@ -303,14 +311,10 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | 
 
     t0 = time.perf_counter()
     try:
-        for key, value in sweep_resources(cfg, hydra_cfg).items():
-            OmegaConf.update(cfg, key, value, merge=False)
-            log.info("sweep job %d: %s=%s", job_num, key, value)
-        if cfg.study_dir is None:  # the sweep is the study its runs share state in
-            cfg.study_dir = str(Path(str(hydra_cfg.sweep.dir)).absolute())
+        _sweep_settings(cfg, hydra_cfg)
         config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
         preflight(config, _env_choice(hydra_cfg, run_dir, resume))
-        _train(config, run_dir, resume)
+        _train(config, run_dir, resume, plan)
     except DiskFullError:
         raise  # every later run would hit it too: the sweep stops (train_job), resumable
     except Exception as exc:
@@ -326,6 +330,49 @@ def _sweep_job(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | 
             environment=OmegaConf.select(cfg, "data.environment", default=None),
             config=cast(dict[str, Any], snapshot) if isinstance(snapshot, dict) else None,
         )
+
+
+def _sweep_settings(cfg: DictConfig, hydra_cfg: Any) -> None:
+    """What a sweep sets in a run's config: its share of the machine, the study directory."""
+    for key, value in sweep_resources(cfg, hydra_cfg).items():
+        OmegaConf.update(cfg, key, value, merge=False)
+        log.info("sweep job %d: %s=%s", int(hydra_cfg.job.num), key, value)
+    if cfg.study_dir is None:  # the sweep is the study its runs share state in
+        cfg.study_dir = str(Path(str(hydra_cfg.sweep.dir)).absolute())
+
+
+def _other_node(
+    cfg: DictConfig, run_dir: Path, hydra_cfg: Any, multirun: bool, plan: NodePlan
+) -> None:
+    """A node other than node 0 of a multi-node run (grail/core/nodes.py): it launches its ranks
+    with the run's config and nothing else. Node 0 owns the run directory (its lock, `.hydra/`,
+    the records and summary.json) and the log file there, so this process reads the directory
+    only (a resume's saved config) and logs to its console; it ends as its ranks did: 0 when the
+    run completed, else one line and 1 (node 0 says why), 130/143 after Ctrl-C/SIGTERM."""
+    from grail.train.distributed import launch
+
+    root = logging.getLogger()
+    for handler in log_files():  # Hydra opened RUN_DIR/<job>.log: node 0's
+        root.removeHandler(handler)
+        handler.close()
+    log.info("node %d of %d: ranks meet node 0 at %s", plan.node_rank, plan.nodes, plan.endpoint)
+    try:
+        resume = _plan_resume(cfg, run_dir, hydra_cfg, multirun)
+        if resume is not None:
+            cfg = resume.config
+        if multirun:
+            _sweep_settings(cfg, hydra_cfg)
+        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+        preflight(config, _env_choice(hydra_cfg, run_dir, resume))
+        if config.reproducible:
+            apply_reproducible_env(os.environ)
+        launch(config, run_dir, resume, None, plan)
+    except UserError as exc:
+        code = report_run_error(exc, run_dir)
+        sys.exit(1 if code is None else code)
+    except KeyboardInterrupt as exc:
+        _report(interrupt_message(exc), exc, "; node 0 prints the command that resumes the run")
+        sys.exit(interrupt_exit_code(exc))
 
 
 def save_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: Any) -> None:
@@ -353,6 +400,14 @@ def train_job(cfg: DictConfig) -> None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
+        plan = node_plan(cfg.train.nodes, cfg.train.node_rank, cfg.train.rdzv_endpoint, os.environ)
+    except ConfigError as exc:
+        _report(f"invalid configuration: {exc}", exc)
+        sys.exit(2)
+    if not plan.drives:
+        _other_node(cfg, run_dir, hydra_cfg, multirun, plan)
+        return
+    try:
         with run_lock(run_dir):
             resume = _plan_resume(cfg, run_dir, hydra_cfg, multirun)
             if resume is None:
@@ -360,9 +415,9 @@ def train_job(cfg: DictConfig) -> None:
             else:
                 cfg = resume.config
             if multirun:
-                _sweep_job(cfg, run_dir, hydra_cfg, resume)
+                _sweep_job(cfg, run_dir, hydra_cfg, resume, plan)
             else:
-                _single_run(cfg, run_dir, hydra_cfg, resume)
+                _single_run(cfg, run_dir, hydra_cfg, resume, plan)
     except RunDirLocked as exc:
         if not multirun:
             _report(str(exc), exc)

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from grail.core.config import Config
-from grail.core.placement import cpu_threads, gpu_layout, gpu_placement, trainer_processes
+from grail.core.placement import cpu_threads, gpu_layout, gpu_placement, trainer_ranks
 from grail.core.records import without_secrets
 from grail.core.reproducible import apply_reproducible_env
 from grail.envs import Environment, env_arguments, make_env
@@ -49,7 +49,7 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     extra_rewards = RewardFunctions.from_specs(list(cfg.data.rewards))
     trainer: Trainer
     # Rank 0 of a sharded run: the others build theirs with it.
-    if trainer_processes(cfg.gpu, cfg.train.processes) > 1:
+    if trainer_ranks(cfg.gpu, cfg.train.processes, cfg.train.nodes) > 1:
         from grail.train.sharded import driver_trainer
 
         trainer = driver_trainer(cfg, resume_from)

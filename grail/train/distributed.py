@@ -23,6 +23,15 @@ first and names it rather than its bystander. Every collective has the process g
 (`train.collective_timeout_s`), so a rank that hangs fails the run instead of stopping it forever.
 Ctrl-C or SIGTERM to grail-train reach the agent, which passes them to every rank and waits for
 them; `launch` then raises the interrupt as a single run's, which prints the resume command.
+
+Several nodes (`train.nodes`, grail/core/nodes.py): each node's grail-train is the agent of its
+`train.processes` ranks, and the agents meet through torch's static rendezvous at node 0's
+`train.rdzv_endpoint` (torchrun's `--nnodes --node-rank --master-addr --master-port`): node 0's
+first rank is global rank 0, so node 0 claims the run directory, drives the loop, starts the server
+and writes every record; the other nodes' ranks follow, and write only their shards of the
+optimizer's state into the checkpoint being staged (so the run directory must be on a filesystem
+every node sees). A node whose ranks lost node 0 (its run ended in an error, or it died) ends with
+one line saying so, exit code 1; node 0 says why.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import torch.distributed as dist
 
 from grail.core.config import Config
 from grail.core.errors import UserError
+from grail.core.nodes import NodePlan
 from grail.core.placement import trainer_processes
 from grail.core.records import held_for_the_ranks
 from grail.train.resume import Resume
@@ -120,10 +130,17 @@ def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | 
             dist.destroy_process_group()
 
 
-def launch(cfg: Config, run_dir: Path, resume: Resume | None, log_file: str | None) -> None:
-    """Run `cfg` as `train.processes` ranks (see the module docstring); returns when every rank
-    has ended. A rank that failed: `RankFailed` naming it and why, or the exit code rank 0
-    reported its own error with (`SystemExit`); an interrupt: `KeyboardInterrupt`."""
+def launch(
+    cfg: Config,
+    run_dir: Path,
+    resume: Resume | None,
+    log_file: str | None,
+    plan: NodePlan | None = None,
+) -> None:
+    """Run `cfg` as `train.processes` ranks on this node, `plan` placing it among the run's
+    nodes (see the module docstring); returns when every rank has ended. A rank that failed:
+    `RankFailed` naming it and why, or the exit code rank 0 reported its own error with
+    (`SystemExit`); an interrupt: `KeyboardInterrupt`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -137,16 +154,33 @@ def launch(cfg: Config, run_dir: Path, resume: Resume | None, log_file: str | No
     for name in [*prefixes, *logging.Logger.manager.loggerDict]:
         if name.startswith(prefixes):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    plan = plan or NodePlan.single()
+    if plan.nodes == 1:
+        rendezvous: dict[str, Any] = {
+            "run_id": f"grail-{os.getpid()}",
+            "rdzv_backend": "c10d",
+            "rdzv_endpoint": "127.0.0.1:0",  # standalone: the agent hosts the store on a free port
+        }
+    else:
+        # The node ranks the user (or SLURM) gave, node 0 hosting the store: torchrun's static
+        # rendezvous. Joining waits for the other nodes at most the collective timeout.
+        rendezvous = {
+            "run_id": "grail",
+            "rdzv_backend": "static",
+            "rdzv_endpoint": plan.endpoint,
+            "rdzv_configs": {
+                "rank": plan.node_rank,
+                "timeout": int(cfg.train.collective_timeout_s),
+            },
+        }
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=plan.nodes,
+        max_nodes=plan.nodes,
         nproc_per_node=trainer_processes(cfg.gpu, cfg.train.processes),
-        run_id=f"grail-{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # standalone: the agent hosts the store on a free port
         max_restarts=0,
         monitor_interval=MONITOR_INTERVAL_S,
         start_method="spawn",
+        **rendezvous,
     )
     try:
         elastic_launch(config, rank_main)(cfg, str(run_dir), resume, log_file)
@@ -155,15 +189,23 @@ def launch(cfg: Config, run_dir: Path, resume: Resume | None, log_file: str | No
             raise KeyboardInterrupt from None
         raise Terminated(int(exc.sigval)) from None
     except ChildFailedError as exc:
-        raise_failure(exc)
+        raise_failure(exc, plan)
 
 
-def raise_failure(exc: Any) -> None:
-    """What ended a run whose rank failed (`ChildFailedError.failures`: rank -> ProcessFailure)."""
+def raise_failure(exc: Any, plan: NodePlan | None = None) -> None:
+    """What ended a run whose rank failed (`ChildFailedError.failures`: global rank ->
+    ProcessFailure, this node's ranks)."""
     from grail.train.reporting import Terminated
 
-    failures = {f.local_rank: f for f in exc.failures.values()}
+    plan = plan or NodePlan.single()
+    failures: dict[int, Any] = dict(exc.failures)
     causes = {r: f for r, f in failures.items() if f.exitcode != LOST_EXIT}
+    if not causes and not plan.drives:
+        raise RankFailed(
+            f"the trainer ranks on node {plan.node_rank} lost contact with the run: it ended on "
+            "node 0 (an error there, Ctrl-C, or node 0 went away), which says why, or a "
+            "collective timed out (train.collective_timeout_s); see node 0's output"
+        )
     if not causes:
         raise RankFailed(
             f"the {len(failures)} trainer rank(s) that ended lost contact with the others "

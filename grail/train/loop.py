@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from grail.core.config import Config
 from grail.core.errors import UserError
-from grail.core.placement import trainer_processes
+from grail.core.placement import trainer_ranks
 from grail.core.records import (
     CHECKPOINTS_DIR,
     METRICS_DIR,
@@ -182,7 +182,9 @@ def run_iterations(
             record = iteration_record(
                 iteration, rollouts, train_metrics, sync, lr, timings, cfg.train.pipeline
             )
-            record["trainer_processes"] = trainer_processes(cfg.gpu, cfg.train.processes)
+            record["trainer_processes"] = trainer_ranks(
+                cfg.gpu, cfg.train.processes, cfg.train.nodes
+            )
             recorder.train(record)
             if staged is not None:
                 commit_checkpoint(staged)

@@ -55,6 +55,8 @@ RESUMABLE = (
     "gpu.training_gpu",
     "gpu.server_gpus",  # which GPUs, not how many: a resume with another train.processes is the
     "gpu.training_gpus",  # checkpoint's to allow or refuse
+    "train.node_rank",  # which machine this process is, and where node 0 is (a new SLURM job
+    "train.rdzv_endpoint",  # gets other hosts)
 )
 # Not resumable, though they may look harmless: eval.* (the evaluations a run records, what a
 # pruner and grail-report compare runs by), data.* and generation's sampling settings (what the

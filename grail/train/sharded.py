@@ -143,11 +143,12 @@ def setup_rank(cfg: Config) -> RankAccelerator:
     threads), seed and process group (NCCL or gloo, with the collective timeout)."""
     silence_library_progress_bars()
     torch.manual_seed(cfg.seed)
-    world, local_rank = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    # This node's ranks share its devices and cores (one node: every rank of the run).
+    local_world, local_rank = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     if torch.cuda.is_available():
         device = torch.device(
-            "cuda", trainer_devices(cfg.gpu, world, torch.cuda.device_count())[local_rank]
+            "cuda", trainer_devices(cfg.gpu, local_world, torch.cuda.device_count())[local_rank]
         )
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
@@ -159,7 +160,7 @@ def setup_rank(cfg: Config) -> RankAccelerator:
             pipelined=cfg.train.pipeline,
             reproducible=cfg.reproducible,
         )[0]
-        torch.set_num_threads(max(1, threads // world))  # the ranks share the trainer's cores
+        torch.set_num_threads(max(1, threads // local_world))  # the ranks share the trainer's cores
         if cfg.reproducible:
             check_torch_honours()
         dist.init_process_group("gloo", timeout=timeout)
