@@ -15,76 +15,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 from helpers.grail_process import SMALL
+from helpers.rank_runs import (
+    COMPARED,
+    FAULTY,
+    TWO,
+    assert_session_empty,
+    error_lines,
+    grail_train,
+    train_record,
+)
 from safetensors.torch import load_file
-
-HELPERS = Path(__file__).resolve().parent / "helpers"
-FAULT_HOOK = HELPERS / "rank_fault"  # sitecustomize: GRAIL_TEST_RANK_FAULT=RANK:ACTION:N
-TWO = ["train.processes=2", "train.collective_timeout_s=120"]
-FAULTY = ["train.iterations=2", "eval.enabled=false", *TWO]  # the fault tests: short runs
-# Iteration 0's update, which N ranks must compute as one process does (up to float rounding).
-COMPARED = ("loss_total", "loss_pg", "grad_norm", "entropy", "reward_mean", "success_rate")
-
-
-def grail_train(
-    run_dir: Path, *overrides: str, fault: str | None = None, timeout: float = 240
-) -> tuple[int, str, float]:
-    """Run grail-train in its own session to the end: exit code, output, seconds; fails the test
-    if any process of its session is left behind."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if fault is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_HOOK), env.get("PYTHONPATH")]))
-        env["GRAIL_TEST_RANK_FAULT"] = fault
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grail.train.cli", f"hydra.run.dir={run_dir}", *SMALL, *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"grail-train did not finish in {timeout}s:\n{out[-3000:]}")
-    seconds = time.monotonic() - t0
-    assert_session_empty(proc.pid, out)
-    return proc.returncode, out, seconds
-
-
-def session_members(sid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session id
-            found.append(int(stat.parent.name))
-    return found
-
-
-def assert_session_empty(sid: int, out: str) -> None:
-    deadline = time.monotonic() + 10  # a process may take a moment to be reaped
-    while (left := session_members(sid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, f"processes left behind: {left}\n{out[-2000:]}"
-
-
-def train_record(run_dir: Path, iteration: int) -> dict[str, object]:
-    return json.loads((run_dir / "metrics" / f"train_iter_{iteration:03d}.json").read_text())
-
-
-def error_lines(out: str) -> list[str]:
-    return [line for line in out.splitlines() if "[ERROR]" in line]
 
 
 def test_two_ranks_train_as_one_process_does(tmp_path: Path) -> None:
@@ -148,6 +93,23 @@ def test_a_rank_killed_by_sigkill_ends_the_run_within_a_minute(tmp_path: Path) -
     done = next(line for line in out.splitlines() if "iter 000:" in line)
     assert logged_at(errors[0]) - logged_at(done) < 60, (done, errors[0])
     assert (tmp_path / "checkpoints" / "iter_000").is_dir()
+
+
+def test_a_rank_that_hangs_is_caught_by_the_collective_timeout(tmp_path: Path) -> None:
+    # Rank 1 sleeps for good as its second update starts; rank 0 waits in the update's first
+    # collective for train.collective_timeout_s, then the run ends naming the timeout.
+    hang = ["train.iterations=2", "eval.enabled=false", "train.processes=2"]
+    hang.append("train.collective_timeout_s=20")
+    code, out, seconds = grail_train(tmp_path, *hang, fault="1:hang:2", timeout=180)
+    assert code == 1, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1, out[-3000:]
+    assert "trainer rank 0 waited train.collective_timeout_s=20 s" in errors[0], errors[0]
+    assert "a rank hung" in errors[0] and "resume=true" in errors[0], errors[0]
+    done = next(line for line in out.splitlines() if "iter 000:" in line)
+    assert 20 <= logged_at(errors[0]) - logged_at(done) < 80, (done, errors[0])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "collective_timeout_s" in summary["error"]["message"]
 
 
 def logged_at(line: str) -> float:

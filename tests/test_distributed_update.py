@@ -51,13 +51,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_ranks(model_dir: Path, out_dir: Path) -> list[subprocess.Popen[bytes]]:
+def _start_ranks(
+    model_dir: Path, out_dir: Path, backend: str = "gloo"
+) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     port = _free_port()
     procs = []
     for r in range(WORLD):
         with (out_dir / f"rank{r}.log").open("w") as log:
             argv = [str(WORKER), str(r), str(WORLD), str(port), str(model_dir), str(out_dir)]
+            argv.append(backend)
             procs.append(
                 subprocess.Popen(
                     [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env

@@ -58,6 +58,7 @@ from grail.train.sharded import PeersLost, Stop, follow, send, setup_rank
 log = logging.getLogger("grail.train")
 
 LOST_EXIT = 75  # a rank that ended because its peers went away (not the cause of a failure)
+TIMEOUT_EXIT = 74  # a rank that waited train.collective_timeout_s in a collective: a peer hung
 LOST_GRACE_S = 3.0  # how long such a rank waits, so that the agent names the rank that failed
 MONITOR_INTERVAL_S = 0.2  # how often the agent checks its ranks
 
@@ -114,7 +115,7 @@ def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | 
     except PeersLost as exc:
         log.debug("rank %d: %s", rank, exc)
         time.sleep(LOST_GRACE_S)
-        sys.exit(LOST_EXIT)
+        sys.exit(TIMEOUT_EXIT if exc.timed_out else LOST_EXIT)
     except KeyboardInterrupt as exc:
         sys.exit(interrupt_exit_code(exc))
     except Exception as exc:
@@ -143,6 +144,7 @@ def launch(
     (`SystemExit`); an interrupt: `KeyboardInterrupt`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from grail.train.reporting import Terminated
@@ -189,16 +191,37 @@ def launch(
             raise KeyboardInterrupt from None
         raise Terminated(int(exc.sigval)) from None
     except ChildFailedError as exc:
-        raise_failure(exc, plan)
+        raise_failure(exc, plan, cfg.train.collective_timeout_s)
+    except (RendezvousError, dist.DistNetworkError, dist.DistStoreError) as exc:
+        # Before any rank started: the nodes never met (node 0 not up, or a wrong endpoint).
+        where = f"at {plan.endpoint} " if plan.endpoint else ""
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RankFailed(
+            f"node {plan.node_rank} of {plan.nodes}: the trainer's nodes did not meet {where}"
+            f"within train.collective_timeout_s={cfg.train.collective_timeout_s:g} s ({first}); "
+            "start the same command on every node, train.node_rank=0 on the host of "
+            "train.rdzv_endpoint"
+        ) from exc
 
 
-def raise_failure(exc: Any, plan: NodePlan | None = None) -> None:
+def raise_failure(
+    exc: Any, plan: NodePlan | None = None, collective_timeout_s: float = 0.0
+) -> None:
     """What ended a run whose rank failed (`ChildFailedError.failures`: global rank ->
     ProcessFailure, this node's ranks)."""
     from grail.train.reporting import Terminated
 
     plan = plan or NodePlan.single()
     failures: dict[int, Any] = dict(exc.failures)
+    waited = sorted(r for r, f in failures.items() if f.exitcode == TIMEOUT_EXIT)
+    if waited:  # the first sign of a hung rank: whoever waited for it, however the others ended
+        _details_to_log_file(waited[0], failures[waited[0]])
+        raise RankFailed(
+            f"trainer rank {waited[0]} waited train.collective_timeout_s="
+            f"{collective_timeout_s:g} s in a collective for a rank that never joined it: a rank "
+            "hung (a deadlock, a stuck device or filesystem); raise train.collective_timeout_s "
+            "if its work takes longer"
+        )
     causes = {r: f for r, f in failures.items() if f.exitcode != LOST_EXIT}
     if not causes and not plan.drives:
         raise RankFailed(

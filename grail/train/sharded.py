@@ -52,6 +52,12 @@ OPTIMIZER_DIR = "optimizer"  # inside a checkpoint: the optimizer's shards (DCP)
 class PeersLost(RuntimeError):
     """A collective failed because another rank went away (or timed out waiting for it)."""
 
+    @property
+    def timed_out(self) -> bool:
+        """The process group's timeout ended the wait (a peer hung), not a closed connection."""
+        text = str(self).lower()
+        return "timed out" in text or "timeout" in text
+
 
 # ---- the commands rank 0 gives the other ranks -----------------------------------------------
 

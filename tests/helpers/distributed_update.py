@@ -2,8 +2,9 @@
 
 `run_case` is one `policy_update` on a fixed batch: in the test's own process without
 torch.distributed (the 1-rank reference), and here, as `python distributed_update.py RANK WORLD
-PORT MODEL_DIR OUT_DIR`, on a gloo rank of a CPU world with the models sharded by FSDP2 (per
-decoder layer, then the root: what grail/train/fsdp.py does). Each rank saves what its updates
+PORT MODEL_DIR OUT_DIR [BACKEND]`, on a gloo rank of a CPU world (or, BACKEND=nccl, an NCCL rank
+on GPU RANK: tests/gpu/test_gpu_distributed.py) with the models sharded by FSDP2 (per decoder
+layer, then the root: what grail/train/fsdp.py does). Each rank saves what its updates
 returned and the updated parameters (full tensors) to OUT_DIR/rank<R>.pt.
 """
 
@@ -107,11 +108,16 @@ def settings_of(case: Case) -> UpdateSettings:
     )
 
 
-def models_of(case: Case, model_dir: Path) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+CPU = torch.device("cpu")
+
+
+def models_of(
+    case: Case, model_dir: Path, device: torch.device = CPU
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The policy (LoRA: the tiny model under a nonzero adapter) and the KL reference (LoRA: the
-    adapter off), the same weights in every process."""
+    adapter off), the same weights in every process, on `device`."""
     torch.manual_seed(0)
-    model: torch.nn.Module = load_model(model_dir)
+    model: torch.nn.Module = load_model(model_dir).to(device)
     if case.micro_batch_tokens > 0:
         use_packed_sdpa(model)
     if case.lora:
@@ -126,7 +132,7 @@ def models_of(case: Case, model_dir: Path) -> tuple[torch.nn.Module, torch.nn.Mo
 
 
 def run_case(
-    case: Case, model: torch.nn.Module, ref: torch.nn.Module | None
+    case: Case, model: torch.nn.Module, ref: torch.nn.Module | None, device: torch.device = CPU
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
     """One policy_update with SGD (lr 0.1, clipped at 1.0): what it returns, the updated
     parameters as full tensors, and the tokens this process's forward passes ran (the policy's
@@ -151,13 +157,13 @@ def run_case(
         make_batch(case.zero_advantages),
         settings_of(case),
         pad_token_id=0,
-        device=torch.device("cpu"),
+        device=device,
         backward=lambda loss: loss.backward(),
         clip_grad_norm=lambda c: torch.nn.utils.clip_grad_norm_(trainable, c),
         kl_control=AdaptiveKL(case.kl_coef, 1e-9, 1.5, 1e-3, 1.0) if case.adaptive_kl else None,
     )
     params = {
-        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
         for name, p in model.named_parameters()
     }
     return metrics, params, tokens[0]
@@ -174,23 +180,32 @@ def shard(model: torch.nn.Module) -> None:
     fully_shard(model)
 
 
-def main(rank: int, world_size: int, port: int, model_dir: Path, out_dir: Path) -> None:
+def main(
+    rank: int, world_size: int, port: int, model_dir: Path, out_dir: Path, backend: str = "gloo"
+) -> None:
     torch.set_num_threads(1)  # two ranks on a 2-core machine
+    device = CPU
+    extra: dict[str, Any] = {}
+    if backend == "nccl":  # one GPU per rank, as grail/train/sharded.py's setup_rank does
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
     torch.distributed.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=60),  # a collective left waiting fails, not hangs
+        **extra,
     )
     results: dict[str, Any] = {}
     try:
         for case in CASES:
-            model, ref = models_of(case, model_dir)
+            model, ref = models_of(case, model_dir, device)
             shard(model)
             if ref is not None and not case.lora:  # a LoRA reference is the policy, sharded
                 shard(ref)
-            metrics, params, tokens = run_case(case, model, ref)
+            metrics, params, tokens = run_case(case, model, ref, device)
             results[case.name] = {
                 "metrics": metrics,
                 "params": params if rank == 0 else {},
@@ -202,5 +217,5 @@ def main(rank: int, world_size: int, port: int, model_dir: Path, out_dir: Path) 
 
 
 if __name__ == "__main__":
-    rank, world, port, model_dir, out_dir = sys.argv[1:]
-    main(int(rank), int(world), int(port), Path(model_dir), Path(out_dir))
+    rank, world, port, model_dir, out_dir, *backend = sys.argv[1:]
+    main(int(rank), int(world), int(port), Path(model_dir), Path(out_dir), *backend)

@@ -1,7 +1,9 @@
 """A rank that fails mid-run, for tests/test_distributed_run.py: put this directory on PYTHONPATH
 and set GRAIL_TEST_RANK_FAULT=RANK:ACTION:N, and rank RANK's N-th policy update raises a
-RuntimeError (ACTION=raise) or SIGKILLs its own process (ACTION=kill), as a crash or the OOM
-killer would. Python imports `sitecustomize` at the start of every process (grail-train, its
+RuntimeError (ACTION=raise), SIGKILLs its own process (ACTION=kill), as a crash or the OOM
+killer would, or sleeps for good before the update's first collective (ACTION=hang), as a rank
+stuck in a driver call or a deadlock would.
+Python imports `sitecustomize` at the start of every process (grail-train, its
 ranks, the inference server); only grail.train.sharded is patched, when it is imported."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 _SPEC = os.environ.get("GRAIL_TEST_RANK_FAULT")
@@ -28,6 +31,9 @@ def _install(module: Any) -> None:
             if calls[0] == int(nth):
                 if action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if action == "hang":
+                    while True:  # until a signal ends the process
+                        time.sleep(3600)
                 raise RuntimeError(f"injected fault in rank {rank}'s update {nth}")
         return original(self, batch, on_progress)
 

@@ -1,0 +1,81 @@
+"""Where a grail-train process stands among `train.nodes` machines (grail/core/nodes.py): from the
+config, or from a SLURM job's environment (faked here: no cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grail.core.errors import ConfigError
+from grail.core.nodes import SLURM_PORT_BASE, NodePlan, first_host, node_plan
+
+# What SLURM sets in each task of a 2-node job (srun, one task per node), node 1's task.
+SLURM = {
+    "SLURM_JOB_ID": "123456",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_NODEID": "1",
+}
+
+
+def test_one_node_needs_nothing() -> None:
+    assert node_plan(1, None, None, {}) == NodePlan(1, 0, None)
+    assert node_plan(1, None, None, SLURM).drives  # a 1-node SLURM job is a single node
+
+
+def test_the_config_gives_the_node_rank_and_endpoint() -> None:
+    plan = node_plan(2, 1, "10.0.0.5:29500", {})
+    assert plan == NodePlan(2, 1, "10.0.0.5:29500") and not plan.drives
+    assert node_plan(2, 0, "10.0.0.5:29500", {}).drives
+
+
+@pytest.mark.parametrize(
+    ("node_rank", "endpoint", "says"),
+    [
+        (None, "h:1", "train.node_rank=0 on the node"),
+        (0, None, "train.rdzv_endpoint=HOST:PORT"),
+        (2, "h:1", "train.node_rank=2 is not in 0..1"),
+        (0, "h", "train.rdzv_endpoint must be HOST:PORT"),
+        (0, "h:port", "train.rdzv_endpoint must be HOST:PORT"),
+    ],
+)
+def test_what_is_missing_or_wrong_is_named(
+    node_rank: int | None, endpoint: str | None, says: str
+) -> None:
+    with pytest.raises(ConfigError, match=says):
+        node_plan(2, node_rank, endpoint, {})
+
+
+def test_a_slurm_job_gives_them_from_its_environment() -> None:
+    plan = node_plan(2, None, None, SLURM)
+    assert plan.node_rank == 1 and not plan.drives
+    # The first host of the job (node 0's), a port from the job id: every task computes the same.
+    assert plan.endpoint == f"gpu07:{SLURM_PORT_BASE + 123456 % 20000}"
+    assert node_plan(2, None, None, {**SLURM, "SLURM_NODEID": "0"}).drives
+
+
+def test_the_config_wins_over_slurm() -> None:
+    assert node_plan(2, 0, "login1:4000", SLURM) == NodePlan(2, 0, "login1:4000")
+
+
+def test_a_slurm_job_of_another_size_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"train.nodes=4 but the SLURM job has 2 node\(s\)"):
+        node_plan(4, None, None, SLURM)
+    with pytest.raises(ConfigError, match="SLURM_NODEID is not set"):
+        node_plan(2, None, None, {k: v for k, v in SLURM.items() if k != "SLURM_NODEID"})
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("gpu07", "gpu07"),
+        ("gpu[03-05,07]", "gpu03"),
+        ("gpu[003-004],cpu1", "gpu003"),
+        ("a-node-1,a-node-2", "a-node-1"),
+        ("n[9,10]", "n9"),
+    ],
+)
+def test_the_first_host_of_a_node_list(
+    nodelist: str, first: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the list is read here
+    assert first_host(nodelist) == first
