@@ -79,3 +79,21 @@ def test_the_first_host_of_a_node_list(
 ) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the list is read here
     assert first_host(nodelist) == first
+
+
+def test_the_slurm_nodes_launcher_preset_composes() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from grail.train.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(
+            config_name="offline_grpo",
+            overrides=["hydra/launcher=slurm_nodes", "train.nodes=2"],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node) == (2, 1)  # one grail-train per node
+    assert launcher.max_num_timeout == 0  # slurm.yaml's settings underneath
+    assert cfg.train.nodes == 2 and cfg.train.node_rank is None and cfg.train.rdzv_endpoint is None
