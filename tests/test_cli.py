@@ -316,7 +316,7 @@ HYDRA = OmegaConf.create(
 def test_an_unknown_error_keeps_its_traceback_and_a_known_one_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def crash(config: object, run_dir: Path, resume: object) -> None:
+    def crash(config: object, run_dir: Path, resume: object, plan: object = None) -> None:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(cli, "_train", crash)
@@ -326,7 +326,7 @@ def test_an_unknown_error_keeps_its_traceback_and_a_known_one_is_one_line(
     class DirectoryInUse(UserError):
         pass
 
-    def refuse(config: object, run_dir: Path, resume: object) -> None:
+    def refuse(config: object, run_dir: Path, resume: object, plan: object = None) -> None:
         raise DirectoryInUse(f"{run_dir} is in use by pid 123")
 
     monkeypatch.setattr(cli, "_train", refuse)

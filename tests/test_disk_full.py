@@ -151,7 +151,7 @@ def test_grail_train_says_it_in_one_line_with_the_resume_command(
 ) -> None:
     path = tmp_path / "metrics" / "train_iter_001.json"
 
-    def full(config: object, run_dir: Path, resume: object = None) -> None:
+    def full(config: object, run_dir: Path, resume: object = None, plan: object = None) -> None:
         raise DiskFullError(path)
 
     monkeypatch.setattr(cli, "_train", full)
@@ -174,7 +174,7 @@ def test_in_a_sweep_a_full_disk_stops_the_sweep_and_leaves_the_run_to_resume(
 ) -> None:
     run_dir = tmp_path / "0"
 
-    def full(config: object, run_dir: Path, resume: object = None) -> None:
+    def full(config: object, run_dir: Path, resume: object = None, plan: object = None) -> None:
         raise DiskFullError(run_dir / "checkpoints" / "iter_000")
 
     monkeypatch.setattr(cli, "_train", full)

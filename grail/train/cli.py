@@ -252,7 +252,11 @@ def preflight(config: Config, env_group: str | None = None) -> None:
 
 
 def _single_run(
-    cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None, plan: NodePlan
+    cfg: DictConfig,
+    run_dir: Path,
+    hydra_cfg: Any,
+    resume: Resume | None,
+    plan: NodePlan | None = None,  # None: one node
 ) -> None:
     """One run. A failure after the run claimed its directory writes summary.json with its error
     (grail/train/loop.py); a configuration error (exit 2) writes nothing: nothing started."""
@@ -281,7 +285,11 @@ def _env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | N
 
 
 def _sweep_job(
-    cfg: DictConfig, run_dir: Path, hydra_cfg: Any, resume: Resume | None, plan: NodePlan
+    cfg: DictConfig,
+    run_dir: Path,
+    hydra_cfg: Any,
+    resume: Resume | None,
+    plan: NodePlan | None = None,  # None: one node
 ) -> None:
     """One run of a sweep. Never raises for a failed run (that would stop the sweep): the failure
     goes into summary.json. KeyboardInterrupt and SIGTERM still stop everything, leaving the run
