@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md in one go, for a GPU lent for a few minutes:
 #
-#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup attention mfu mfu_dense mfu_flex mfu_compile mfu15 mfu15_flex decode loop tests
+#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup attention mfu mfu_dense mfu_flex mfu_compile mfu15 mfu15_compile mfu15_flex decode loop tests tests_packing tests_flex
 #
 # Every stage runs under its own time limit (a hung stage loses only itself) and writes its log
 # to $OUT/<stage>.log (OUT defaults to /tmp/gpu-out); the last lines of each log are printed at
@@ -74,6 +74,9 @@ for s in "$@"; do
     mfu15)  # the Qwen2.5-1.5B shape, packed sdpa
         mfu mfu15 150 --json --warmup 2 --steps 3 --shape qwen2.5-1.5b --micro-batch-tokens 16384 --batch-size 64
         ;;
+    mfu15_compile)  # the Qwen2.5-1.5B shape, packed sdpa, the body compiled
+        mfu mfu15_compile 150 --json --warmup 3 --steps 3 --shape qwen2.5-1.5b --micro-batch-tokens 16384 --batch-size 64 --compile
+        ;;
     mfu15_flex)  # the Qwen2.5-1.5B shape, flex_attention compiled
         mfu mfu15_flex_compile 200 --json --warmup 3 --steps 3 --shape qwen2.5-1.5b --micro-batch-tokens 16384 --batch-size 64 --attn-implementation flex_attention --compile
         ;;
@@ -82,8 +85,18 @@ for s in "$@"; do
         stage decode 100 $PY benchmarks/engine_decode.py --preset mid --device cuda --shapes 8x8x256 --out "$OUT/decode_small.json"
         stage decode 100 $PY benchmarks/engine_decode.py --preset mid --device cuda --modes graph --shapes 64x16x512 --out "$OUT/decode_large.json"
         ;;
-    tests)
-        stage tests 200 $PY -m pytest tests/gpu -p no:cacheprovider -x -v --tb=short -rA --durations=10 -o addopts=""  # -x: a failure prints before the limit
+    tests)  # one pytest per file, each under its own limit, so a slow file cannot hide the others' failures
+        T="-m pytest -p no:cacheprovider -v --tb=short -rfEs --durations=5 -o addopts="
+        stage tests_weights 90 $PY $T tests/gpu/test_gpu_weight_transfer.py
+        stage tests_packing 90 $PY $T tests/gpu/test_gpu_packing.py -k "not flex"
+        stage tests_builtin 150 $PY $T tests/gpu/test_gpu_builtin.py
+        stage tests_backends 60 $PY $T tests/gpu/test_gpu_backends.py tests/gpu/test_gpu_distributed.py
+        ;;
+    tests_packing)  # only the packed-attention tests
+        stage tests_packing 90 $PY -m pytest -p no:cacheprovider -v --tb=short -rfEs -o addopts= tests/gpu/test_gpu_packing.py -k "not flex"
+        ;;
+    tests_flex)  # flex_attention compiles its kernels on first use: minutes
+        stage tests_flex 200 $PY -m pytest -p no:cacheprovider -v --tb=short -o addopts= tests/gpu/test_gpu_packing.py -k flex
         ;;
     loop)  # grail-train end to end on the GPU: the default job, and the ~0.47B preset
         rm -rf "$RUNS"

@@ -14,17 +14,21 @@ without them (the padded micro-batches, generation, evaluation) is plain sdpa wi
 the model can keep this implementation for all its forward passes, gradient checkpointing's
 recomputation included.
 
-Why a loop of sdpa calls and not a varlen kernel: flash-attn's wheels are far too large to carry
-to every machine, flex_attention needs torch.compile (its first update did not finish within
-120 s on the H200) and has no CPU backward, so the CPU tests could not check it; torch's own
-`torch.nn.attention.varlen` is CUDA-only and newer than the torch the GPU machines run. The loop
-runs everywhere, and the CPU tests check it against the padded update.
+On CUDA, where torch has it, the row goes to torch's own varlen flash kernel
+(`torch.nn.attention.varlen.varlen_attn`) in one call per layer instead of one sdpa call per
+sample: the update on a GPU is launch-bound (docs/benchmarks.md), and a 16,384-token piece holds
+~30 samples, so the loop launched ~30 forward and ~30 backward kernels per layer. Elsewhere (CPU,
+float32, dropout, a sliding window, a torch without it) the loop of sdpa calls runs, which the
+CPU tests check against the padded update; tests/gpu checks the kernel against the loop.
+flash-attn's wheels are far too large to carry to every machine, and flex_attention needs
+torch.compile (its first update did not finish within 120 s on the H200) and has no CPU backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,11 +61,89 @@ def _per_sample(
             f"segment_lengths sum to {sum(lengths)} for a row of {query.shape[2]} tokens: a "
             "packed row's samples' lengths add up to its length"
         )
+    half = _half_dtype(query)
+    if half is not None and _varlen_applies(query, kwargs):
+        # Under autocast the queries arrive in float32 (the rotary embedding multiplies by
+        # float32 cos/sin); sdpa would cast them to the autocast dtype, the custom op does not.
+        q, k, v = (x.to(half) for x in (query, key, value))
+        return _attend_varlen(q, k, v, lengths, kwargs.get("scaling"))
     # Not cuDNN's attention, torch's first choice on Hopper: it builds an execution plan for each
     # new sequence length, ~2.3 ms of CPU per call and again for its backward, and every sample's
     # length is new (measured on an H200: 7.0 of an update's 9.2 CPU seconds, docs/benchmarks.md).
     with sdpa_kernel(_BACKENDS) if query.is_cuda else contextlib.nullcontext():
         return _attend(module, query, key, value, lengths, **kwargs)
+
+
+def _load_varlen() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before 2.10
+        return None
+    return varlen_attn
+
+
+_VARLEN = _load_varlen()
+_VARLEN_PARAMETERS = set() if _VARLEN is None else set(inspect.signature(_VARLEN).parameters)
+# torch 2.10-2.11 name causality `is_causal` and take no scale; later ones a window, (-1, 0) being
+# causal, and a scale.
+_VARLEN_CAUSAL: dict[str, Any] = (
+    {"is_causal": True} if "is_causal" in _VARLEN_PARAMETERS else {"window_size": (-1, 0)}
+)
+
+
+def _half_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype a flash kernel would attend in: the queries' own, or autocast's."""
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+    return None
+
+
+def _varlen_applies(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    scaling = kwargs.get("scaling")
+    return (
+        _VARLEN is not None
+        and query.is_cuda
+        and not kwargs.get("dropout")
+        and kwargs.get("sliding_window") is None
+        and (
+            "scale" in _VARLEN_PARAMETERS
+            or scaling is None
+            or abs(scaling * query.shape[-1] ** 0.5 - 1.0) < 1e-6  # the kernel's own 1/sqrt(d)
+        )
+    )
+
+
+def _attend_varlen(
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,
+    segment_lengths: Sequence[int],
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention within each sample of the row, all samples in one flash-varlen call."""
+    assert _VARLEN is not None
+    group = query.shape[1] // key.shape[1]  # grouped-query heads: each kv head serves `group`
+    if group > 1:
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    bounds = torch.tensor([0, *segment_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    bounds = bounds.to(query.device, non_blocking=True)
+    longest = max(segment_lengths)
+    out = _VARLEN(
+        query[0].transpose(0, 1),  # [T, heads, head_dim]
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        bounds,
+        bounds,
+        longest,
+        longest,
+        **({"scale": scaling} if "scale" in _VARLEN_PARAMETERS else {}),
+        **_VARLEN_CAUSAL,
+    )
+    return out[None]  # [1, T, heads, head_dim], as sdpa_attention_forward returns
 
 
 def _attend(
