@@ -223,9 +223,10 @@ def worker(spec_path: Path) -> int:
     import grail.rollouts.server as rollout_source
     import grail.train.loop as loop
     from grail.core.validate import validate
-    from grail.train.cli import CONF_DIR, exit_on_sigterm
+    from grail.train.cli import CONF_DIR
+    from grail.train.reporting import interrupt_on_sigterm
 
-    signal.signal(signal.SIGTERM, exit_on_sigterm)  # stop_worker's SIGTERM: run() cleans up
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)  # stop_worker's SIGTERM: run() cleans up
 
     transformers.utils.logging.disable_progress_bar()
     if spec["ignore_eos"]:

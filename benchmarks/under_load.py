@@ -33,8 +33,13 @@ from common import core_iteration_s, print_table, run_worker, spread, stop_worke
 HOG = "while True: pass"
 
 
-def run_once(run_dir: Path, args: argparse.Namespace, env: dict[str, str]) -> list[float]:
-    """One `grail-train` run; the counted iterations' core times."""
+PARTS = ("generation_s", "train_s", "weight_sync_s")
+
+
+def run_once(
+    run_dir: Path, args: argparse.Namespace, env: dict[str, str]
+) -> list[dict[str, float]]:
+    """One `grail-train` run; the counted iterations' core times and their parts."""
     cmd = [
         sys.executable, "-m", "grail.train.cli",
         f"train.iterations={args.iterations}", "eval.enabled=false",
@@ -48,7 +53,10 @@ def run_once(run_dir: Path, args: argparse.Namespace, env: dict[str, str]) -> li
     counted = records[args.warmup : -1]
     if not counted:
         raise RuntimeError(f"{run_dir}: no iterations left to count; raise --iterations")
-    return [core_iteration_s(r["timings"]) for r in counted]
+    return [
+        {"core_s": core_iteration_s(r["timings"]), **{k: r["timings"][k] for k in PARTS}}
+        for r in counted
+    ]
 
 
 def with_hogs(count: int, run: Any) -> Any:
@@ -78,7 +86,7 @@ def main() -> int:
     env = {**os.environ, **dict(item.split("=", 1) for item in args.env)}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path: the one a shared CPU machine runs
 
-    times: dict[str, list[float]] = {"idle": [], "loaded": []}
+    times: dict[str, list[dict[str, float]]] = {"idle": [], "loaded": []}
     with tempfile.TemporaryDirectory(prefix="grail-under-load-") as tmp:
         for r in range(args.rounds):
             for condition in ("idle", "loaded"):
@@ -87,22 +95,33 @@ def main() -> int:
                 values = with_hogs(hogs, lambda d=run_dir: run_once(d, args, env))
                 times[condition] += values
                 print(f"round {r + 1}/{args.rounds} {condition:6s}: median iteration "
-                      f"{statistics.median(values):.3f}s")  # fmt: skip
-    idle, loaded = spread(times["idle"]), spread(times["loaded"])
+                      f"{statistics.median(v['core_s'] for v in values):.3f}s")  # fmt: skip
+    idle, loaded = (spread([v["core_s"] for v in times[c]]) for c in ("idle", "loaded"))
+    parts = {
+        c: {k: statistics.median(v[k] for v in times[c]) for k in PARTS} for c in ("idle", "loaded")
+    }
     slowdown = loaded["median"] / idle["median"]
     fair = (cores + args.hogs) / cores
     print_table(
         f"default iteration alone and beside {args.hogs} CPU hog(s), {cores} cores "
         f"(median s of {idle['n']} iterations each)",
-        ["condition", "median s", "IQR", "slowdown", "fair share"],
+        ["condition", "median s", "IQR", "slowdown", "fair share", "generation / train / sync s"],
         [
-            ["idle", f"{idle['median']:.3f}", f"{idle['iqr']:.3f}", "1", ""],
+            [
+                "idle",
+                f"{idle['median']:.3f}",
+                f"{idle['iqr']:.3f}",
+                "1",
+                "",
+                " / ".join(f"{parts['idle'][k]:.3f}" for k in PARTS),
+            ],
             [
                 "loaded",
                 f"{loaded['median']:.3f}",
                 f"{loaded['iqr']:.3f}",
                 f"{slowdown:.2f}",
                 f"{fair:.2f}",
+                " / ".join(f"{parts['loaded'][k]:.3f}" for k in PARTS),
             ],
         ],  # fmt: skip
     )
@@ -116,6 +135,7 @@ def main() -> int:
             "idle": idle,
             "loaded": loaded,
             "slowdown": slowdown,
+            "parts_median_s": parts,
             "fair_share": fair,
         },
     )

@@ -56,7 +56,8 @@ How the workloads were made equal (TRL's name in brackets where it differs):
 - Threads: both get the same T cores (default: this process's CPU affinity). Ours runs with
   the threads `grail-train` picks by default on T cores: in sync mode the trainer has all T
   torch threads (generation and training take turns) and the inference server floor(T/2)
-  (OMP/MKL threads); in pipelined mode, where they compute at once, floor(T/2) each. TRL runs in
+  (OMP/MKL threads), or T for a model of 1M body parameters or more (`--model small`); in
+  pipelined mode, where they compute at once, floor(T/2) each. TRL runs in
   one process with torch.set_num_threads(T). The counts each arm actually ran with are in the
   JSON and printed. Why `trl_half` too: on a machine where other processes run, a process whose
   OpenMP threads outnumber the free cores waits at every parallel region's barrier for a thread
@@ -109,7 +110,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, get_args
 
@@ -124,12 +125,19 @@ from common import (
 )
 
 from grail.core.choices import LossType
-from grail.core.placement import split_cores
+from grail.core.placement import decode_scales, split_cores
 
 ARMS = ("sync", "pipelined", "trl", "trl_half")
 OURS_ARMS = ("sync", "pipelined")
 TRL_ARMS = ("trl", "trl_half")
 ENVIRONMENT = "copy_digits"
+# `--model small`: the shape the thread counts of grail.core.placement.split_cores were measured on.
+SMALL_MODEL: dict[str, Any] = {
+    "hidden_size": 384,
+    "num_layers": 6,
+    "num_heads": 6,
+    "num_kv_heads": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,13 @@ class Workload:
     grad_clip: float = 1.0
     threads: int = 2
     seed: int = 0
+    model: str = "tiny"  # "tiny" (grail.models.tiny), else a model directory (`--model small`)
+    server_threads: int = 0  # ours' generation.server_threads; 0: what grail-train picks
+
+    def model_dir(self) -> str:
+        from grail.models.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model()) if self.model == "tiny" else self.model
 
     @property
     def samples(self) -> int:
@@ -184,15 +199,16 @@ class Workload:
             )
 
 
-def ours_threads(arm: str, total: int) -> tuple[int, int]:
+def ours_threads(arm: str, total: int, model_dir: str | None = None) -> tuple[int, int]:
     """(trainer, server) torch threads for ours on `total` cores: what `grail-train` picks by
-    default on a machine with that many (the trainer all of them in sync mode, where generation
-    and training take turns, half in pipelined mode; the server half)."""
+    default on a machine with that many (`grail.core.placement.split_cores`: the trainer all of
+    them in sync mode, where generation and training take turns, half in pipelined mode; the
+    server half, or all of them in sync mode for a model large enough to gain)."""
     if total < 1:
         raise ValueError(f"threads must be >= 1, got {total}")
     if arm not in OURS_ARMS:
         raise ValueError(f"arm {arm!r} is not one of ours: {', '.join(OURS_ARMS)}")
-    return split_cores(total, pipelined=arm == "pipelined")
+    return split_cores(total, pipelined=arm == "pipelined", server_scales=decode_scales(model_dir))
 
 
 def arm_threads(arm: str, total: int) -> int:
@@ -207,7 +223,8 @@ def arm_threads(arm: str, total: int) -> int:
 
 def ours_overrides(w: Workload, arm: str, model_dir: str) -> list[str]:
     """Hydra overrides of conf/offline_grpo.yaml that make `grail.train.loop.run` do `w`."""
-    trainer_threads, server_threads = ours_threads(arm, w.threads)
+    trainer_threads, server_threads = ours_threads(arm, w.threads, model_dir)
+    server_threads = w.server_threads or server_threads
     return [
         f"env={ENVIRONMENT}",
         f"seed={w.seed}",
@@ -371,11 +388,10 @@ def _compose(overrides: list[str]) -> Any:
 def run_ours(w: Workload, arm: str) -> dict[str, Any]:
     import torch
 
-    from grail.models.tiny import ensure_tiny_model
     from grail.train.cli import preflight
     from grail.train.loop import run
 
-    cfg = _compose(ours_overrides(w, arm, str(ensure_tiny_model())))
+    cfg = _compose(ours_overrides(w, arm, w.model_dir()))
     preflight(cfg)
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{arm}-") as tmp, ServerPeakRss() as server:
         run_dir = Path(tmp)
@@ -424,7 +440,6 @@ def run_trl(w: Workload, threads: int) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     from grail.envs import make_env
-    from grail.models.tiny import ensure_tiny_model
 
     torch.set_num_threads(threads)
     env = make_env(ENVIRONMENT)
@@ -477,7 +492,7 @@ def run_trl(w: Workload, threads: int) -> dict[str, Any]:
     timer = StepTimer()
     with tempfile.TemporaryDirectory(prefix="vs_trl-trl-") as tmp:
         trainer = TimedGRPOTrainer(
-            model=str(ensure_tiny_model()),
+            model=w.model_dir(),
             reward_funcs=recorded_reward,
             args=trl.GRPOConfig(**trl_config_kwargs(w, tmp)),
             train_dataset=dataset,
@@ -517,9 +532,9 @@ def run_trl(w: Workload, threads: int) -> dict[str, Any]:
 
 
 def worker(arm: str, w: Workload, out: Path) -> None:
-    from grail.train.cli import exit_on_sigterm
+    from grail.train.reporting import interrupt_on_sigterm
 
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     t0 = time.perf_counter()
     result = run_trl(w, arm_threads(arm, w.threads)) if arm in TRL_ARMS else run_ours(w, arm)
     result["process_s"] = time.perf_counter() - t0
@@ -630,6 +645,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loss-type", default=d.loss_type, choices=get_args(LossType))
     p.add_argument("--threads", type=int, default=cores, help="total cores for each arm")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="tiny (the default job's model), small (a random Qwen2 of hidden 384 and 6 layers, "
+        "built into a temporary directory: a CPU workload larger than the default) or a directory",
+    )
+    p.add_argument(
+        "--server-threads", type=int, default=0, help="ours' server threads (0: grail's default)"
+    )
     p.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per arm run")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default: results/)")
     p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
@@ -657,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         loss_type=args.loss_type,
         threads=args.threads,
         seed=args.seed,
+        model=args.model,
+        server_threads=args.server_threads,
     )
     try:
         w.check()
@@ -678,11 +704,13 @@ def main(argv: list[str] | None = None) -> int:
                 "or leave it out with --arms sync,pipelined"
             ) from None
 
-    from grail.models.tiny import ensure_tiny_model
+    from grail.models.tiny import build_random_qwen2, ensure_tiny_model
 
     ensure_tiny_model()  # built once here, not inside the first arm's timing
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
+        if w.model == "small":
+            w = replace(w, model=str(build_random_qwen2(Path(tmp) / "small", **SMALL_MODEL)))
         for rep, arm in schedule(arms, args.repetitions):
             t0 = time.perf_counter()
             result = run_arm(arm, w, args.arm_timeout, Path(tmp))

@@ -147,6 +147,37 @@ def test_grouped_rowwise_attention_equals_row_by_row(
         assert torch.equal(grouped[b], alone[0])
 
 
+def test_rowwise_attention_groups_rows_whatever_the_engines_thread_count() -> None:
+    """With several threads PyTorch's CPU attention splits short queries by batch size, so the
+    engine attends on one thread: rows still share a call, bitwise as alone, and the engine's
+    own count (the linear layers') is back after it. Before, a 2-thread server attended every
+    row on its own and decoded slower than a 1-thread one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert attention_batch_invariant(4, 2, 16, torch.float32, torch.device("cpu"))
+        pad_starts = [0, 3, 0, 3, 3, 9, 0]
+        q, k, v = _attention_inputs(len(pad_starts), 1, 23)
+        module = torch.nn.Module()
+        grouped, _ = _rowwise_attention(
+            module, q, k, v, None, 0.25, grail_pad_starts=pad_starts, grail_group_rows=True
+        )
+        assert torch.get_num_threads() == 2
+        for b, start in enumerate(pad_starts):
+            alone, _ = _rowwise_attention(
+                module,
+                q[b : b + 1],
+                k[b : b + 1],
+                v[b : b + 1],
+                None,
+                0.25,
+                grail_pad_starts=[start],
+            )
+            assert torch.equal(grouped[b], alone[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------- the static path
 #
 # decode="graph" (the default on CUDA: static KV cache, on-device finish flags, host reads every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,9 @@ from omegaconf import OmegaConf
 from grail.core import placement as placement_module
 from grail.core.config import Config
 from grail.core.errors import ConfigError
-from grail.core.placement import cpu_threads, gpu_placement, split_cores
+from grail.core.placement import body_parameters, cpu_threads, gpu_placement, split_cores
 from grail.core.validate import validate
+from grail.models.tiny import ensure_tiny_model
 from grail.train.cli import CONF_DIR
 
 
@@ -51,6 +53,33 @@ def test_cpu_threads_trainer_takes_all_cores_only_when_the_server_waits(
     monkeypatch.setattr(placement_module, "available_cores", lambda: 64)
     assert _threads(on) == (1, 1)
     assert _threads(on, "train.threads=4") == (4, 1)
+
+
+def test_in_sync_mode_the_server_takes_every_core_for_a_model_large_enough_to_gain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server's decode gains from threads only past ~1M body parameters (docs/benchmarks.md).
+    assert split_cores(8, pipelined=False, server_scales=True) == (8, 8)
+    assert split_cores(8, pipelined=True, server_scales=True) == (4, 4)  # both compute at once
+    monkeypatch.setattr(placement_module, "available_cores", lambda: 6)
+    large = tmp_path / "large"
+    large.mkdir()
+    shape = {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6}
+    (large / "config.json").write_text(json.dumps({**shape, "num_key_value_heads": 2}))
+    assert body_parameters(large) == 6 * (2 * 384 * 384 + 2 * 384 * 128 + 3 * 384 * 1536)
+
+    def threads(model_dir: Path | None, pipelined: bool = False) -> tuple[int, int]:
+        return cpu_threads(None, None, pipelined=pipelined, model_dir=model_dir)
+
+    assert threads(large) == (6, 6)
+    assert threads(large, pipelined=True) == (3, 3)
+    assert threads(ensure_tiny_model()) == (6, 3)  # 0.1M parameters: more threads lose
+    assert threads(None) == (6, 3)
+    assert body_parameters(tmp_path / "missing") is None
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"d_model": 512}')  # another architecture's keys
+    assert threads(tmp_path / "odd") == (6, 3)
+    assert cpu_threads(None, 2, pipelined=False, model_dir=large) == (6, 2)  # explicit wins
 
 
 def _threads(*overrides: str) -> tuple[int, int]:

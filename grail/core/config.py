@@ -69,7 +69,9 @@ class GenerationConfig:
     weight_transfer: WeightTransfer = (
         WeightTransfer.auto
     )  # auto | disk | shared | nccl (WeightTransfer above)
-    server_threads: int | None = None  # None: half the cores (split_cores); 1 if reproducible
+    # None: half the cores, all in sync mode for a model of 1M+ body parameters (split_cores); 1 if
+    # reproducible
+    server_threads: int | None = None
     start_timeout_s: float | None = None  # None: the backend's default (built-in 120, else 900)
     request_timeout_s: float = 120.0
     max_concurrency: int = 64

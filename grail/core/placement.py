@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from grail.core.choices import GpuStrategy
 from grail.core.errors import ConfigError
@@ -20,19 +22,50 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def split_cores(cores: int, *, pipelined: bool) -> tuple[int, int]:
+def split_cores(cores: int, *, pipelined: bool, server_scales: bool = False) -> tuple[int, int]:
     """(trainer, server) torch threads on CPU for a run that has `cores` cores to itself.
 
-    The trainer gets all of them in sync mode, where generation and training take turns, and half
-    in pipelined mode, where both compute at once (both on all cores was measured up to 15x
-    slower: each side's OpenMP threads wait at barriers for a core the other side holds). The
-    server gets half either way, because while it generates its HTTP thread and the trainer's
-    client are busy too. Measured on 2 cores with `benchmarks/under_load.py --hogs 0` (sync mode,
-    OMP_WAIT_POLICY=PASSIVE, median iteration): 2 server threads instead of 1 took 0.86 s
-    instead of 0.52 s with the tiny model and 5.28 s instead of 5.08 s with a 6-layer
-    hidden-384 one (`model.train_id=` a `build_random_qwen2` directory)."""
+    Pipelined, where both compute at once, each side gets half (both on all cores was measured up
+    to 15x slower: each side's OpenMP threads wait at barriers for a core the other side holds).
+    In sync mode generation and training take turns, so the trainer gets all of them, and so does
+    the server when its model is large enough for threads to pay (`server_scales`,
+    `decode_scales`); a small model's server keeps half. Measured with the built-in engine's
+    decode of 8 prompts x 8 samples x 32 tokens (docs/benchmarks.md, "CPU threads"): 2 threads
+    instead of 1 took 0.85 s instead of 1.13 s with a hidden-384 6-layer model, 0.295 s instead
+    of 0.316 s with hidden 192 and 4 layers, but 0.113 s instead of 0.093 s with the tiny one."""
     half = max(1, cores // 2)
-    return (half if pipelined else cores), half
+    if pipelined:
+        return half, half
+    return cores, cores if server_scales else half
+
+
+# Decode gains from a second thread from about this many transformer-body parameters on (see
+# `split_cores`: 2.2M gained 7%, the tiny model's 0.12M lost 20%).
+DECODE_SCALES_FROM_PARAMS = 1_000_000
+
+
+def body_parameters(model_dir: str | os.PathLike[str]) -> int | None:
+    """The transformer body's parameter count from a model directory's config.json (attention
+    and MLP weights of every layer; embeddings and norms left out), or None where it does not
+    say (no such file, another architecture's keys)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        hidden = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        intermediate = int(config.get("intermediate_size") or 4 * hidden)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    return layers * (attention + 3 * hidden * intermediate)
+
+
+def decode_scales(model_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether the built-in server's decode of this model runs faster on more threads."""
+    params = None if model_dir is None else body_parameters(model_dir)
+    return params is not None and params >= DECODE_SCALES_FROM_PARAMS
 
 
 def prefer_passive_openmp(env: MutableMapping[str, str]) -> None:
@@ -59,15 +92,20 @@ def cpu_threads(
     *,
     pipelined: bool,
     reproducible: bool = False,
+    model_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[int, int]:
     """The run's (trainer, server) threads on CPU: `train.threads` and
-    `generation.server_threads` where set, else `split_cores` of this process's cores; with
-    `reproducible`, else `REPRODUCIBLE_THREADS` each, whatever the machine has (reductions split
-    by thread, so a count that follows the cores would make the numbers follow them too)."""
+    `generation.server_threads` where set, else `split_cores` of this process's cores, the
+    server's share by its model (`decode_scales` of `model_dir`); with `reproducible`, else
+    `REPRODUCIBLE_THREADS` each,
+    whatever the machine has (reductions split by thread, so a count that follows the cores would
+    make the numbers follow them too)."""
     if reproducible:
         trainer, server = REPRODUCIBLE_THREADS, REPRODUCIBLE_THREADS
     else:
-        trainer, server = split_cores(available_cores(), pipelined=pipelined)
+        trainer, server = split_cores(
+            available_cores(), pipelined=pipelined, server_scales=decode_scales(model_dir)
+        )
     return trainer_threads or trainer, server_threads or server
 
 

@@ -147,6 +147,7 @@ def server_manager_from_config(
             gen.server_threads,
             pipelined=cfg.train.pipeline,
             reproducible=cfg.reproducible,
+            model_dir=model_dir,
         )
         if cfg.reproducible:  # the server's kernels too (grail/core/reproducible.py)
             apply_reproducible_env(env)

@@ -10,8 +10,9 @@ batch-invariant mode (default on CPU) the engine therefore
 1. computes attention row by row over that row's own tokens only (padding sliced away, not
    masked), so the reduction lengths are those of the row alone; rows with the same padding
    share one attention call where a start-up probe finds the kernel's per-row results
-   independent of the batch size (PyTorch's CPU kernel with one thread; with several it splits
-   short queries by batch size, and each row then gets its own call);
+   independent of the batch size: PyTorch's CPU kernel with one thread (with several it splits
+   short queries by batch size), so on CPU the attention runs on one thread (`one_thread`)
+   whatever the engine's thread count;
 2. measures at start-up, on the model's own linear layers, the smallest ``q`` (1, 2, 4, 8 or 16)
    such that a row's output is the same for every row count that is a multiple of ``q``, and
    always runs batches of a multiple of ``q`` rows (at most ``q - 1`` inert filler rows).
@@ -27,7 +28,8 @@ Importing this module registers the row-wise attention with transformers as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +37,26 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 ROWWISE_ATTENTION = "grail_rowwise"
+
+
+@contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Torch's CPU kernels on one thread inside the block, the engine's count again after it.
+
+    The row-wise attention runs on one thread so that rows of equal padding can share one call
+    at any thread count: PyTorch's CPU attention is batch-invariant with one thread only, and
+    with several every row needed a call of its own, which made a 2-thread server slower than a
+    1-thread one (docs/benchmarks.md, "CPU threads"). Switching costs microseconds; the linear
+    layers, most of a decode step, keep all the threads."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _row_groups(starts: Sequence[int], grouped: bool) -> list[tuple[int, list[int]]]:
@@ -70,47 +92,64 @@ def _rowwise_attention(
     ``grail_group_rows``: rows with the same padding run in one call (as a batch of rows of equal
     length). Only where the engine measured that the attention kernel's per-row results do not
     depend on the batch size (``attention_batch_invariant``): true of PyTorch's CPU kernel with
-    one thread, not with several (it then splits short queries differently by batch size).
+    one thread, not with several (it then splits short queries differently by batch size), so on
+    CPU the attention runs on one thread (`one_thread`).
     """
     batch, heads, q_len, head_dim = query.shape
-    k_len = key.shape[2]
     starts = grail_pad_starts if grail_pad_starts is not None else [0] * batch
     out = query.new_zeros(batch, q_len, heads, head_dim)
     gqa = key.shape[1] != heads
-    for start, rows in _row_groups(starts, grail_group_rows):
-        q_start = max(0, start - (k_len - q_len))
-        sel: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
-        if rows[-1] - rows[0] + 1 != len(rows):
-            sel = torch.tensor(rows, device=query.device)  # scattered rows: gathered
-        q, k, v = query[sel], key[sel], value[sel]
-        q = q[:, :, q_start:].contiguous()
-        k = k[:, :, start:].contiguous()
-        v = v[:, :, start:].contiguous()
-        n_rows, cols = q.shape[2], k.shape[2]
-        if n_rows == 1:
-            mask, causal = None, False
-        elif n_rows == cols:
-            mask, causal = None, True
-        else:  # queries are the last `n_rows` of `cols` positions
-            offset = cols - n_rows
-            mask = torch.ones(n_rows, cols, dtype=torch.bool, device=q.device).tril(offset)
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
-        )
-        out[sel, q_start:] = o.transpose(1, 2)
+    with one_thread(query.device):
+        for start, rows in _row_groups(starts, grail_group_rows):
+            _attend_rows(query, key, value, out, start, rows, scaling, gqa)
     return out, None
+
+
+def _attend_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    start: int,
+    rows: list[int],
+    scaling: float | None,
+    gqa: bool,
+) -> None:
+    """Rows `rows` (equal padding `start`) of the batch attend over their own keys into `out`."""
+    q_len, k_len = query.shape[2], key.shape[2]
+    q_start = max(0, start - (k_len - q_len))
+    sel: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
+    if rows[-1] - rows[0] + 1 != len(rows):
+        sel = torch.tensor(rows, device=query.device)  # scattered rows: gathered
+    q, k, v = query[sel], key[sel], value[sel]
+    q = q[:, :, q_start:].contiguous()
+    k = k[:, :, start:].contiguous()
+    v = v[:, :, start:].contiguous()
+    n_rows, cols = q.shape[2], k.shape[2]
+    if n_rows == 1:
+        mask, causal = None, False
+    elif n_rows == cols:
+        mask, causal = None, True
+    else:  # queries are the last `n_rows` of `cols` positions
+        offset = cols - n_rows
+        mask = torch.ones(n_rows, cols, dtype=torch.bool, device=q.device).tril(offset)
+        causal = False
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
+    )
+    out[sel, q_start:] = o.transpose(1, 2)
 
 
 def attention_batch_invariant(
     heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> bool:
     """Whether ``scaled_dot_product_attention`` gives each row the same result in a batch of rows
-    as alone, for this head layout at the current thread count (probed with random inputs on
-    decode, prefill and partial-prefill shapes). A measurement, like ``linear_row_quantum``."""
+    as alone, for this head layout on one thread, as the engine runs it (probed with random
+    inputs on decode, prefill and partial-prefill shapes). A measurement, like
+    ``linear_row_quantum``."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     gqa = kv_heads != heads
-    with torch.inference_mode():
+    with torch.inference_mode(), one_thread(device):  # as `_rowwise_attention` runs it
         for q_len, k_len in ((1, 1), (1, 9), (1, 300), (3, 40), (17, 17), (2, 700)):
             for batch in (2, 3, 8, 32):
                 q = torch.randn(batch, heads, q_len, head_dim, generator=generator)
