@@ -104,6 +104,10 @@ def test_explicit_settings_win_over_the_assignment() -> None:
         "gpu.training_gpu": 1,
     }
     assert resource_overrides(r, set(), pipelined=True)["train.threads"] == 2
+    # a run of a fleet of 2 servers gives each half the servers' share (generation.servers)
+    assert (
+        resource_overrides(r, set(), pipelined=False, servers=2)["generation.server_threads"] == 1
+    )
     keys = ["train.threads", "gpu.server_gpu"]
     assert explicit_keys(["train.lr=1", "++train.threads=2", "gpu.server_gpu=0"], keys) == {
         "train.threads",

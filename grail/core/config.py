@@ -85,6 +85,9 @@ class GenerationConfig:
     # A server that dies mid-run is restarted from the newest weights and the batch retried, at
     # most this many times per batch.
     max_restarts: int = 2
+    # Inference servers the run starts (a fleet, grail/rollouts/fleet.py): each group goes to one
+    # of them, weights go to all. server_threads is then per server (None: the share split).
+    servers: int = 1
 
 
 @dataclass

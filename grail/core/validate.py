@@ -151,6 +151,18 @@ def validate_generation(cfg: Config) -> None:
             raise ConfigError(f"generation.{key} must be >= 1 or null, got {value}")
     if gen.max_restarts < 0:
         raise ConfigError(f"generation.max_restarts must be >= 0, got {gen.max_restarts}")
+    _positive("generation.servers", gen.servers)
+    if gen.servers > 1 and gen.backend != Backend.builtin:
+        raise ConfigError(
+            f"generation.servers={gen.servers} with generation.backend={gen.backend}: a fleet of "
+            "vLLM or SGLang servers is not supported yet (each needs a GPU of its own); a fleet of "
+            "built-in servers is (generation.backend=builtin)"
+        )
+    if gen.servers > 1 and cfg.mode == "service":
+        raise ConfigError(
+            f"generation.servers={gen.servers} with mode=service: the service samples through one "
+            "server; leave generation.servers at 1"
+        )
     if gen.start_timeout_s is not None:
         _positive("generation.start_timeout_s", gen.start_timeout_s)
     _positive("generation.request_timeout_s", gen.request_timeout_s)

@@ -40,7 +40,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import openai
 
@@ -325,6 +325,26 @@ def _server_message(exc: openai.APIStatusError) -> str:
 
 # --------------------------------------------------------------------------------------------
 # the client
+
+
+class Completer(Protocol):
+    """What generation asks of a completion client: `CompletionClient` (one server) or
+    `grail.rollouts.fleet.FleetClient` (several)."""
+
+    async def complete(
+        self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams, seed: int
+    ) -> list[Completion]: ...
+
+    async def complete_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int],
+        on_done: Callable[[int], None] | None = None,
+    ) -> list[list[Completion]]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class CompletionClient:

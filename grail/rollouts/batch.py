@@ -68,6 +68,8 @@ class GeneratedBatch:
     reused: Reused | None = None
     # mode=service: where each group came from and what the service refused (grail/service/)
     service: dict[str, Any] | None = None
+    # generation.servers > 1: what each server of the fleet did for this batch (rollouts/fleet.py)
+    fleet: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

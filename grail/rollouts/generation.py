@@ -27,7 +27,7 @@ from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, inform
 
 if TYPE_CHECKING:
     from grail.core.config import GenerationConfig
-    from grail.inference.client import CompletionClient
+    from grail.inference.client import Completer
 
 
 async def fill_informative(
@@ -94,7 +94,7 @@ class RolloutGenerator:
         self,
         env: Environment,
         tokenizer: Any,
-        client: CompletionClient,
+        client: Completer,
         sampling: SamplingParams,
         *,
         base_seed: int = 0,

@@ -38,13 +38,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from grail.core.records import iteration_name
-from grail.inference.client import CompletionClient
+from grail.inference.client import Completer, CompletionClient
 from grail.inference.process import ServerManager
 from grail.inference.recovery import call_with_recovery
 from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
+from grail.rollouts.fleet import Fleet, FleetClient
 from grail.rollouts.generation import (
     RolloutGenerator,
     fill_informative,
@@ -169,6 +170,28 @@ def completion_client(cfg: Config, server: ServerManager) -> CompletionClient:
     )
 
 
+def fleet_client(cfg: Config, fleet: Fleet) -> FleetClient:
+    """The client of a fleet: one `completion_client` per server, the run's concurrency shared."""
+    window = max(1, -(-cfg.generation.max_concurrency // len(fleet)))
+    return FleetClient(
+        [completion_client(cfg, server) for server in fleet.servers],
+        window=window,
+        on_set_aside=fleet.set_aside,
+    )
+
+
+def fleet_delta(
+    before: list[dict[str, Any]] | None, after: list[dict[str, Any]] | None
+) -> list[dict[str, Any]] | None:
+    """What each server of a fleet did between two `FleetClient.server_records()`."""
+    if before is None or after is None:
+        return None
+    return [
+        {key: (a[key] if key == "usable" else a[key] - b[key]) for key in a}
+        for b, a in zip(before, after, strict=True)
+    ]
+
+
 def eval_seeds(cfg: Config) -> list[int]:
     return list(range(cfg.eval.id_seed_start, cfg.eval.id_seed_start + cfg.eval.num_ids))
 
@@ -199,10 +222,13 @@ class ServerRollouts:
         progress: ProgressFactory = _no_progress,
         state: dict[str, Any] | None = None,
         shared: SharedRollouts | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
-        """`state`: what a checkpoint kept of this source (`state()`), to resume from."""
+        """`state`: what a checkpoint kept of this source (`state()`), to resume from. `fleet`:
+        several servers (`generation.servers`), `server` and `syncer` being its first."""
         self.cfg = cfg
         self.server = server
+        self._fleet = fleet
         # How each sync hands over the weights: the run's route, disk as the fallback.
         self._syncer = syncer
         # Iteration 0's batch, shared by the runs of a study (grail/rollouts/shared.py).
@@ -216,7 +242,7 @@ class ServerRollouts:
         self._ready: GeneratedBatch | None = self._pending_from(state or {})
         self._prefetch: _Prefetch | None = None
         self._events: EventLoopThread | None = None
-        self._client: CompletionClient | None = None
+        self._client: Completer | None = None
         self._generator: RolloutGenerator | None = None
         self._eval_generator: RolloutGenerator | None = None
 
@@ -224,9 +250,13 @@ class ServerRollouts:
 
     def __enter__(self) -> Self:
         try:
-            self.server.launch()
             self._events = EventLoopThread()
-            self._client = completion_client(self.cfg, self.server)
+            if self._fleet is None:
+                self.server.launch()
+                self._client = completion_client(self.cfg, self.server)
+            else:
+                self._fleet.launch()
+                self._client = self._fleet.client = fleet_client(self.cfg, self._fleet)
             self._generator, self._eval_generator = (
                 RolloutGenerator(
                     env,
@@ -258,8 +288,11 @@ class ServerRollouts:
             self._events.close()
             self._events = None
         self._client = None
-        self._syncer.close()
-        self.server.stop()
+        if self._fleet is None:
+            self._syncer.close()
+            self.server.stop()
+        else:
+            self._fleet.stop()
 
     # -- the RolloutSource interface ------------------------------------------------------------
 
@@ -286,7 +319,9 @@ class ServerRollouts:
             self._ready = self._collect()
             prefetched = (self._ready.started, self._ready.finished)
         t_sync = time.perf_counter()
-        result = self._syncer.sync(save, weight_version=iteration_name(policy_version - 1))
+        version = iteration_name(policy_version - 1)
+        syncer = self._syncer if self._fleet is None else self._fleet
+        result = syncer.sync(save, weight_version=version)
         return WeightSync(result, time.perf_counter() - t_sync, t_sync - t0, prefetched)
 
     def evaluate(self, on_progress: Callable[[int], None] | None = None) -> RolloutBatch:
@@ -325,6 +360,7 @@ class ServerRollouts:
         data = self.cfg.data
         seeds = iteration_seeds(self.cfg, iteration)
         started = time.perf_counter()
+        fleet_before = self._fleet_records()
 
         async def generate(problem_seeds: list[int], what: str) -> list[Group]:
             advance = self._progress(f"iter {iteration:03d} {what}", len(problem_seeds))
@@ -353,7 +389,12 @@ class ServerRollouts:
             started,
             finished,
             resampling=resampling,
+            fleet=fleet_delta(fleet_before, self._fleet_records()),
         )
+
+    def _fleet_records(self) -> list[dict[str, Any]] | None:
+        client = self._client
+        return client.server_records() if isinstance(client, FleetClient) else None
 
     def _with_recovery(
         self,
@@ -369,6 +410,8 @@ class ServerRollouts:
         def attempt() -> T:
             return wait(attempts.pop()) if attempts else events.run(make())
 
+        if self._fleet is not None:
+            return self._fleet.call_with_recovery(attempt, self.cfg.generation.max_restarts)
         # The syncer's recovery writes the weights a fast route served before the restart.
         return call_with_recovery(
             self.server,

@@ -226,16 +226,21 @@ def _side(key: str, ids: tuple[int, ...]) -> dict[str, Any]:
 
 
 def resource_overrides(
-    resources: Resources, explicit: set[str] | frozenset[str], *, pipelined: bool
+    resources: Resources,
+    explicit: set[str] | frozenset[str],
+    *,
+    pipelined: bool,
+    servers: int = 1,
 ) -> dict[str, Any]:
     """Config values (dotted key -> an int, or a list of ints for a side of several GPUs) that put
     a run on its share, leaving alone every key the user set explicitly (`explicit`): an explicit
     choice always wins over the automatic one, and a side named by either of its keys is left
-    whole."""
+    whole. A run of a fleet of `servers` (`generation.servers`) splits its servers' threads
+    between them (`generation.server_threads` is each server's)."""
     trainer_threads, server_threads = split_cores(resources.cores, pipelined=pipelined)
     values: dict[str, Any] = {
         "train.threads": trainer_threads,
-        "generation.server_threads": server_threads,
+        "generation.server_threads": max(1, server_threads // servers),
     }
     for key, ids in (
         ("gpu.server_gpu", resources.server_gpus),

@@ -170,7 +170,9 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, Any]:
         # Fixed thread counts, not this machine's share: the same seed gives the same numbers in a
         # sweep or alone, on any machine (grail/core/reproducible.py).
         explicit |= {"train.threads", "generation.server_threads"}
-    return resource_overrides(resources, explicit, pipelined=bool(cfg.train.pipeline))
+    return resource_overrides(
+        resources, explicit, pipelined=bool(cfg.train.pipeline), servers=int(cfg.generation.servers)
+    )
 
 
 def _train(

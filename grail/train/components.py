@@ -24,6 +24,7 @@ from grail.inference.errors import ServerStartError
 from grail.inference.process import ServerManager
 from grail.inference.weights.route import RouteChoice, resolve_route
 from grail.inference.weights.syncer import WeightSyncer
+from grail.rollouts.fleet import Fleet
 from grail.rollouts.server import ServerRollouts
 from grail.rollouts.shared import SharedRollouts
 from grail.service.source import ServiceRollouts
@@ -63,7 +64,11 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     if trainer.lora:  # the server serves the base with this adapter, which every sync rewrites
         lora_dir = weights_dir / ADAPTER_DIR
         trainer.save_weights(lora_dir)
-    server, syncer = server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir)
+    members = [
+        server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir, member=i)
+        for i in range(cfg.generation.servers)
+    ]
+    server, syncer = members[0]
     # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
     fresh = trainer.start_iteration == 0
     shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
@@ -80,6 +85,7 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
         progress=display.task,
         state=trainer.source_state,
         shared=shared,
+        fleet=Fleet(members) if len(members) > 1 else None,
     )
     source: ServerRollouts | ServiceRollouts = server_rollouts
     if cfg.mode == "service":  # clients send the prompts and rewards (grail/service/)
@@ -119,10 +125,14 @@ def server_manager_from_config(
     served_model_name: str = "policy",
     lora_dir: str | os.PathLike[str] | None = None,
     weight_transfer: str = "disk",
+    member: int = 0,
 ) -> ServerManager:
     """The server `grail-train` runs for `cfg`: backend, GPU placement and sizes from the config.
     With `model.lora.enabled`, `lora_dir` is where the adapter the server serves is written;
-    `weight_transfer` is the run's route (`server_and_syncer_from_config` picks it).
+    `weight_transfer` is the run's route (`server_and_syncer_from_config` picks it). In a fleet
+    (`generation.servers` > 1) this is server `member`: its own log directory
+    (`logs/server-<member>`), the servers' CPU share split between them unless
+    `generation.server_threads` says each one's, the server GPUs taken in turn.
 
     Placement: the server gets its first GPU of `gpu_layout`; when the trainer shares it
     (`gpu.strategy=single`, or the lists overlap) the memory fraction defaults low. The built-in
@@ -149,15 +159,19 @@ def server_manager_from_config(
             reproducible=cfg.reproducible,
             model_dir=model_dir,
         )
+        if gen.server_threads is None and not cfg.reproducible:
+            threads = max(1, threads // gen.servers)  # the fleet shares the servers' cores
         if cfg.reproducible:  # the server's kernels too (grail/core/reproducible.py)
             apply_reproducible_env(env)
     model_dtype = cfg.model.dtype
+    log_dir = Path(run_dir) / "logs"
+    server_gpus = gpu_layout(cfg.gpu).server
     return make_server_manager(
         gen.backend,
         model_dir,
         served_model_name,
-        log_dir=Path(run_dir) / "logs",
-        device=f"cuda:{gpu_placement(cfg.gpu)[0]}" if cuda_available else "cpu",
+        log_dir=log_dir if gen.servers == 1 else log_dir / f"server-{member}",
+        device=f"cuda:{server_gpus[member % len(server_gpus)]}" if cuda_available else "cpu",
         threads=threads,
         start_timeout=gen.start_timeout_s,
         dtype=None if model_dtype == "auto" else model_dtype,
@@ -198,6 +212,7 @@ def server_and_syncer_from_config(
     *,
     cuda_available: bool | None = None,
     lora_dir: str | os.PathLike[str] | None = None,
+    member: int = 0,
 ) -> tuple[ServerManager, WeightSyncer]:
     """The server of `server_manager_from_config` and the `WeightSyncer` that gives it the
     trainer's weights, through the run's route, chosen once here: the server is started for it
@@ -214,5 +229,6 @@ def server_and_syncer_from_config(
         cuda_available=cuda_available,
         lora_dir=lora_dir,
         weight_transfer=route.name,
+        member=member,
     )
     return server, WeightSyncer.for_server(server, route, cfg.generation.weight_sync)

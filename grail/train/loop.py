@@ -437,6 +437,7 @@ def iteration_record(
         ),
         **({} if rollouts.reused is None else {"rollouts_reused": asdict(rollouts.reused)}),
         **({} if rollouts.service is None else {"service": rollouts.service}),
+        **({} if rollouts.fleet is None else {"fleet": rollouts.fleet}),
         "policy": {
             "version": rollouts.policy_version,
             "staleness": iteration - rollouts.policy_version,

@@ -1,0 +1,331 @@
+"""A fleet of inference servers for one run (`generation.servers=N`): one data plane, control to
+all of them.
+
+Data plane. `FleetClient` is the completion client of the fleet. A batch's prompts go in requests
+of whole groups (a problem's n samples never part, so its prompt is prefilled once); each request
+goes to the server the `Balancer` (grail/rollouts/balance.py) picks: the one whose queue would
+finish first, at most a window of requests in flight per server, so a slow server, answering
+later, gets fewer. A request whose server died (`ServerDiedError`, or no answer after the
+client's retries) is counted as that server's failure, the server is set aside, and the request
+goes to another; the batch ends with no group lost or sent twice. With every server set aside the
+request fails with `ServerDiedError`, which the run's recovery handles as for one server.
+
+Control plane. `Fleet.sync` gives every server the same weights, in parallel, and returns only
+when all have them: no request of the next batch reaches an older version. Under the disk route
+the weights are written once into the directory the servers share and every server reloads it;
+fast routes (shared tensors, NCCL) send to each server on its own. A server set aside is
+restarted at the next sync, from the newest weights, and rejoins.
+
+Determinism: every prompt carries its own seed and the built-in server's batches are
+batch-invariant on CPU, so a sample does not depend on which server drew it or what else was in
+its batch: `generation.servers=2` gives the metrics of `servers=1`, bitwise, when each server has
+the same thread count (tests/test_fleet.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from grail.inference.client import Completion, CompletionClient, GenerationError, SamplingParams
+from grail.inference.errors import ServerDiedError
+from grail.inference.process import ServerManager, SyncResult
+from grail.inference.weights.policy import Weights
+from grail.inference.weights.syncer import WeightSyncer
+from grail.rollouts.balance import Balancer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A batch goes in at least this many requests per server, so that the balancer has requests to
+# move: with one request per server a slow server would hold its whole share to the end.
+REQUESTS_PER_SERVER = 4
+
+
+def is_server_fault(exc: BaseException) -> bool:
+    """Whether a failed request says more about its server than about the request: the server
+    died, or it gave no answer (connection refused, timeouts, 5xx) after the client's retries. A
+    request refused with a 4xx, or an answer that does not parse, would fail on any server."""
+    if isinstance(exc, ServerDiedError):
+        return True
+    if type(exc) is GenerationError:  # not MalformedResponseError, its subclass
+        return exc.status_code is None or exc.status_code >= 500
+    return False
+
+
+class FleetClient:
+    """`CompletionClient`'s `complete_many` / `complete` / `aclose` over the clients of a fleet.
+
+    `clients[i]` is server i's client; `window` is how many requests one server may have in
+    flight (`Balancer`). `on_set_aside(i)` is called once when server i is set aside. Use it from
+    one event loop, as its clients."""
+
+    def __init__(
+        self,
+        clients: Sequence[CompletionClient],
+        *,
+        window: int,
+        on_set_aside: Callable[[int], None] = lambda _i: None,
+    ) -> None:
+        if not clients:
+            raise ValueError("a fleet needs at least one client")
+        self.clients = list(clients)
+        self.balancer = Balancer(len(self.clients), window)
+        self._on_set_aside = on_set_aside
+        self._changed: asyncio.Condition | None = None
+
+    def prompts_per_request(self, n: int, prompts: int) -> int:
+        """Prompts of n samples in one request: what one server takes in one request, but few
+        enough that each server gets `REQUESTS_PER_SERVER` requests of the batch."""
+        most = self.clients[0].prompts_per_request(n)
+        spread = math.ceil(prompts / (REQUESTS_PER_SERVER * len(self.clients)))
+        return max(1, min(most, spread))
+
+    async def complete(
+        self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams, seed: int
+    ) -> list[Completion]:
+        (completions,) = await self.complete_many([prompt_ids], n, sampling, [seed])
+        return completions
+
+    async def complete_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int],
+        on_done: Callable[[int], None] | None = None,
+    ) -> list[list[Completion]]:
+        """As `CompletionClient.complete_many`: n completions of each prompt, in input order,
+        sample i of prompt j seeded `seeds[j] + i`; the requests spread over the fleet."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
+        if not prompts:
+            return []
+        per_request = self.prompts_per_request(n, len(prompts))
+        # Expected tokens of one prompt's group: what the balancer weighs requests by.
+        group_cost = n * (sampling.max_tokens or 1)
+        results: list[list[Completion]] = [[] for _ in prompts]
+
+        async def one(start: int) -> None:
+            stop = min(start + per_request, len(prompts))
+            part = prompts[start:stop], n, sampling, seeds[start:stop]
+            groups = await self._send(*part, group_cost)
+            results[start:stop] = groups
+            if on_done is not None:
+                on_done(stop - start)
+
+        tasks = [asyncio.ensure_future(one(start)) for start in range(0, len(prompts), per_request)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # a failure (or our cancellation): stop the other requests
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return results
+
+    async def _send(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int],
+        group_cost: float,
+    ) -> list[list[Completion]]:
+        """One request on the server the balancer picks; on a server fault, on another."""
+        cost = group_cost * len(prompts)
+        while True:
+            server = await self._acquire(cost)
+            t0 = time.perf_counter()
+            try:
+                groups = await self.clients[server].complete_many(prompts, n, sampling, seeds)
+            except Exception as exc:
+                self.balancer.failed(server, cost)
+                if not is_server_fault(exc):
+                    await self._notify()
+                    raise
+                self._set_aside(server, exc)
+                await self._notify()
+                continue
+            except BaseException:  # cancelled: its work is no longer in flight
+                self.balancer.failed(server, cost)
+                raise
+            tokens = sum(len(c.token_ids) for group in groups for c in group)
+            self.balancer.finished(server, cost, tokens=tokens, seconds=time.perf_counter() - t0)
+            await self._notify()
+            return groups
+
+    async def _acquire(self, cost: float) -> int:
+        changed = self._condition()
+        async with changed:
+            while True:
+                if not self.balancer.usable():
+                    raise ServerDiedError(
+                        f"every server of the fleet ({len(self.clients)}) is set aside: "
+                        "none answers"
+                    )
+                server = self.balancer.choose(cost)
+                if server is not None:
+                    self.balancer.started(server, cost)
+                    return server
+                await changed.wait()
+
+    async def _notify(self) -> None:
+        changed = self._condition()
+        async with changed:
+            changed.notify_all()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:  # made on the loop that runs the requests
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    def _set_aside(self, server: int, exc: BaseException) -> None:
+        if server not in self.balancer.usable():
+            return
+        self.balancer.set_aside(server)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        logger.warning(
+            "server %d of the fleet set aside (%s); its requests go to the others", server, first
+        )
+        self._on_set_aside(server)
+
+    def restore(self, server: int) -> None:
+        """Server `server` is back (restarted, synced): it takes requests again."""
+        self.balancer.restore(server)
+
+    def server_records(self) -> list[dict[str, Any]]:
+        """Per server: requests, completion tokens, seconds in requests and failures so far, and
+        whether it takes requests now (for the train records)."""
+        usable = set(self.balancer.usable())
+        return [
+            {
+                "requests": load.requests,
+                "tokens": load.tokens,
+                "busy_s": load.busy_s,
+                "failures": load.failures,
+                "usable": i in usable,
+            }
+            for i, load in enumerate(self.balancer.loads)
+        ]
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()
+
+
+class Fleet:
+    """The servers of a run and their weight syncers: started, synced and stopped together.
+
+    `members[i]` is server i and the `WeightSyncer` that gives it the trainer's weights; all
+    serve from one directory (`model_path`, or `lora_dir`), which member 0's syncer writes."""
+
+    def __init__(self, members: Sequence[tuple[ServerManager, WeightSyncer]]) -> None:
+        if not members:
+            raise ValueError("a fleet needs at least one server")
+        self.servers = [server for server, _ in members]
+        self.syncers = [syncer for _, syncer in members]
+        self.client: FleetClient | None = None
+        self._aside: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def launch(self) -> None:
+        """Start every server at once and wait until all answer; stop them all if one fails (or
+        on Ctrl-C: the others' waits then end as their processes do)."""
+        _all_at_once([server.launch for server in self.servers], on_failure=self.stop)
+
+    def call_with_recovery(self, call: Callable[[], T], max_restarts: int) -> T:
+        """Run `call` (a generation batch: safe to repeat, its seeds fixed); when it fails because
+        every server is gone, restart the fleet and run it again, at most `max_restarts` times.
+        A fleet with one server left serves on: only losing them all stops a batch."""
+        restarts = 0
+        while True:
+            try:
+                return call()
+            except ServerDiedError as exc:
+                if restarts >= max_restarts:
+                    raise ServerDiedError(
+                        f"generation failed: every server of the fleet ({len(self)}) died, and the "
+                        f"fleet was restarted {restarts} time(s) (max_restarts={max_restarts}); "
+                        f"giving up. Last failure: {exc}"
+                    ) from exc
+                restarts += 1
+                logger.warning(
+                    "every server of the fleet is gone (%s); restart %d/%d and retry",
+                    str(exc).splitlines()[0],
+                    restarts,
+                    max_restarts,
+                )
+                self._aside.update(range(len(self)))
+                self._recover_aside()
+
+    def set_aside(self, server: int) -> None:
+        """Server `server` stopped answering (the client's balancer set it aside)."""
+        self._aside.add(server)
+
+    def sync(self, weights: Weights, weight_version: str) -> SyncResult:
+        """Give every server `weights`; returns when all have them. Servers set aside are
+        restarted first (from the newest weights the directory holds) and then synced too.
+        The result is member 0's, with the whole fan-out's seconds."""
+        t0 = time.perf_counter()
+        self._recover_aside()
+        first = self.syncers[0].sync(weights, weight_version)
+        # Under the disk route the directory now holds the new weights: the others reload it.
+        rest: Weights = _already_written if first.transfer == "disk" else weights
+        results = _all_at_once(
+            [functools.partial(s.sync, rest, weight_version) for s in self.syncers[1:]]
+        )
+        fallbacks = sum(r.transfer_fallbacks for r in (first, *results))
+        return replace(first, seconds=time.perf_counter() - t0, transfer_fallbacks=fallbacks)
+
+    def _recover_aside(self) -> None:
+        """Restart the servers set aside (in parallel), from the newest weights; they take
+        requests again."""
+        aside = sorted(self._aside)
+        _all_at_once([self.syncers[i].recover for i in aside])
+        self._aside.clear()
+        if self.client is not None:
+            for i in aside:
+                self.client.restore(i)
+
+    def stop(self) -> None:
+        for syncer in self.syncers:
+            syncer.close()
+        for server in self.servers:
+            server.stop()
+
+
+def _already_written(_directory: object) -> None:
+    """The weights `Weights` of a server whose directory member 0's sync already wrote."""
+
+
+def _all_at_once(
+    calls: Sequence[Callable[[], T]], on_failure: Callable[[], object] = lambda: None
+) -> list[T]:
+    """Run `calls` in threads at once and return their results in order; the first failure (or
+    Ctrl-C here) runs `on_failure` and is raised once every call has ended."""
+    if not calls:
+        return []
+    pool = concurrent.futures.ThreadPoolExecutor(len(calls), thread_name_prefix="grail-fleet")
+    futures = [pool.submit(call) for call in calls]
+    try:
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = next((f.exception() for f in futures if f.done() and f.exception()), None)
+        if failed is not None:
+            raise failed
+        return [f.result() for f in futures]
+    except BaseException:
+        on_failure()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,226 @@
+"""A fleet of inference servers (`generation.servers`, grail/rollouts/fleet.py): the same metrics
+as one server, failures that cost nothing, slow servers that get less, and clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from grail.core.config import Config
+from grail.core.errors import ConfigError
+from grail.core.validate import validate
+from grail.inference.client import Completion, GenerationError, SamplingParams
+from grail.inference.errors import ServerDiedError
+from grail.rollouts import fleet as fleet_module
+from grail.rollouts.fleet import Fleet, FleetClient
+from grail.train.cli import CONF_DIR, preflight
+from grail.train.loop import run
+
+# The default job, short, with one server thread each (so the fleet's servers compute as the lone
+# server does on any machine: reductions split by thread).
+SHORT = ["train.iterations=3", "generation.server_threads=1"]
+# Keys that hold times, not results.
+TIMED = {"tokens_per_s", "timings", "weight_sync", "fleet"}
+
+
+def _config(*overrides: str) -> Config:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="offline_grpo", overrides=[*SHORT, *overrides])
+    typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    preflight(typed)
+    return typed
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    paths = sorted((run_dir / "metrics").glob("train_iter_*.json"))
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _results(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in TIMED} for r in records]
+
+
+@pytest.fixture(scope="module")
+def one_server(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("one")
+    run(_config(), run_dir)
+    return _records(run_dir)
+
+
+def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
+    one_server: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default job on two servers. After the first sync server 1 is killed: iteration 1's
+    # requests to it fail and go to server 0, and server 1 is restarted at the next sync and
+    # serves iteration 2. Every iteration's metrics are the lone server's, bitwise: no group
+    # lost or counted twice, whichever server drew it.
+    syncs: list[Fleet] = []
+    sync = Fleet.sync
+
+    def sync_then_kill(self: Fleet, weights: Any, weight_version: str) -> Any:
+        result = sync(self, weights, weight_version)
+        syncs.append(self)
+        if len(syncs) == 1:
+            process = self.servers[1]._proc
+            assert process is not None
+            process.kill()
+            process.wait(timeout=10)
+        return result
+
+    monkeypatch.setattr(Fleet, "sync", sync_then_kill)
+    run(_config("generation.servers=2"), tmp_path)
+    records = _records(tmp_path)
+    assert _results(records) == _results(one_server)
+    assert all("fleet" not in r for r in one_server)
+    for record in records:
+        assert sum(s["tokens"] for s in record["fleet"]) == record["tokens"]["completion"]
+    healthy = records[0]["fleet"]  # before the kill: both served, nothing failed
+    assert [s["requests"] > 0 and s["failures"] == 0 for s in healthy] == [True, True]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["server-0", "server-1"]
+    killed, rejoined = records[1]["fleet"][1], records[2]["fleet"][1]
+    assert killed["failures"] >= 1 and not killed["usable"]
+    assert rejoined["requests"] > 0 and rejoined["failures"] == 0 and rejoined["usable"]
+    assert records[1]["fleet"][0]["failures"] == 0
+
+
+def test_a_fleet_whose_servers_are_all_gone_fails_naming_the_fleet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sync = Fleet.sync
+
+    def sync_then_kill_all(self: Fleet, weights: Any, weight_version: str) -> Any:
+        result = sync(self, weights, weight_version)
+        for server in self.servers:
+            assert server._proc is not None
+            server._proc.kill()
+            server._proc.wait(timeout=10)
+        return result
+
+    monkeypatch.setattr(Fleet, "sync", sync_then_kill_all)
+    with pytest.raises(ServerDiedError, match=r"every server of the fleet \(2\) died"):
+        small = ["data.problems_per_iteration=4", "data.rollouts_per_problem=4"]
+        run(_config("generation.servers=2", "generation.max_restarts=0", *small), tmp_path)
+
+
+# --- the client's routing, with servers simulated ---------------------------------------------
+
+
+class _FakeServer:
+    """A `CompletionClient` stand-in: answers after `seconds_per_token` x tokens; records what
+    it drew; `dead` makes it fail as a dead server does."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        self.seconds_per_token = seconds_per_token
+        self.prompts: list[int] = []
+        self.dead = False
+
+    def prompts_per_request(self, n: int) -> int:
+        return max(1, 256 // n)
+
+    async def complete_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int],
+        on_done: Any = None,
+    ) -> list[list[Completion]]:
+        await asyncio.sleep(self.seconds_per_token * len(prompts) * n * sampling.max_tokens)
+        if self.dead:
+            raise ServerDiedError("the server died")
+        self.prompts += [p[0] for p in prompts]
+        # The answer depends on the prompt and seed only, as the built-in server's does.
+        return [
+            [Completion([p[0], s + i], [-0.5, -0.5], "length", "") for i in range(n)]
+            for p, s in zip(prompts, seeds, strict=True)
+        ]
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _ask_async(client: FleetClient, count: int) -> list[list[Completion]]:
+    prompts = [[j, 7] for j in range(count)]
+    sampling = SamplingParams(max_tokens=4, temperature=1.0)
+    return await client.complete_many(prompts, 2, sampling, [1000 + j for j in range(count)])
+
+
+def _ask(client: FleetClient, count: int) -> list[list[Completion]]:
+    return asyncio.run(_ask_async(client, count))
+
+
+def _expected(count: int) -> list[list[Completion]]:
+    return [
+        [Completion([j, 1000 + j + i], [-0.5, -0.5], "length", "") for i in range(2)]
+        for j in range(count)
+    ]
+
+
+def test_a_slow_server_gets_fewer_groups_and_every_group_comes_back_once() -> None:
+    fast, slow = _FakeServer(0.0005), _FakeServer(0.0015)  # a third of the speed
+    client = FleetClient([fast, slow], window=2)  # type: ignore[list-item]
+    assert _ask(client, 96) == _expected(96)
+    assert sorted(fast.prompts + slow.prompts) == list(range(96))
+    assert len(fast.prompts) > 1.4 * len(slow.prompts)
+    records = client.server_records()
+    assert [r["requests"] for r in records] == [
+        len(s.prompts) // client.prompts_per_request(2, 96) for s in (fast, slow)
+    ]
+
+
+def test_a_dead_servers_requests_go_to_the_others() -> None:
+    alive, dead = _FakeServer(0.0002), _FakeServer(0.0002)
+    dead.dead = True
+    aside: list[int] = []
+    client = FleetClient([alive, dead], window=2, on_set_aside=aside.append)  # type: ignore[list-item]
+
+    async def scenario() -> None:  # one event loop, as the run's generation thread has
+        assert await _ask_async(client, 32) == _expected(32)
+        assert sorted(alive.prompts) == list(range(32)) and aside == [1]
+        assert client.server_records()[1]["failures"] == 2  # its window: two requests in flight
+        dead.dead = alive.dead = True
+        client.restore(1)
+        with pytest.raises(ServerDiedError, match=r"every server of the fleet \(2\) is set aside"):
+            await _ask_async(client, 8)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_any_server_would_refuse_is_not_retried_elsewhere() -> None:
+    class Refusing(_FakeServer):
+        async def complete_many(self, *args: Any, **kwargs: Any) -> list[list[Completion]]:
+            raise GenerationError("rejected with HTTP 400", attempts=1, status_code=400)
+
+    other = _FakeServer(0.0001)
+    client = FleetClient([Refusing(0.0), other], window=8)  # type: ignore[list-item]
+    with pytest.raises(GenerationError, match="HTTP 400"):
+        _ask(client, 64)
+    assert fleet_module.is_server_fault(GenerationError("x", attempts=4, status_code=None))
+    assert not fleet_module.is_server_fault(GenerationError("x", attempts=1, status_code=400))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["generation.servers=0"], "generation.servers must be > 0"),
+        (
+            ["generation.servers=2", "generation=vllm"],
+            "a fleet of vLLM or SGLang servers is not supported yet",
+        ),
+        (["generation.servers=2", "mode=service"], "the service samples through one server"),
+    ],
+)
+def test_a_fleet_it_cannot_run_is_refused_naming_the_key(
+    overrides: list[str], message: str
+) -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="offline_grpo", overrides=overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
