@@ -38,7 +38,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -327,6 +327,34 @@ def _server_message(exc: openai.APIStatusError) -> str:
 # the client
 
 
+async def in_requests(
+    count: int,
+    per_request: int,
+    send: Callable[[int, int], Awaitable[list[list[Completion]]]],
+    on_done: Callable[[int], None] | None = None,
+) -> list[list[Completion]]:
+    """Prompts 0..count-1 in consecutive chunks of `per_request`, `send(start, stop)` one
+    request each, all at once; their groups in prompt order. `on_done(k)` as each request of k
+    prompts completes. The first failure cancels the other requests and is raised."""
+    results: list[list[Completion]] = [[] for _ in range(count)]
+
+    async def one(start: int) -> None:
+        stop = min(start + per_request, count)
+        results[start:stop] = await send(start, stop)
+        if on_done is not None:
+            on_done(stop - start)
+
+    tasks = [asyncio.ensure_future(one(start)) for start in range(0, count, per_request)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:  # a failure (or our cancellation): stop the other requests
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return results
+
+
 class Completer(Protocol):
     """What generation asks of a completion client: `CompletionClient` (one server) or
     `grail.rollouts.fleet.FleetClient` (several)."""
@@ -471,25 +499,12 @@ class CompletionClient:
         self._bind_loop()
         if not ids:
             return []
-        per_request = self.prompts_per_request(n)
-        results: list[list[Completion]] = [[] for _ in ids]
-
-        async def one(start: int) -> None:
-            stop = min(start + per_request, len(ids))
-            groups = await self._request(ids[start:stop], n, sampling, seeds[start:stop])
-            results[start:stop] = groups
-            if on_done is not None:
-                on_done(stop - start)
-
-        tasks = [asyncio.ensure_future(one(start)) for start in range(0, len(ids), per_request)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:  # a failure (or our cancellation): stop the other requests
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return results
+        return await in_requests(
+            len(ids),
+            self.prompts_per_request(n),
+            lambda start, stop: self._request(ids[start:stop], n, sampling, seeds[start:stop]),
+            on_done,
+        )
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -34,7 +34,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from grail.inference.client import Completion, CompletionClient, GenerationError, SamplingParams
+from grail.inference.client import (
+    Completion,
+    CompletionClient,
+    GenerationError,
+    SamplingParams,
+    in_requests,
+)
 from grail.inference.errors import ServerDiedError
 from grail.inference.process import ServerManager, SyncResult
 from grail.inference.weights.policy import Weights
@@ -109,28 +115,16 @@ class FleetClient:
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
         if not prompts:
             return []
-        per_request = self.prompts_per_request(n, len(prompts))
         # Expected tokens of one prompt's group: what the balancer weighs requests by.
         group_cost = n * (sampling.max_tokens or 1)
-        results: list[list[Completion]] = [[] for _ in prompts]
-
-        async def one(start: int) -> None:
-            stop = min(start + per_request, len(prompts))
-            part = prompts[start:stop], n, sampling, seeds[start:stop]
-            groups = await self._send(*part, group_cost)
-            results[start:stop] = groups
-            if on_done is not None:
-                on_done(stop - start)
-
-        tasks = [asyncio.ensure_future(one(start)) for start in range(0, len(prompts), per_request)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:  # a failure (or our cancellation): stop the other requests
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return results
+        return await in_requests(
+            len(prompts),
+            self.prompts_per_request(n, len(prompts)),
+            lambda start, stop: self._send(
+                prompts[start:stop], n, sampling, seeds[start:stop], group_cost
+            ),
+            on_done,
+        )
 
     async def _send(
         self,
