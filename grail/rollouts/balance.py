@@ -6,21 +6,34 @@ where the next group goes. The same object runs inside the simulated fleet of
 benchmarks/fleet_sim.py, which is where its rule and its window were chosen (docs/benchmarks.md,
 "A fleet of servers, simulated").
 
-The rule. Among usable servers with a free window slot, the one whose queue would finish first:
+The rule. Among usable servers with a free window slot, the one where the group would finish
+first:
 
-    argmin_i  (outstanding_i + cost) / speed_i          ties -> the lowest index
+    argmin_i  (outstanding_i / window + cost) / speed_i          ties -> the lowest index
 
-where outstanding_i is the cost of the groups server i has not answered yet and speed_i its
-smoothed measured rate (a server not measured yet counts as the mean of the measured ones, or
-1.0 when none is). An idle fleet therefore fills evenly, one group each in index order, and a
-server measured at half speed is given about half as much work.
+where outstanding_i is the cost of the groups server i has not answered yet, speed_i its smoothed
+measured rate of one request (a server not measured yet counts as the mean of the measured ones,
+or 1.0 when none is), and window the most groups a server holds. A batching server decodes the
+groups it holds side by side, so a new group does not queue behind all of them, as
+(outstanding + cost) / speed would have it: it shares the batch, and each group already there
+slows it a little (outstanding / window, a full window doubling its time, about what a full batch
+does to the engine's step: 5.3 ms against 3.1 ms for a nearly empty one). The consequence that
+matters: a server measured at half speed, where any group takes twice as long, gets a group only
+when every faster server's window is full. An idle fleet fills evenly, one group each in index
+order. The simulation (benchmarks/fleet_sim.py) is why: with a batch of 8 groups per server,
+(outstanding + cost) / speed gives a half-speed server about half a share, and the iteration
+waits ~2x for its longest group (6.9 s against 3.8 s with equal servers); this rule gives it
+none (4.1 s), and costs equal fleets 3-9% (4.1 s against 3.8 at 32 servers: the noise of the
+measured speeds spreads their loads a little).
 
 The window. A batching server (the built-in engine, vLLM, SGLang) decodes all the requests it
 holds at once, so it must hold several to run a full batch; but a group handed to a server can no
 longer move. With at most `window` groups in flight per server the rest of the batch waits here,
-and a slow server, answering later, asks for fewer. The simulation's reading: a window of about
-the server's batch in groups (max_num_seqs / n) keeps every server's batch full; a larger one
-only moves the queue into the servers, where it cannot be rebalanced.
+and a slow server, answering later, asks for fewer. A group holds its place until its longest
+sample ends, while its shorter samples have freed their rows, so a window of max_num_seqs / n
+groups keeps the batch only about half full: the simulation's choice is twice that (a full
+engine queues the rest and admits them as rows free up). More only moves the queue into the
+servers, where it can no longer be rebalanced.
 """
 
 from __future__ import annotations
@@ -59,7 +72,7 @@ class ServerLoad:
 
 
 class Balancer:
-    """The fleet's routing decisions over `servers` servers, each holding at most `window`
+    """The routing decisions of a fleet of `servers` servers, each holding at most `window`
     groups."""
 
     def __init__(self, servers: int, window: int) -> None:
@@ -71,9 +84,9 @@ class Balancer:
         self.loads: list[ServerLoad] = [ServerLoad() for _ in range(servers)]
 
     def choose(self, cost: float) -> int | None:
-        """The server that should take a group of `cost` now, or None when every usable server's
-        window is full (the caller waits for an answer, then asks again) or no server is usable
-        (the caller tells these apart with `usable()`)."""
+        """The server where a group of `cost` would finish first (the module's rule), or None
+        when every usable server's window is full (the caller waits for an answer, then asks
+        again) or no server is usable (the caller tells these apart with `usable()`)."""
         _check_cost(cost)
         measured = [load.tokens_per_s for load in self.loads if load.tokens_per_s is not None]
         unknown = sum(measured) / len(measured) if measured else 1.0
@@ -83,7 +96,7 @@ class Balancer:
             if not load.usable or load.in_flight >= self.window:
                 continue
             speed = load.tokens_per_s if load.tokens_per_s is not None else unknown
-            finish = (load.outstanding + cost) / speed
+            finish = (load.outstanding / self.window + cost) / speed
             if finish < best_finish:  # strict: a tie keeps the lower index
                 best, best_finish = i, finish
         return best
