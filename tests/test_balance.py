@@ -193,3 +193,14 @@ def test_bad_calls_are_rejected_naming_the_bad_value() -> None:
     with pytest.raises(ValueError, match="seconds must be finite and >= 0, got -1"):
         balancer.finished(0, COST, tokens=3, seconds=-1.0)
     assert balancer.loads[0].in_flight == 1  # a rejected call changed nothing
+
+
+def test_a_withdrawn_group_leaves_the_queue_and_is_no_failure() -> None:
+    balancer = Balancer(2, window=1)
+    balancer.started(0, 10.0)
+    assert balancer.choose(1.0) == 1  # server 0's window is full
+    balancer.withdrawn(0, 10.0)
+    load = balancer.loads[0]
+    assert (load.in_flight, load.outstanding, load.failures, load.requests) == (0, 0.0, 0, 0)
+    with pytest.raises(ValueError, match="server 0 has no group in flight"):
+        balancer.withdrawn(0, 10.0)

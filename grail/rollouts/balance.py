@@ -139,6 +139,11 @@ class Balancer:
         self._release(server, load, cost)
         load.failures += 1
 
+    def withdrawn(self, server: int, cost: float) -> None:
+        """A group of `cost` sent to `server` was called back before its answer (the batch
+        failed elsewhere, or was cancelled): its work leaves the queue, and it is no failure."""
+        self._release(server, self._load(server), cost)
+
     def set_aside(self, server: int) -> None:
         """`server` takes no new groups until `restore` (its in-flight ones the caller fails)."""
         self._load(server).usable = False

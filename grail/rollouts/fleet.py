@@ -56,6 +56,21 @@ T = TypeVar("T")
 REQUESTS_PER_SERVER = 4
 
 
+def request_size(most: int, prompts: int, servers: int) -> int:
+    """Prompts in one request of a batch of `prompts`: at most `most` (what one server takes in
+    one request), but few enough that each of `servers` gets `REQUESTS_PER_SERVER` requests."""
+    spread = math.ceil(prompts / (REQUESTS_PER_SERVER * servers))
+    return max(1, min(most, spread))
+
+
+def window_for(batch_sequences: int, n: int, per_request: int) -> int:
+    """Requests one server may have in flight: about twice its batch (`batch_sequences`
+    sequences), in requests of `per_request` prompts of n samples. A request holds its slot until
+    its longest sample ends, so a window of one batch kept the simulated engine half full
+    (docs/benchmarks.md, "A fleet of servers, simulated")."""
+    return max(1, math.ceil(2 * batch_sequences / (n * per_request)))
+
+
 def is_server_fault(exc: BaseException) -> bool:
     """Whether a failed request says more about its server than about the request: the server
     died, or it gave no answer (connection refused, timeouts, 5xx) after the client's retries. A
@@ -89,11 +104,8 @@ class FleetClient:
         self._changed: asyncio.Condition | None = None
 
     def prompts_per_request(self, n: int, prompts: int) -> int:
-        """Prompts of n samples in one request: what one server takes in one request, but few
-        enough that each server gets `REQUESTS_PER_SERVER` requests of the batch."""
-        most = self.clients[0].prompts_per_request(n)
-        spread = math.ceil(prompts / (REQUESTS_PER_SERVER * len(self.clients)))
-        return max(1, min(most, spread))
+        """Prompts of n samples in one request of a batch of `prompts` (`request_size`)."""
+        return request_size(self.clients[0].prompts_per_request(n), prompts, len(self.clients))
 
     async def complete(
         self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams, seed: int
@@ -142,15 +154,16 @@ class FleetClient:
             try:
                 groups = await self.clients[server].complete_many(prompts, n, sampling, seeds)
             except Exception as exc:
-                self.balancer.failed(server, cost)
-                if not is_server_fault(exc):
+                if not is_server_fault(exc):  # any server would refuse it: the batch fails
+                    self.balancer.withdrawn(server, cost)
                     await self._notify()
                     raise
+                self.balancer.failed(server, cost)
                 self._set_aside(server, exc)
                 await self._notify()
                 continue
             except BaseException:  # cancelled: its work is no longer in flight
-                self.balancer.failed(server, cost)
+                self.balancer.withdrawn(server, cost)
                 raise
             tokens = sum(len(c.token_ids) for group in groups for c in group)
             self.balancer.finished(server, cost, tokens=tokens, seconds=time.perf_counter() - t0)

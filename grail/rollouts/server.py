@@ -45,7 +45,7 @@ from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
-from grail.rollouts.fleet import Fleet, FleetClient
+from grail.rollouts.fleet import Fleet, FleetClient, request_size, window_for
 from grail.rollouts.generation import (
     RolloutGenerator,
     fill_informative,
@@ -171,11 +171,14 @@ def completion_client(cfg: Config, server: ServerManager) -> CompletionClient:
 
 
 def fleet_client(cfg: Config, fleet: Fleet) -> FleetClient:
-    """The client of a fleet: one `completion_client` per server, the run's concurrency shared."""
-    window = max(1, -(-cfg.generation.max_concurrency // len(fleet)))
+    """The client of a fleet: one `completion_client` per server; each server may hold about two
+    of its batches of the run's training requests (`window_for`)."""
+    clients = [completion_client(cfg, server) for server in fleet.servers]
+    n, problems = cfg.data.rollouts_per_problem, cfg.data.problems_per_iteration
+    per_request = request_size(clients[0].prompts_per_request(n), problems, len(clients))
     return FleetClient(
-        [completion_client(cfg, server) for server in fleet.servers],
-        window=window,
+        clients,
+        window=window_for(clients[0].max_batch_sequences, n, per_request),
         on_set_aside=fleet.set_aside,
     )
 
