@@ -88,6 +88,12 @@ class GenerationConfig:
     # Inference servers the run starts (a fleet, grail/rollouts/fleet.py): each group goes to one
     # of them, weights go to all. server_threads is then per server (None: the share split).
     servers: int = 1
+    # Servers the user runs (grail/inference/external.py): OpenAI-compatible servers of
+    # `backend` at these URLs (each its root or its /v1), which grail never starts or stops.
+    # Empty: grail starts its own. One URL serves as one server, several as a fleet.
+    urls: list[str] = field(default_factory=list)
+    # The model to request from them; None: the one model each lists at /v1/models.
+    url_model: str | None = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ from grail.core.choices import (
 from grail.core.config import Config
 from grail.core.errors import ConfigError
 from grail.core.placement import gpu_layout
+from grail.core.server_urls import server_root
 
 
 def _one_of(key: str, value: str, choices: type[Choice]) -> None:
@@ -163,9 +164,61 @@ def validate_generation(cfg: Config) -> None:
             f"generation.servers={gen.servers} with mode=service: the service samples through one "
             "server; leave generation.servers at 1"
         )
+    validate_urls(cfg)
     if gen.start_timeout_s is not None:
         _positive("generation.start_timeout_s", gen.start_timeout_s)
     _positive("generation.request_timeout_s", gen.request_timeout_s)
+
+
+def validate_urls(cfg: Config) -> None:
+    """`generation.urls`, servers the user runs (grail/inference/external.py): well-formed,
+    each once, and only with what a server grail did not start can do: load the weights from
+    disk in place (no restart, no fast route, no adapter)."""
+    gen = cfg.generation
+    urls = list(gen.urls)
+    if gen.url_model is not None and not gen.url_model.strip():
+        raise ConfigError("generation.url_model must be a model name or null, got ''")
+    if not urls:
+        return
+    roots: dict[str, str] = {}
+    for url in urls:
+        try:
+            root = server_root(url)
+        except ValueError as exc:
+            raise ConfigError(
+                f"generation.urls: {url!r} {exc} (expected e.g. http://127.0.0.1:8000/v1)"
+            ) from None
+        if root in roots:
+            raise ConfigError(
+                f"generation.urls names the server {root} twice ({roots[root]!r}, {url!r})"
+            )
+        roots[root] = url
+    why = "a server grail did not start"
+    if gen.servers > 1:
+        raise ConfigError(
+            f"generation.urls with generation.servers={gen.servers}: grail starts no server when "
+            "given URLs; list every server in generation.urls and leave generation.servers at 1"
+        )
+    if gen.weight_sync != WeightSyncMode.in_place:
+        raise ConfigError(
+            f"generation.weight_sync={gen.weight_sync} with generation.urls: grail cannot "
+            f"restart {why}; use generation.weight_sync=in_place"
+        )
+    if gen.weight_transfer not in (WeightTransfer.auto, WeightTransfer.disk):
+        raise ConfigError(
+            f"generation.weight_transfer={gen.weight_transfer} with generation.urls: {why} takes "
+            "the weights from disk (a directory it reads); use generation.weight_transfer=disk"
+        )
+    if cfg.model.lora.enabled:
+        raise ConfigError(
+            "model.lora.enabled with generation.urls: serving the adapter needs flags at the "
+            "server's start, which grail does not control for a server it did not start"
+        )
+    if len(urls) > 1 and cfg.mode == "service":
+        raise ConfigError(
+            f"generation.urls lists {len(urls)} servers with mode=service: the service samples "
+            "through one server; give one URL"
+        )
 
 
 def validate_train(cfg: Config) -> None:

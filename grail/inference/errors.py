@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from grail.core.errors import UserError
+
 
 class ServerError(RuntimeError):
     """Base class of every server lifecycle error."""
@@ -17,3 +19,15 @@ class ServerDiedError(ServerError):
 
 class WeightSyncError(ServerError):
     """New weights could not be loaded into the server."""
+
+
+class ExternalServerError(ServerStartError, UserError):
+    """A server the user runs (`generation.urls`) failed a start-up check: unreachable, another
+    model, no log-probabilities, or the run's weights cannot reach it. One line naming the URL
+    (`grail-train` exits 1 without a traceback): the user fixes the server, not grail."""
+
+
+class ExternalServerGone(ServerDiedError, UserError):
+    """A server the user runs stopped answering mid-run, and grail cannot restart a server it
+    did not start. A fleet sets it aside and tries it again at each sync; a run with that
+    server alone ends with this one line."""

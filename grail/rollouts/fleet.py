@@ -14,7 +14,10 @@ Control plane. `Fleet.sync` gives every server the same weights, in parallel, an
 when all have them: no request of the next batch reaches an older version. Under the disk route
 the weights are written once into the directory the servers share and every server reloads it;
 fast routes (shared tensors, NCCL) send to each server on its own. A server set aside is
-restarted at the next sync, from the newest weights, and rejoins.
+restarted at the next sync, from the newest weights, and rejoins. A server the user runs
+(`generation.urls`, grail/inference/external.py) cannot be restarted: at each sync it is asked
+whether it answers again (then it gets the newest weights and rejoins); until then it stays
+aside with a warning, and the others serve.
 
 Determinism: every prompt carries its own seed and the built-in server's batches are
 batch-invariant on CPU, so a sample does not depend on which server drew it or what else was in
@@ -41,7 +44,8 @@ from grail.inference.client import (
     SamplingParams,
     in_requests,
 )
-from grail.inference.errors import ServerDiedError
+from grail.inference.errors import ExternalServerGone, ServerDiedError, ServerError
+from grail.inference.external import ExternalServer
 from grail.inference.process import ServerManager, SyncResult
 from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
@@ -283,27 +287,81 @@ class Fleet:
     def sync(self, weights: Weights, weight_version: str) -> SyncResult:
         """Give every server `weights`; returns when all have them. Servers set aside are
         restarted first (from the newest weights the directory holds) and then synced too.
-        The result is member 0's, with the whole fan-out's seconds."""
+        A server the user runs that does not answer stays aside (with a warning), also when it
+        stops answering during the sync; raises `ServerDiedError` when no server is left.
+        The result is the first synced server's, with the whole fan-out's seconds."""
         t0 = time.perf_counter()
         self._recover_aside()
-        first = self.syncers[0].sync(weights, weight_version)
+        members = [i for i in range(len(self)) if i not in self._aside]
+        first: SyncResult | None = None
+        while first is None and members:
+            first = self._try_sync(members.pop(0), weights, weight_version)
+        if first is None:
+            raise ServerDiedError(
+                f"every server of the fleet ({len(self)}) is set aside: none answers to take "
+                "the new weights"
+            )
         # Under the disk route the directory now holds the new weights: the others reload it.
         rest: Weights = _already_written if first.transfer == "disk" else weights
         results = _all_at_once(
-            [functools.partial(s.sync, rest, weight_version) for s in self.syncers[1:]]
+            [functools.partial(self._try_sync, i, rest, weight_version) for i in members]
         )
-        fallbacks = sum(r.transfer_fallbacks for r in (first, *results))
+        synced = [r for r in (first, *results) if r is not None]
+        fallbacks = sum(r.transfer_fallbacks for r in synced)
         return replace(first, seconds=time.perf_counter() - t0, transfer_fallbacks=fallbacks)
+
+    def _try_sync(self, server: int, weights: Weights, weight_version: str) -> SyncResult | None:
+        """`syncers[server].sync`; None when that server is one the user runs and it stopped
+        answering (it is then set aside). Any other failure is raised."""
+        try:
+            return self.syncers[server].sync(weights, weight_version)
+        except ServerError as exc:
+            if not self._external(server) or self.servers[server].is_alive():
+                raise
+            logger.warning(
+                "%s stopped answering (%s); set aside, tried again at the next sync",
+                self._name(server),
+                str(exc).splitlines()[0],
+            )
+            self._aside.add(server)
+            if self.client is not None:
+                self.client.balancer.set_aside(server)
+            return None
 
     def _recover_aside(self) -> None:
         """Restart the servers set aside (in parallel), from the newest weights; they take
-        requests again."""
+        requests again. A server the user runs that still does not answer stays aside."""
         aside = sorted(self._aside)
-        _all_at_once([self.syncers[i].recover for i in aside])
-        self._aside.clear()
-        if self.client is not None:
-            for i in aside:
+        problems = _all_at_once([functools.partial(self._try_recover, i) for i in aside])
+        for i, problem in zip(aside, problems, strict=True):
+            if problem is not None:
+                logger.warning(
+                    "%s is still set aside (%s); tried again at the next sync",
+                    self._name(i),
+                    problem,
+                )
+                continue
+            self._aside.discard(i)
+            if self.client is not None:
                 self.client.restore(i)
+
+    def _try_recover(self, server: int) -> str | None:
+        """`syncers[server].recover`; for a server the user runs that still does not answer,
+        why (a managed server that cannot restart raises)."""
+        try:
+            self.syncers[server].recover()
+        except ExternalServerGone as exc:
+            return str(exc).splitlines()[0]
+        return None
+
+    def _external(self, server: int) -> bool:
+        return isinstance(self.servers[server], ExternalServer)
+
+    def _name(self, server: int) -> str:
+        where = self.servers[server]
+        return f"server {server} of the fleet" + (
+            f" ({where.url})" if isinstance(where, ExternalServer) else ""
+        )
 
     def stop(self) -> None:
         for syncer in self.syncers:

@@ -1,8 +1,10 @@
 """The Config turned into a run's parts, in one place: the trainer, the inference server with
 the weight route its backend takes and the syncer that owns it, the rollout source (the server's,
-or the service's fed by clients), the environments and the metric loggers. The layers below take
-the values they need, not the Config: the inference servers their sizes and places, the objective
-its `GRPOLossConfig`; the rollout sources read the data, eval and generation sections they serve.
+or the service's fed by clients), the environments and the metric loggers. With
+`generation.urls` the servers are the user's (`external_server_and_syncer`), which grail checks
+and syncs but never starts or stops. The layers below take the values they need, not the Config:
+the inference servers their sizes and places, the objective its `GRPOLossConfig`; the rollout
+sources read the data, eval and generation sections they serve.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from grail.core.choices import WeightSyncMode
 from grail.core.config import Config
 from grail.core.placement import cpu_threads, gpu_layout, gpu_placement, trainer_ranks
 from grail.core.records import without_secrets
@@ -21,6 +24,7 @@ from grail.envs import Environment, env_arguments, make_env
 from grail.envs.rewards.plugins import RewardFunctions
 from grail.inference.backends import BACKEND_CLASSES, make_server_manager
 from grail.inference.errors import ServerStartError
+from grail.inference.external import external_server
 from grail.inference.process import ServerManager
 from grail.inference.weights.route import RouteChoice, resolve_route
 from grail.inference.weights.syncer import WeightSyncer
@@ -64,10 +68,16 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     if trainer.lora:  # the server serves the base with this adapter, which every sync rewrites
         lora_dir = weights_dir / ADAPTER_DIR
         trainer.save_weights(lora_dir)
-    members = [
-        server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir, member=i)
-        for i in range(cfg.generation.servers)
-    ]
+    if cfg.generation.urls:  # servers the user runs: one per URL, grail starts none
+        members = [
+            external_server_and_syncer(cfg, url, weights_dir, run_dir)
+            for url in cfg.generation.urls
+        ]
+    else:
+        members = [
+            server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir, member=i)
+            for i in range(cfg.generation.servers)
+        ]
     server, syncer = members[0]
     # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
     fresh = trainer.start_iteration == 0
@@ -232,3 +242,24 @@ def server_and_syncer_from_config(
         member=member,
     )
     return server, WeightSyncer.for_server(server, route, cfg.generation.weight_sync)
+
+
+def external_server_and_syncer(
+    cfg: Config,
+    url: str,
+    model_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str],
+) -> tuple[ServerManager, WeightSyncer]:
+    """The server the user runs at `url` (`generation.urls`, grail/inference/external.py), of
+    kind `generation.backend`, and its syncer: weights from disk (`model_dir`, which the server
+    must read), in place."""
+    server = external_server(
+        cfg.generation.backend,
+        url,
+        model_dir,
+        model=cfg.generation.url_model,
+        log_dir=Path(run_dir) / "logs",
+        request_timeout_s=cfg.generation.request_timeout_s,
+    )
+    route = RouteChoice("disk", "a server grail did not start reads the weights from disk")
+    return server, WeightSyncer.for_server(server, route, WeightSyncMode.in_place)

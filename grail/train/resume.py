@@ -48,6 +48,8 @@ RESUMABLE = (
     "checkpoint.keep_last_k",  # and how many
     "generation.request_timeout_s",  # how long to wait, before a batch fails
     "generation.start_timeout_s",  # for the server to start
+    "generation.urls",  # servers the user runs, and the model to ask them for: each loads the
+    "generation.url_model",  # run's weights before it serves
     "service.wait_timeout_s",  # for a service's clients
     "train.threads",  # where the run computes: its share of the machine (a sweep sets these
     "generation.server_threads",  # per attempt)
