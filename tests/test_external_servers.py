@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from grail.core.config import Config
 from grail.core.errors import ConfigError
 from grail.core.validate import validate
-from grail.inference.errors import ExternalServerError
+from grail.inference.errors import ExternalServerError, ExternalServerGone
 from grail.inference.external import external_server
 from grail.rollouts.fleet import Fleet
 from grail.train.cli import CONF_DIR, preflight
@@ -146,6 +146,25 @@ def test_an_unreachable_url_fails_in_one_line(tmp_path: Path) -> None:
     server = external_server("builtin", url, tmp_path, model=None, log_dir=tmp_path)
     with pytest.raises(ExternalServerError, match=rf"^generation.urls: .* at {url} refuses conn"):
         server.launch()
+
+
+def test_a_server_that_stops_answering_is_never_restarted(tmp_path: Path) -> None:
+    # recover() asks the server again: answering, it loads the newest weights; gone, it raises
+    # what the run reports (one line) or a fleet keeps aside, and grail starts nothing.
+    behaviour = StubBehaviour()
+    with stub_server(behaviour) as url:
+        server = external_server("builtin", url, tmp_path, model=None, log_dir=tmp_path)
+        server.launch()
+        assert server.model_name == "policy" and server.is_alive()
+        server.recover()
+        assert behaviour.loaded == [str(tmp_path.absolute())] * 2 and server.recoveries == 1
+    assert not server.is_alive()
+    with pytest.raises(ExternalServerGone, match=r"refuses connections .*cannot restart it"):
+        server.check_alive()
+    with pytest.raises(ExternalServerGone, match="cannot restart a server it did not start"):
+        server.recover()
+    server.stop()
+    assert server.pid is None
 
 
 def test_grail_train_reports_a_server_that_cannot_take_the_weights_in_one_line(
