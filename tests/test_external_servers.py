@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 from helpers.builtin_server import ServerProcess, side_by_side
-from helpers.grail_process import SMALL, finish, train_process
 from helpers.openai_stub import StubBehaviour, stub_server
+from helpers.run_dirs import grail_train
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -28,15 +28,16 @@ from grail.rollouts.fleet import Fleet
 from grail.train.cli import CONF_DIR, preflight
 from grail.train.loop import run
 
-# Three iterations (two syncs after the first batch), one server thread, as the servers started
-# by hand here have (so they compute as the managed server does, on any machine).
+# The default job (its batches big enough that a fleet of two shares them), three iterations
+# (two syncs after the first batch), one server thread, as the servers started by hand here have
+# (so they compute as the managed server does, on any machine).
 RUN = ["train.iterations=3", "generation.server_threads=1"]
 TIMED = {"tokens_per_s", "timings", "weight_sync", "fleet"}
 
 
 def _config(*overrides: str) -> Config:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="offline_grpo", overrides=[*SMALL, *RUN, *overrides])
+        cfg = compose(config_name="offline_grpo", overrides=[*RUN, *overrides])
     typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     preflight(typed)
     return typed
@@ -77,9 +78,8 @@ def test_a_run_against_a_grail_serve_started_by_hand_gives_the_managed_metrics(
     # batch and every sync's after it, so every iteration (and evaluation) is the managed run's,
     # bitwise; grail leaves the server running.
     server = by_hand["a"]
-    proc = train_process(tmp_path, *RUN, f"generation.urls=[{server.url}/v1]")
-    out = finish(proc)
-    assert proc.returncode == 0, out[-3000:]
+    done = grail_train(f"hydra.run.dir={tmp_path}", *RUN, f"generation.urls=[{server.url}/v1]")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _results(tmp_path) == managed
     assert all(r["weight_sync"]["transfer"] == "disk" for r in _records(tmp_path))
     assert server.proc.poll() is None
@@ -172,9 +172,9 @@ def test_grail_train_reports_a_server_that_cannot_take_the_weights_in_one_line(
 ) -> None:
     behaviour = StubBehaviour(update_status=400, update_message="model_path /x is not a directory")
     with stub_server(behaviour) as url:
-        proc = train_process(tmp_path, *RUN, f"generation.urls=[{url}]")
-        out = finish(proc)
-    assert proc.returncode == 1, out[-3000:]
+        done = grail_train(f"hydra.run.dir={tmp_path}", *RUN, f"generation.urls=[{url}]")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
     assert "Traceback" not in out
     errors = [line for line in out.splitlines() if "[ERROR]" in line]
     assert len(errors) == 1 and "could not load the run's weights from" in errors[0], out[-3000:]
