@@ -163,6 +163,8 @@ def test_a_server_that_stops_answering_is_never_restarted(tmp_path: Path) -> Non
         server.check_alive()
     with pytest.raises(ExternalServerGone, match="cannot restart a server it did not start"):
         server.recover()
+    with pytest.raises(ExternalServerGone, match=r"refuses connections .* when given new weights"):
+        server.sync_weights(tmp_path)
     server.stop()
     assert server.pid is None
 

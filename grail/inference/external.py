@@ -273,10 +273,23 @@ class ExternalServer(ServerManager):
         fallback: bool = True,
         weight_version: str | None = None,
     ) -> SyncResult:
-        """The backend's in-place reload, without its restart fallback."""
-        return super().sync_weights(
-            checkpoint_dir, WeightSyncMode.in_place, fallback=False, weight_version=weight_version
-        )
+        """The backend's in-place reload, without its restart fallback. A server that stopped
+        answering raises `ExternalServerGone` (a run with it alone ends in that one line)."""
+        try:
+            return super().sync_weights(
+                checkpoint_dir,
+                WeightSyncMode.in_place,
+                fallback=False,
+                weight_version=weight_version,
+            )
+        except WeightSyncError as exc:
+            problem = self._health_problem()
+            if problem is None:
+                raise
+            raise ExternalServerGone(
+                f"{self._where()} {problem} when given new weights; grail did not start it and "
+                "cannot restart it"
+            ) from exc
 
     def recover(self) -> float:
         """Check that the server answers again, serves the same model, and load the newest
