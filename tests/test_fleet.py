@@ -224,3 +224,13 @@ def test_a_fleet_it_cannot_run_is_refused_naming_the_key(
         cfg = compose(config_name="offline_grpo", overrides=overrides)
     with pytest.raises(ConfigError, match=message):
         validate(OmegaConf.to_object(cfg))  # type: ignore[arg-type]
+
+
+def test_a_servers_window_is_two_of_its_batches_and_at_most_its_share() -> None:
+    # The default job's shape on 2 servers: 64 prompts of 16 in requests of 8 prompts, 8 requests.
+    assert fleet_module.window_for(256, 16, 8, requests=8, servers=2) == 4
+    # Large batches: two server batches of requests in flight (here 2 x 256 / (16 x 4) = 8).
+    assert fleet_module.window_for(256, 16, 4, requests=128, servers=2) == 8
+    # A small batch (4 problems x 4 samples): its even share, not 128 requests, so that a
+    # server measured a little faster by noise does not take the whole batch.
+    assert fleet_module.window_for(256, 4, 1, requests=4, servers=2) == 2

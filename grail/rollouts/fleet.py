@@ -67,12 +67,15 @@ def request_size(most: int, prompts: int, servers: int) -> int:
     return max(1, min(most, spread))
 
 
-def window_for(batch_sequences: int, n: int, per_request: int) -> int:
+def window_for(batch_sequences: int, n: int, per_request: int, requests: int, servers: int) -> int:
     """Requests one server may have in flight: about twice its batch (`batch_sequences`
-    sequences), in requests of `per_request` prompts of n samples. A request holds its slot until
-    its longest sample ends, so a window of one batch kept the simulated engine half full
-    (docs/benchmarks.md, "A fleet of servers, simulated")."""
-    return max(1, math.ceil(2 * batch_sequences / (n * per_request)))
+    sequences), in requests of `per_request` prompts of n samples, but no more than its even
+    share of a batch of `requests`. A request holds its slot until its longest sample ends, so a
+    window of one batch kept the simulated engine half full (docs/benchmarks.md, "A fleet of
+    servers, simulated"). The cap: with a window larger than the batch, measured speeds that
+    differ by noise alone sent a small batch to one server (4 x 4 samples all went to the first)."""
+    batches = math.ceil(2 * batch_sequences / (n * per_request))
+    return max(1, min(batches, math.ceil(requests / servers)))
 
 
 def is_server_fault(exc: BaseException) -> bool:

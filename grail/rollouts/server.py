@@ -172,15 +172,13 @@ def completion_client(cfg: Config, server: ServerManager) -> CompletionClient:
 
 def fleet_client(cfg: Config, fleet: Fleet) -> FleetClient:
     """The client of a fleet: one `completion_client` per server; each server may hold about two
-    of its batches of the run's training requests (`window_for`)."""
+    of its batches of the run's training requests, at most its share of them (`window_for`)."""
     clients = [completion_client(cfg, server) for server in fleet.servers]
     n, problems = cfg.data.rollouts_per_problem, cfg.data.problems_per_iteration
     per_request = request_size(clients[0].prompts_per_request(n), problems, len(clients))
-    return FleetClient(
-        clients,
-        window=window_for(clients[0].max_batch_sequences, n, per_request),
-        on_set_aside=fleet.set_aside,
-    )
+    requests = -(-problems // per_request)
+    window = window_for(clients[0].max_batch_sequences, n, per_request, requests, len(clients))
+    return FleetClient(clients, window=window, on_set_aside=fleet.set_aside)
 
 
 def fleet_delta(
