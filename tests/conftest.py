@@ -110,6 +110,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def one_server_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The short default job (helpers/short_runs.py) with the one server grail starts: what a
+    fleet and servers started by hand must reproduce."""
+    from helpers.short_runs import short_config
+
+    from grail.train.loop import run
+
+    run_dir = tmp_path_factory.mktemp("one-server")
+    run(short_config(), run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, built once into the user cache ($GRAIL_CACHE_DIR or ~/.cache/grail) so
     repeated test runs reuse it; a session temp dir when that cache is not writable."""

@@ -4,7 +4,6 @@ start-up check fails in one line naming the URL; a fleet of such servers survive
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 from helpers.builtin_server import ServerProcess, side_by_side
 from helpers.openai_stub import StubBehaviour, stub_server
 from helpers.run_dirs import grail_train
+from helpers.short_runs import SHORT_RUN, results, short_config, train_records
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -25,34 +25,8 @@ from grail.core.validate import validate
 from grail.inference.errors import ExternalServerError, ExternalServerGone
 from grail.inference.external import external_server
 from grail.rollouts.fleet import Fleet
-from grail.train.cli import CONF_DIR, preflight
+from grail.train.cli import CONF_DIR
 from grail.train.loop import run
-
-# The default job (its batches big enough that a fleet of two shares them), three iterations
-# (two syncs after the first batch), one server thread, as the servers started by hand here have
-# (so they compute as the managed server does, on any machine).
-RUN = ["train.iterations=3", "generation.server_threads=1"]
-TIMED = {"tokens_per_s", "timings", "weight_sync", "fleet"}
-
-
-def _config(*overrides: str) -> Config:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="offline_grpo", overrides=[*RUN, *overrides])
-    typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    preflight(typed)
-    return typed
-
-
-def _results(run_dir: Path) -> list[dict[str, Any]]:
-    paths = sorted((run_dir / "metrics").glob("*_iter_*.json"))
-    records = [json.loads(p.read_text()) for p in paths]
-    # Seconds (`eval_s`, ...) are timings too.
-    return [{k: v for k, v in r.items() if k not in TIMED and k[-2:] != "_s"} for r in records]
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    paths = sorted((run_dir / "metrics").glob("train_iter_*.json"))
-    return [json.loads(p.read_text()) for p in paths]
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +37,10 @@ def by_hand(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         yield servers
 
 
-@pytest.fixture(scope="module")
-def managed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+@pytest.fixture
+def managed(one_server_run: Path) -> list[dict[str, Any]]:
     """The same run with the server grail starts."""
-    run_dir = tmp_path_factory.mktemp("managed")
-    run(_config(), run_dir)
-    return _results(run_dir)
+    return results(one_server_run)
 
 
 def test_a_run_against_a_grail_serve_started_by_hand_gives_the_managed_metrics(
@@ -78,10 +50,12 @@ def test_a_run_against_a_grail_serve_started_by_hand_gives_the_managed_metrics(
     # batch and every sync's after it, so every iteration (and evaluation) is the managed run's,
     # bitwise; grail leaves the server running.
     server = by_hand["a"]
-    done = grail_train(f"hydra.run.dir={tmp_path}", *RUN, f"generation.urls=[{server.url}/v1]")
+    done = grail_train(
+        f"hydra.run.dir={tmp_path}", *SHORT_RUN, f"generation.urls=[{server.url}/v1]"
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert _results(tmp_path) == managed
-    assert all(r["weight_sync"]["transfer"] == "disk" for r in _records(tmp_path))
+    assert results(tmp_path) == managed
+    assert all(r["weight_sync"]["transfer"] == "disk" for r in train_records(tmp_path))
     assert server.proc.poll() is None
     card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
     assert card["weight_version"] == "iter_002"  # the last sync's weights
@@ -174,7 +148,7 @@ def test_grail_train_reports_a_server_that_cannot_take_the_weights_in_one_line(
 ) -> None:
     behaviour = StubBehaviour(update_status=400, update_message="model_path /x is not a directory")
     with stub_server(behaviour) as url:
-        done = grail_train(f"hydra.run.dir={tmp_path}", *RUN, f"generation.urls=[{url}]")
+        done = grail_train(f"hydra.run.dir={tmp_path}", *SHORT_RUN, f"generation.urls=[{url}]")
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
     assert "Traceback" not in out
@@ -226,9 +200,9 @@ def test_two_servers_one_killed_mid_run_the_run_completes_without_it(
 
     monkeypatch.setattr(Fleet, "sync", sync_then_kill)
     caplog.set_level(logging.WARNING, logger="grail.rollouts.fleet")
-    run(_config(f"generation.urls=[{a.url},{b.url}/v1]"), tmp_path)
-    assert _results(tmp_path) == managed
-    fleets = [r["fleet"] for r in _records(tmp_path)]
+    run(short_config(f"generation.urls=[{a.url},{b.url}/v1]"), tmp_path)
+    assert results(tmp_path) == managed
+    fleets = [r["fleet"] for r in train_records(tmp_path)]
     assert [s["requests"] > 0 for s in fleets[0]] == [True, True]
     assert fleets[1][1]["failures"] >= 1 and not fleets[1][1]["usable"]
     assert fleets[2][1]["requests"] == 0 and not fleets[2][1]["usable"]

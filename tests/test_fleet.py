@@ -4,58 +4,27 @@ as one server, failures that cost nothing, slow servers that get less, and clear
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.short_runs import results, short_config, train_records
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from grail.core.config import Config
 from grail.core.errors import ConfigError
 from grail.core.validate import validate
 from grail.inference.client import Completion, GenerationError, SamplingParams
 from grail.inference.errors import ServerDiedError
 from grail.rollouts import fleet as fleet_module
 from grail.rollouts.fleet import Fleet, FleetClient
-from grail.train.cli import CONF_DIR, preflight
+from grail.train.cli import CONF_DIR
 from grail.train.loop import run
-
-# The default job, short, with one server thread each (so the fleet's servers compute as the lone
-# server does on any machine: reductions split by thread).
-SHORT = ["train.iterations=3", "generation.server_threads=1"]
-# Keys that hold times, not results.
-TIMED = {"tokens_per_s", "timings", "weight_sync", "fleet"}
-
-
-def _config(*overrides: str) -> Config:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="offline_grpo", overrides=[*SHORT, *overrides])
-    typed: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    preflight(typed)
-    return typed
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    paths = sorted((run_dir / "metrics").glob("train_iter_*.json"))
-    return [json.loads(p.read_text()) for p in paths]
-
-
-def _results(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k not in TIMED} for r in records]
-
-
-@pytest.fixture(scope="module")
-def one_server(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    run_dir = tmp_path_factory.mktemp("one")
-    run(_config(), run_dir)
-    return _records(run_dir)
 
 
 def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
-    one_server: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    one_server_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The default job on two servers. After the first sync server 1 is killed: iteration 1's
     # requests to it fail and go to server 0, and server 1 is restarted at the next sync and
@@ -75,10 +44,10 @@ def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
         return result
 
     monkeypatch.setattr(Fleet, "sync", sync_then_kill)
-    run(_config("generation.servers=2"), tmp_path)
-    records = _records(tmp_path)
-    assert _results(records) == _results(one_server)
-    assert all("fleet" not in r for r in one_server)
+    run(short_config("generation.servers=2"), tmp_path)
+    records = train_records(tmp_path)
+    assert results(tmp_path) == results(one_server_run)
+    assert all("fleet" not in r for r in train_records(one_server_run))
     for record in records:
         assert sum(s["tokens"] for s in record["fleet"]) == record["tokens"]["completion"]
     healthy = records[0]["fleet"]  # before the kill: both served, nothing failed
@@ -106,7 +75,7 @@ def test_a_fleet_whose_servers_are_all_gone_fails_naming_the_fleet(
     monkeypatch.setattr(Fleet, "sync", sync_then_kill_all)
     with pytest.raises(ServerDiedError, match=r"every server of the fleet \(2\) died"):
         small = ["data.problems_per_iteration=4", "data.rollouts_per_problem=4"]
-        run(_config("generation.servers=2", "generation.max_restarts=0", *small), tmp_path)
+        run(short_config("generation.servers=2", "generation.max_restarts=0", *small), tmp_path)
 
 
 # --- the client's routing, with servers simulated ---------------------------------------------
