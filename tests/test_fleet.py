@@ -20,7 +20,7 @@ from grail.inference.errors import ServerDiedError
 from grail.rollouts import fleet as fleet_module
 from grail.rollouts.fleet import Fleet, FleetClient
 from grail.train.cli import CONF_DIR
-from grail.train.loop import run
+from grail.train.loop import fleet_text, run
 
 
 def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
@@ -203,3 +203,11 @@ def test_a_servers_window_is_two_of_its_batches_and_at_most_its_share() -> None:
     # A small batch (4 problems x 4 samples): its even share, not 128 requests, so that a
     # server measured a little faster by noise does not take the whole batch.
     assert fleet_module.window_for(256, 4, 1, requests=4, servers=2) == 2
+
+
+def test_the_iteration_line_shows_the_fleet() -> None:
+    up = {"requests": 5, "tokens": 40, "busy_s": 0.2, "failures": 0, "usable": True}
+    down = {"requests": 1, "tokens": 8, "busy_s": 0.1, "failures": 2, "usable": False}
+    assert fleet_text(None) == ""
+    assert fleet_text([up, {**up, "requests": 3}]) == " servers 5/3 requests"
+    assert fleet_text([up, down]) == " servers 5/1 requests, failures on 1, 1 set aside"

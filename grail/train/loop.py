@@ -194,7 +194,7 @@ def run_iterations(
             recorder.display.done(
                 f"iter {iteration:03d}: reward {record['reward_mean']:.3f} "
                 f"success {record['success_rate']:.3f} loss {record['loss_total']:.4f} "
-                f"({timings['iteration_s']:.1f}s)"
+                f"({timings['iteration_s']:.1f}s){fleet_text(record.get('fleet'))}"
             )
             if pruned:
                 break
@@ -205,6 +205,21 @@ def run_iterations(
         if staged is not None:  # interrupted between staging and commit: not a checkpoint
             shutil.rmtree(staged, ignore_errors=True)
     trial.finish()
+
+
+def fleet_text(fleet: list[dict[str, Any]] | None) -> str:
+    """The fleet's part of an iteration's line: requests per server, and the servers that failed
+    or were set aside (a record's `fleet`); empty for one server."""
+    if not fleet:
+        return ""
+    text = f" servers {'/'.join(str(s['requests']) for s in fleet)} requests"
+    failed = [str(i) for i, s in enumerate(fleet) if s["failures"]]
+    aside = [str(i) for i, s in enumerate(fleet) if not s["usable"]]
+    if failed:
+        text += f", failures on {','.join(failed)}"
+    if aside:
+        text += f", {','.join(aside)} set aside"
+    return text
 
 
 # ---- setup ----------------------------------------------------------------------------------
