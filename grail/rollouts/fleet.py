@@ -240,7 +240,7 @@ class Fleet:
     """The servers of a run and their weight syncers: started, synced and stopped together.
 
     `members[i]` is server i and the `WeightSyncer` that gives it the trainer's weights; all
-    serve from one directory (`model_path`, or `lora_dir`), which member 0's syncer writes."""
+    serve from one directory (`model_path`, or `lora_dir`), which the first server synced writes."""
 
     def __init__(self, members: Sequence[tuple[ServerManager, WeightSyncer]]) -> None:
         if not members:
@@ -374,7 +374,7 @@ class Fleet:
 
 
 def _already_written(_directory: object) -> None:
-    """The weights `Weights` of a server whose directory member 0's sync already wrote."""
+    """The `Weights` of a server whose directory the fleet's first sync already wrote."""
 
 
 def _all_at_once(
