@@ -18,6 +18,7 @@ from grail.core.validate import validate
 from grail.inference.client import Completion, GenerationError, SamplingParams
 from grail.inference.errors import ServerDiedError
 from grail.rollouts import fleet as fleet_module
+from grail.rollouts.balance import Balancer
 from grail.rollouts.fleet import Fleet, FleetClient
 from grail.train.cli import CONF_DIR
 from grail.train.loop import fleet_text, run
@@ -26,24 +27,34 @@ from grail.train.loop import fleet_text, run
 def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
     one_server_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The default job on two servers. After the first sync server 1 is killed: iteration 1's
-    # requests to it fail and go to server 0, and server 1 is restarted at the next sync and
-    # serves iteration 2. Every iteration's metrics are the lone server's, bitwise: no group
-    # lost or counted twice, whichever server drew it.
+    # The default job on two servers. In iteration 1, as the first request comes back, server 1
+    # is killed: its unfinished requests fail and go to server 0, server 1 restarts in the
+    # background (its new process is there before the next sync) and serves iteration 2. Every
+    # iteration's metrics are the lone server's, bitwise: no group lost or counted twice,
+    # whichever server drew it.
     syncs: list[Fleet] = []
-    sync = Fleet.sync
+    killed: list[int] = []
+    restarted_before_sync: list[bool] = []
+    sync, finished = Fleet.sync, Balancer.finished
 
-    def sync_then_kill(self: Fleet, weights: Any, weight_version: str) -> Any:
-        result = sync(self, weights, weight_version)
-        syncs.append(self)
-        if len(syncs) == 1:
+    def sync_and_watch(self: Fleet, weights: Any, weight_version: str) -> Any:
+        if killed and not restarted_before_sync:
             process = self.servers[1]._proc
+            restarted_before_sync.append(process is not None and process.pid != killed[0])
+        syncs.append(self)
+        return sync(self, weights, weight_version)
+
+    def kill_mid_iteration(self: Balancer, *args: Any, **kwargs: Any) -> None:
+        finished(self, *args, **kwargs)
+        if len(syncs) == 1 and not killed:
+            process = syncs[0].servers[1]._proc
             assert process is not None
             process.kill()
             process.wait(timeout=10)
-        return result
+            killed.append(process.pid)
 
-    monkeypatch.setattr(Fleet, "sync", sync_then_kill)
+    monkeypatch.setattr(Fleet, "sync", sync_and_watch)
+    monkeypatch.setattr(Balancer, "finished", kill_mid_iteration)
     run(short_config("generation.servers=2"), tmp_path)
     records = train_records(tmp_path)
     assert results(tmp_path) == results(one_server_run)
@@ -53,8 +64,9 @@ def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
     healthy = records[0]["fleet"]  # before the kill: both served, nothing failed
     assert [s["requests"] > 0 and s["failures"] == 0 for s in healthy] == [True, True]
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["server-0", "server-1"]
-    killed, rejoined = records[1]["fleet"][1], records[2]["fleet"][1]
-    assert killed["failures"] >= 1 and not killed["usable"]
+    dead, rejoined = records[1]["fleet"][1], records[2]["fleet"][1]
+    assert dead["failures"] >= 1 and not dead["usable"]
+    assert restarted_before_sync == [True]
     assert rejoined["requests"] > 0 and rejoined["failures"] == 0 and rejoined["usable"]
     assert records[1]["fleet"][0]["failures"] == 0
 

@@ -13,8 +13,9 @@ request fails with `ServerDiedError`, which the run's recovery handles as for on
 Control plane. `Fleet.sync` gives every server the same weights, in parallel, and returns only
 when all have them: no request of the next batch reaches an older version. Under the disk route
 the weights are written once into the directory the servers share and every server reloads it;
-fast routes (shared tensors, NCCL) send to each server on its own. A server set aside is
-restarted at the next sync, from the newest weights, and rejoins. A server the user runs
+fast routes (shared tensors, NCCL) send to each server on its own. A server set aside restarts
+at once, in the background, from the newest weights its directory holds, while the others serve;
+the next sync waits for it, gives it the new weights, and it rejoins. A server the user runs
 (`generation.urls`, grail/inference/external.py) cannot be restarted: at each sync it is asked
 whether it answers again (then it gets the newest weights and rejoins); until then it stays
 aside with a warning, and the others serve.
@@ -203,14 +204,27 @@ class FleetClient:
         return self._changed
 
     def _set_aside(self, server: int, exc: BaseException) -> None:
-        if server not in self.balancer.usable():
-            return
-        self.balancer.set_aside(server)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        logger.warning(
-            "server %d of the fleet set aside (%s); its requests go to the others", server, first
-        )
+        if self.set_aside(server):
+            logger.warning(
+                "server %d of the fleet set aside (%s); its requests go to the others",
+                server,
+                first,
+            )
+
+    def set_aside(self, server: int) -> bool:
+        """Server `server` takes no more requests until `restore`d; whether it was usable (then
+        `on_set_aside` is told, once)."""
+        if server not in self.balancer.usable():
+            return False
+        self.balancer.set_aside(server)
         self._on_set_aside(server)
+        return True
+
+    def aside(self) -> list[int]:
+        """The servers set aside, in index order."""
+        usable = set(self.balancer.usable())
+        return [i for i in range(len(self.clients)) if i not in usable]
 
     def restore(self, server: int) -> None:
         """Server `server` is back (restarted, synced): it takes requests again."""
@@ -240,7 +254,9 @@ class Fleet:
     """The servers of a run and their weight syncers: started, synced and stopped together.
 
     `members[i]` is server i and the `WeightSyncer` that gives it the trainer's weights; all
-    serve from one directory (`model_path`, or `lora_dir`), which the first server synced writes."""
+    serve from one directory (`model_path`, or `lora_dir`), which the first server synced writes.
+    `client` (the `FleetClient` of `grail.rollouts.server.fleet_client`, set once the fleet is
+    launched) holds which servers are set aside: its balancer routes by it, the syncs read it."""
 
     def __init__(self, members: Sequence[tuple[ServerManager, WeightSyncer]]) -> None:
         if not members:
@@ -248,7 +264,13 @@ class Fleet:
         self.servers = [server for server, _ in members]
         self.syncers = [syncer for _, syncer in members]
         self.client: FleetClient | None = None
-        self._aside: set[int] = set()
+        # Servers on their way back: a managed one restarts as soon as it is set aside, while
+        # the others serve; the next sync waits for it (it must not read a directory being
+        # rewritten) and then gives it the new weights. Each result: None, or why it failed.
+        self._returning: dict[int, concurrent.futures.Future[str | None]] = {}
+        self._restarts = concurrent.futures.ThreadPoolExecutor(
+            len(self.servers), thread_name_prefix="grail-fleet-restart"
+        )
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -280,22 +302,29 @@ class Fleet:
                     restarts,
                     max_restarts,
                 )
-                self._aside.update(range(len(self)))
-                self._recover_aside()
+                self._bring_back()
 
     def set_aside(self, server: int) -> None:
-        """Server `server` stopped answering (the client's balancer set it aside)."""
-        self._aside.add(server)
+        """Server `server` stopped answering (the client set it aside). A managed one restarts
+        now, in the background, from the newest weights its directory holds; it rejoins at the
+        next sync. A server the user runs is asked again at the next sync."""
+        if self._external(server) or server in self._returning:
+            return
+        logger.warning(
+            "%s restarts in the background; it rejoins at the next sync", self._name(server)
+        )
+        self._returning[server] = self._restarts.submit(self._try_recover, server)
 
     def sync(self, weights: Weights, weight_version: str) -> SyncResult:
         """Give every server `weights`; returns when all have them. Servers set aside are
-        restarted first (from the newest weights the directory holds) and then synced too.
-        A server the user runs that does not answer stays aside (with a warning), also when it
-        stops answering during the sync; raises `ServerDiedError` when no server is left.
-        The result is the first synced server's, with the whole fan-out's seconds."""
+        brought back first (restarted from the newest weights the directory holds; a server the
+        user runs, asked whether it answers) and then synced too. One that does not come back,
+        or stops answering during the sync, stays aside (with a warning) while the others serve;
+        raises `ServerDiedError` when no server is left. The result is the first synced
+        server's, with the whole fan-out's seconds."""
         t0 = time.perf_counter()
-        self._recover_aside()
-        members = [i for i in range(len(self)) if i not in self._aside]
+        self._bring_back()
+        members = [i for i in range(len(self)) if i not in self._client().aside()]
         first: SyncResult | None = None
         while first is None and members:
             first = self._try_sync(members.pop(0), weights, weight_version)
@@ -326,36 +355,47 @@ class Fleet:
                 self._name(server),
                 str(exc).splitlines()[0],
             )
-            self._aside.add(server)
-            if self.client is not None:
-                self.client.balancer.set_aside(server)
+            self._client().set_aside(server)
             return None
 
-    def _recover_aside(self) -> None:
-        """Restart the servers set aside (in parallel), from the newest weights; they take
-        requests again. A server the user runs that still does not answer stays aside."""
-        aside = sorted(self._aside)
-        problems = _all_at_once([functools.partial(self._try_recover, i) for i in aside])
+    def _bring_back(self) -> None:
+        """Wait for the servers set aside to come back (restarts begun in the background, and
+        the others begun now, all in parallel); they take requests again. One that does not
+        come back stays aside, with a warning, and is tried again at the next sync."""
+        client = self._client()
+        aside = client.aside()
+        for i in aside:
+            if i not in self._returning:
+                self._returning[i] = self._restarts.submit(self._try_recover, i)
+        try:
+            problems = [self._returning[i].result() for i in aside]
+        finally:
+            for i in aside:
+                if self._returning[i].done():
+                    del self._returning[i]
         for i, problem in zip(aside, problems, strict=True):
-            if problem is not None:
+            if problem is None:
+                client.restore(i)
+            else:
                 logger.warning(
                     "%s is still set aside (%s); tried again at the next sync",
                     self._name(i),
                     problem,
                 )
-                continue
-            self._aside.discard(i)
-            if self.client is not None:
-                self.client.restore(i)
 
     def _try_recover(self, server: int) -> str | None:
-        """`syncers[server].recover`; for a server the user runs that still does not answer,
-        why (a managed server that cannot restart raises)."""
+        """`syncers[server].recover`: None when the server is back, else why not (a managed
+        server that did not restart, one the user runs that still does not answer)."""
         try:
             self.syncers[server].recover()
-        except ExternalServerGone as exc:
+        except (ExternalServerGone, ServerError) as exc:
             return str(exc).splitlines()[0]
         return None
+
+    def _client(self) -> FleetClient:
+        if self.client is None:
+            raise RuntimeError("the fleet has no client yet: launch it first")
+        return self.client
 
     def _external(self, server: int) -> bool:
         return isinstance(self.servers[server], ExternalServer)
@@ -367,6 +407,12 @@ class Fleet:
         )
 
     def stop(self) -> None:
+        """Stop every server, also those restarting in the background (stopping a server ends
+        its restart's wait; one started after that is stopped once the restarts have ended)."""
+        self._restarts.shutdown(wait=False, cancel_futures=True)
+        for server in self.servers:
+            server.stop()
+        self._restarts.shutdown(wait=True)
         for syncer in self.syncers:
             syncer.close()
         for server in self.servers:
