@@ -193,7 +193,7 @@ def test_a_request_any_server_would_refuse_is_not_retried_elsewhere() -> None:
         (["generation.servers=0"], "generation.servers must be > 0"),
         (
             ["generation.servers=2", "generation=vllm"],
-            "a fleet of vLLM or SGLang servers is not supported yet",
+            "each vllm server needs a GPU of its own",
         ),
         (["generation.servers=2", "mode=service"], "the service samples through one server"),
     ],

@@ -68,6 +68,25 @@ def test_unset_sides_are_placed_by_the_strategy(
 
 
 @pytest.mark.parametrize(
+    "strategy,set_,processes,servers,server,trainer",
+    [  # a fleet (generation.servers): one GPU per server unless the lists say otherwise
+        ("multi", {}, 2, 2, (0, 1), (2, 3)),
+        ("multi", {"training_gpus": [0, 2]}, None, 2, (1, 3), (0, 2)),
+        ("single", {}, 2, 2, (0, 1), (0, 1)),  # each server on a rank's GPU
+        ("single", {}, None, 4, (0,), (0,)),  # one GPU: the built-in servers share it
+        ("single", {"training_gpus": [3, 4, 5]}, None, 2, (3, 4), (3, 4, 5)),
+        ("multi", {"server_gpus": [0, 1, 2, 3]}, None, 4, (0, 1, 2, 3), (4,)),
+    ],
+)
+def test_a_fleets_servers_take_a_gpu_each(
+    strategy: str, set_: dict, processes: int | None, servers: int, server: tuple, trainer: tuple
+) -> None:
+    gpu = GpuConfig(strategy=strategy, **set_)  # type: ignore[arg-type]
+    layout = gpu_layout(gpu, processes, servers)
+    assert (layout.server, layout.trainer) == (server, trainer)
+
+
+@pytest.mark.parametrize(
     "overrides,placement",
     [  # the scalar keys mean what they meant before the lists
         ([], (0, 0)),

@@ -78,11 +78,11 @@ def prefer_passive_openmp(env: MutableMapping[str, str]) -> None:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def gpu_placement(gpu: GpuConfig) -> tuple[int, int]:
+def gpu_placement(gpu: GpuConfig, servers: int = 1) -> tuple[int, int]:
     """(server, trainer) CUDA indices of a one-process trainer: the first GPU of each side of
     `gpu_layout`. Unset, `single` puts both on the other's GPU (GPU 0 when neither is set),
     `multi` gives them GPUs 0 and 1 (whichever the other does not have)."""
-    layout = gpu_layout(gpu)
+    layout = gpu_layout(gpu, servers=servers)
     return layout.server[0], layout.trainer[0]
 
 
@@ -191,20 +191,34 @@ def _lowest_free(taken: list[int] | tuple[int, ...], count: int) -> list[int]:
     return free
 
 
-def gpu_layout(gpu: GpuConfig, processes: int | None = None) -> GpuLayout:
+def fleet_size(gpu: GpuConfig, servers: int) -> int:
+    """How many inference servers a run starts: `generation.servers`, or, left at 1, one per
+    GPU that `gpu.server_gpus` names (a list of server GPUs is a fleet)."""
+    named = _named(gpu, "server")
+    return len(named[1]) if servers == 1 and named is not None else servers
+
+
+def gpu_layout(gpu: GpuConfig, processes: int | None = None, servers: int = 1) -> GpuLayout:
     """The run's GPUs by side, before any is checked against the machine (`trainer_devices`).
 
     `processes`: train.processes when the user set it, else None (then a named training list
-    sets the count, else 1). Raises ConfigError, naming the key, for a list that is empty or
-    names a GPU twice, a side named by both its keys, a training list whose length is not
-    `processes`, and a server that shares some of the trainer's GPUs but not all of its own, or
-    any with `gpu.strategy=multi`. Examples (strategy, set -> server, trainer):
+    sets the count, else 1). `servers`: generation.servers; unnamed, a fleet's servers take a
+    GPU each: `multi` the lowest ones, `single` the trainer's first ones (shared).
+
+    Raises ConfigError, naming the key, for a list that is empty or names a GPU twice, a side
+    named by both its keys, a training list whose length is not `processes`, and a server that
+    shares some of the trainer's GPUs but not all of its own, or any with `gpu.strategy=multi`.
+    Examples (strategy, set -> server, trainer):
 
         single, nothing, processes=2          -> (0,), (0, 1)
         multi, nothing, processes=3           -> (0,), (1, 2, 3)
         any, server_gpus=[0] training_gpus=[1,2,3] -> (0,), (1, 2, 3)
         single, training_gpus=[0,1]           -> (0,), (0, 1)   (rank 0 shares with the server)
+        multi, nothing, servers=2, processes=2 -> (0, 1), (2, 3)
+        single, nothing, servers=2, processes=2 -> (0, 1), (0, 1)
     """
+    if servers < 1:
+        raise ConfigError(f"generation.servers must be > 0, got {servers}")
     strategy = str(gpu.strategy)
     server = _named(gpu, "server")
     trainer = _named(gpu, "training")
@@ -232,8 +246,8 @@ def gpu_layout(gpu: GpuConfig, processes: int | None = None) -> GpuLayout:
         return GpuLayout(tuple(s), tuple(t))
     if strategy == "single":
         if trainer is not None:
-            return GpuLayout((trainer[1][0],), tuple(trainer[1]))
-        s = server[1] if server is not None else [0]
+            return GpuLayout(tuple(trainer[1][: min(servers, n)]), tuple(trainer[1]))
+        s = server[1] if server is not None else list(range(min(servers, n)))
         if len(s) > n:
             raise ConfigError(
                 f"gpu.strategy=single shares the server's GPUs with the trainer's: "
@@ -241,8 +255,8 @@ def gpu_layout(gpu: GpuConfig, processes: int | None = None) -> GpuLayout:
             )
         return GpuLayout(tuple(s), (*s, *_lowest_free(s, n - len(s))))
     if trainer is not None:
-        return GpuLayout(tuple(_lowest_free(trainer[1], 1)), tuple(trainer[1]))
-    s = server[1] if server is not None else [0]
+        return GpuLayout(tuple(_lowest_free(trainer[1], servers)), tuple(trainer[1]))
+    s = server[1] if server is not None else list(range(servers))
     return GpuLayout(tuple(s), tuple(_lowest_free(s, n)))
 
 
@@ -284,17 +298,21 @@ def trainer_ranks(gpu: GpuConfig, processes: int | None, nodes: int) -> int:
     return nodes * trainer_processes(gpu, processes)
 
 
-def trainer_devices(gpu: GpuConfig, processes: int | None, visible: int) -> list[int]:
+def trainer_devices(
+    gpu: GpuConfig, processes: int | None, visible: int, servers: int = 1
+) -> list[int]:
     """CUDA index of each trainer rank (rank r on element r), checked against the `visible` GPUs
     this process sees; [] on a CPU machine (visible 0), where the ranks run on CPU. Raises
     ConfigError naming the key (see `gpu_layout`) before anything starts."""
-    layout = gpu_layout(gpu, processes)
+    layout = gpu_layout(gpu, processes, servers)
     _check_visible(gpu, layout, processes, visible)
     return list(layout.trainer) if visible > 0 else []
 
 
-def server_devices(gpu: GpuConfig, processes: int | None, visible: int) -> list[int]:
+def server_devices(
+    gpu: GpuConfig, processes: int | None, visible: int, servers: int = 1
+) -> list[int]:
     """CUDA indices of the inference server(s), as `trainer_devices` checks them; [] on CPU."""
-    layout = gpu_layout(gpu, processes)
+    layout = gpu_layout(gpu, processes, servers)
     _check_visible(gpu, layout, processes, visible)
     return list(layout.server) if visible > 0 else []

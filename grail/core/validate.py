@@ -26,7 +26,7 @@ from grail.core.choices import (
 )
 from grail.core.config import Config
 from grail.core.errors import ConfigError
-from grail.core.placement import gpu_layout
+from grail.core.placement import fleet_size, gpu_layout
 from grail.core.server_urls import server_root
 
 
@@ -128,7 +128,7 @@ def validate_gpu(cfg: Config) -> None:
     """The GPU lists and their strategy (`grail.core.placement.gpu_layout`); whether the GPUs
     exist is checked against the machine where the ranks start (`trainer_devices`)."""
     _one_of("gpu.strategy", cfg.gpu.strategy, GpuStrategy)
-    gpu_layout(cfg.gpu, getattr(cfg.train, "processes", None))
+    gpu_layout(cfg.gpu, getattr(cfg.train, "processes", None), cfg.generation.servers)
 
 
 def validate_generation(cfg: Config) -> None:
@@ -153,12 +153,7 @@ def validate_generation(cfg: Config) -> None:
     if gen.max_restarts < 0:
         raise ConfigError(f"generation.max_restarts must be >= 0, got {gen.max_restarts}")
     _positive("generation.servers", gen.servers)
-    if gen.servers > 1 and gen.backend != Backend.builtin:
-        raise ConfigError(
-            f"generation.servers={gen.servers} with generation.backend={gen.backend}: a fleet of "
-            "vLLM or SGLang servers is not supported yet (each needs a GPU of its own); a fleet of "
-            "built-in servers is (generation.backend=builtin)"
-        )
+    validate_fleet(cfg)
     if gen.servers > 1 and cfg.mode == "service":
         raise ConfigError(
             f"generation.servers={gen.servers} with mode=service: the service samples through one "
@@ -168,6 +163,28 @@ def validate_generation(cfg: Config) -> None:
     if gen.start_timeout_s is not None:
         _positive("generation.start_timeout_s", gen.start_timeout_s)
     _positive("generation.request_timeout_s", gen.request_timeout_s)
+
+
+def validate_fleet(cfg: Config) -> None:
+    """A fleet of vLLM or SGLang servers (`generation.servers`, or a `gpu.server_gpus` list):
+    each server on a GPU of its own (several on one GPU would split its memory by hand)."""
+    gen = cfg.generation
+    servers = fleet_size(cfg.gpu, gen.servers)
+    if servers == 1 or gen.backend == Backend.builtin:
+        return  # built-in servers may share a GPU (or the CPU): they take GPUs in turn
+    gpus = gpu_layout(cfg.gpu, getattr(cfg.train, "processes", None), gen.servers).server
+    if len(gpus) != servers:
+        named = cfg.gpu.server_gpus is not None or cfg.gpu.server_gpu is not None
+        where = (
+            f"the server GPUs are {list(gpus)}"
+            if named
+            else f"gpu.strategy={cfg.gpu.strategy} gives the servers GPUs {list(gpus)}"
+        )
+        raise ConfigError(
+            f"generation.servers={servers} with generation.backend={gen.backend}: each "
+            f"{gen.backend} server needs a GPU of its own, and {where}; name one GPU per server "
+            "in gpu.server_gpus (e.g. gpu.server_gpus=[0,1] for two), or use fewer servers"
+        )
 
 
 def validate_urls(cfg: Config) -> None:
@@ -342,7 +359,7 @@ def validate_weight_transfer(cfg: Config) -> None:
             f"{key} needs generation.backend=builtin (got {gen.backend}); vLLM and SGLang take "
             "weight_transfer=nccl (gpu.strategy=multi) or disk"
         )
-    if route == "shared" and not gpu_layout(cfg.gpu).shared:
+    if route == "shared" and not gpu_layout(cfg.gpu, servers=cfg.generation.servers).shared:
         raise ConfigError(
             f"{key} needs the server on the trainer's device (gpu.strategy=single, got "
             f"{cfg.gpu.strategy}, or gpu.server_gpus among gpu.training_gpus); with its own GPU "
@@ -353,7 +370,7 @@ def validate_weight_transfer(cfg: Config) -> None:
             f"{key} is for generation.backend=vllm or sglang; the built-in server takes "
             "weight_transfer=shared or disk"
         )
-    if route == "nccl" and gpu_layout(cfg.gpu).shared:
+    if route == "nccl" and gpu_layout(cfg.gpu, servers=cfg.generation.servers).shared:
         raise ConfigError(
             f"{key} needs gpu.strategy=multi (or gpu.server_gpus apart from gpu.training_gpus): "
             "NCCL cannot connect two processes on one GPU (the server must have its own)"

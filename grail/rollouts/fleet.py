@@ -204,13 +204,13 @@ class FleetClient:
         return self._changed
 
     def _set_aside(self, server: int, exc: BaseException) -> None:
+        if server not in self.balancer.usable():
+            return
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if self.set_aside(server):
-            logger.warning(
-                "server %d of the fleet set aside (%s); its requests go to the others",
-                server,
-                first,
-            )
+        logger.warning(
+            "server %d of the fleet set aside (%s); its requests go to the others", server, first
+        )
+        self.set_aside(server)
 
     def set_aside(self, server: int) -> bool:
         """Server `server` takes no more requests until `restore`d; whether it was usable (then
@@ -333,11 +333,19 @@ class Fleet:
                 f"every server of the fleet ({len(self)}) is set aside: none answers to take "
                 "the new weights"
             )
-        # Under the disk route the directory now holds the new weights: the others reload it.
-        rest: Weights = _already_written if first.transfer == "disk" else weights
-        results = _all_at_once(
-            [functools.partial(self._try_sync, i, rest, weight_version) for i in members]
-        )
+        if first.transfer == "disk":
+            # The directory now holds the new weights: the others reload it, all at once.
+            results = _all_at_once(
+                [
+                    functools.partial(self._try_sync, i, _already_written, weight_version)
+                    for i in members
+                ]
+            )
+        else:
+            # A fast route sends from the trainer's GPU, to one server at a time: NCCL
+            # broadcasts (or CUDA IPC exports) from threads of one process at once were never
+            # measured safe. One broadcast to a group of every server is the step after.
+            results = [self._try_sync(i, weights, weight_version) for i in members]
         synced = [r for r in (first, *results) if r is not None]
         fallbacks = sum(r.transfer_fallbacks for r in synced)
         return replace(first, seconds=time.perf_counter() - t0, transfer_fallbacks=fallbacks)

@@ -87,10 +87,11 @@ def shape_of(strategy: str) -> RunShape:
     raise SweepError(f"gpu.strategy={strategy!r} is not one of single, multi")
 
 
-def run_shape(gpu: GpuConfig, processes: int | None) -> RunShape:
-    """What a run of this config needs (`grail.core.placement.gpu_layout`): its server GPUs and
-    one training GPU per rank, `processes` being train.processes (None: unset)."""
-    layout = gpu_layout(gpu, processes)
+def run_shape(gpu: GpuConfig, processes: int | None, servers: int = 1) -> RunShape:
+    """What a run of this config needs (`grail.core.placement.gpu_layout`): its server GPUs
+    (one per server of a fleet of `servers`, generation.servers, unless they share) and one
+    training GPU per rank, `processes` being train.processes (None: unset)."""
+    layout = gpu_layout(gpu, processes, servers)
     return RunShape(len(layout.server), len(layout.trainer), shared=layout.shared)
 
 

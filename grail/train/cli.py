@@ -160,7 +160,11 @@ def sweep_resources(cfg: DictConfig, hydra_cfg: Any) -> dict[str, Any]:
         int(parallel),
         gpus=gpus,
         cpus=available_cores(),
-        shape=run_shape(cast(GpuConfig, OmegaConf.to_object(cfg.gpu)), cfg.train.processes),
+        shape=run_shape(
+            cast(GpuConfig, OmegaConf.to_object(cfg.gpu)),
+            cfg.train.processes,
+            int(cfg.generation.servers),
+        ),
     )
     # The fields a sweep sets per run are None unless the user set them (in a YAML file or on
     # the command line), and what the user set is left alone.
@@ -228,7 +232,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
 
     validate(config)
     # The GPUs named for the trainer ranks and the server exist on this machine.
-    trainer_devices(config.gpu, config.train.processes, visible_gpus())
+    trainer_devices(config.gpu, config.train.processes, visible_gpus(), config.generation.servers)
     name = config.data.environment
     factory = env_factory(name)
     if env_group in ENVIRONMENTS and env_group != name:

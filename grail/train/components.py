@@ -17,7 +17,13 @@ from omegaconf import OmegaConf
 
 from grail.core.choices import WeightSyncMode
 from grail.core.config import Config
-from grail.core.placement import cpu_threads, gpu_layout, gpu_placement, trainer_ranks
+from grail.core.placement import (
+    GpuLayout,
+    cpu_threads,
+    fleet_size,
+    gpu_layout,
+    trainer_ranks,
+)
 from grail.core.records import without_secrets
 from grail.core.reproducible import apply_reproducible_env
 from grail.envs import Environment, env_arguments, make_env
@@ -76,7 +82,7 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     else:
         members = [
             server_and_syncer_from_config(cfg, weights_dir, run_dir, lora_dir=lora_dir, member=i)
-            for i in range(cfg.generation.servers)
+            for i in range(fleet_size(cfg.gpu, cfg.generation.servers))
         ]
     server, syncer = members[0]
     # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
@@ -154,6 +160,7 @@ def server_manager_from_config(
 
         cuda_available = torch.cuda.is_available()
     gen = cfg.generation
+    servers = fleet_size(cfg.gpu, gen.servers)
     if gen.backend != "builtin" and not cuda_available:
         raise ServerStartError(
             f"generation.backend={gen.backend} needs a CUDA GPU, and torch sees none "
@@ -170,23 +177,23 @@ def server_manager_from_config(
             model_dir=model_dir,
         )
         if gen.server_threads is None and not cfg.reproducible:
-            threads = max(1, threads // gen.servers)  # the fleet shares the servers' cores
+            threads = max(1, threads // servers)  # the fleet shares the servers' cores
         if cfg.reproducible:  # the server's kernels too (grail/core/reproducible.py)
             apply_reproducible_env(env)
     model_dtype = cfg.model.dtype
     log_dir = Path(run_dir) / "logs"
-    server_gpus = gpu_layout(cfg.gpu).server
+    layout = run_layout(cfg)
     return make_server_manager(
         gen.backend,
         model_dir,
         served_model_name,
-        log_dir=log_dir if gen.servers == 1 else log_dir / f"server-{member}",
-        device=f"cuda:{server_gpus[member % len(server_gpus)]}" if cuda_available else "cpu",
+        log_dir=log_dir if servers == 1 else log_dir / f"server-{member}",
+        device=f"cuda:{server_gpu(layout, member)}" if cuda_available else "cpu",
         threads=threads,
         start_timeout=gen.start_timeout_s,
         dtype=None if model_dtype == "auto" else model_dtype,
         gpu_memory_fraction=gen.gpu_memory_fraction,
-        shares_gpu_with_trainer=gpu_layout(cfg.gpu).shared,
+        shares_gpu_with_trainer=layout.shared,
         max_model_len=gen.max_model_len,
         max_num_seqs=gen.max_num_seqs,
         seed=cfg.seed,
@@ -198,18 +205,29 @@ def server_manager_from_config(
     )
 
 
-def weight_route_from_config(cfg: Config, cuda_available: bool) -> RouteChoice:
-    """The run's weight route (grail/inference/weights/route.py): `generation.weight_transfer`
-    among the routes its backend takes (`weight_routes`), given where server and trainer are:
-    on the same device when both are on CPU, or on one CUDA index (`gpu_placement`)."""
-    server_gpu, trainer_gpu = gpu_placement(cfg.gpu)
+def run_layout(cfg: Config) -> GpuLayout:
+    """The run's GPUs by side (`gpu_layout` of its gpu, train.processes and servers)."""
+    return gpu_layout(cfg.gpu, cfg.train.processes, cfg.generation.servers)
+
+
+def server_gpu(layout: GpuLayout, member: int) -> int:
+    """The GPU of server `member` of the fleet: the server GPUs in turn."""
+    return layout.server[member % len(layout.server)]
+
+
+def weight_route_from_config(cfg: Config, cuda_available: bool, member: int = 0) -> RouteChoice:
+    """The weight route of server `member` (grail/inference/weights/route.py):
+    `generation.weight_transfer` among the routes its backend takes (`weight_routes`), given
+    where that server and the trainer are: on the same device when both are on CPU, or on one
+    CUDA index (the trainer's rank 0)."""
+    layout = run_layout(cfg)
     return resolve_route(
         cfg.generation.weight_transfer,
         BACKEND_CLASSES[cfg.generation.backend].weight_routes,
         backend=cfg.generation.backend,
         # what the GPUs are, whichever keys said so: shared when the lists overlap
-        strategy="single" if gpu_layout(cfg.gpu).shared else "multi",
-        same_device=not cuda_available or server_gpu == trainer_gpu,
+        strategy="single" if layout.shared else "multi",
+        same_device=not cuda_available or server_gpu(layout, member) == layout.trainer[0],
         lora=cfg.model.lora.enabled,
         weight_sync=cfg.generation.weight_sync,
     )
@@ -231,7 +249,7 @@ def server_and_syncer_from_config(
         import torch
 
         cuda_available = torch.cuda.is_available()
-    route = weight_route_from_config(cfg, cuda_available)
+    route = weight_route_from_config(cfg, cuda_available, member)
     server = server_manager_from_config(
         cfg,
         model_dir,

@@ -154,7 +154,10 @@ def setup_rank(cfg: Config) -> RankAccelerator:
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     if torch.cuda.is_available():
         device = torch.device(
-            "cuda", trainer_devices(cfg.gpu, local_world, torch.cuda.device_count())[local_rank]
+            "cuda",
+            trainer_devices(
+                cfg.gpu, local_world, torch.cuda.device_count(), cfg.generation.servers
+            )[local_rank],
         )
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timeout, device_id=device)

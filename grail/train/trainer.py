@@ -119,7 +119,7 @@ def setup_torch(cfg: Config) -> Accelerator:
     torch.manual_seed(cfg.seed)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
-        torch.cuda.set_device(gpu_placement(cfg.gpu)[1])
+        torch.cuda.set_device(gpu_placement(cfg.gpu, cfg.generation.servers)[1])
     else:
         torch.set_num_threads(
             cpu_threads(
