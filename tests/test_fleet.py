@@ -195,7 +195,6 @@ def test_a_request_any_server_would_refuse_is_not_retried_elsewhere() -> None:
             ["generation.servers=2", "generation=vllm"],
             "each vllm server needs a GPU of its own",
         ),
-        (["generation.servers=2", "mode=service"], "the service samples through one server"),
     ],
 )
 def test_a_fleet_it_cannot_run_is_refused_naming_the_key(

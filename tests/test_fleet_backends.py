@@ -133,8 +133,8 @@ def test_a_fleet_reloads_every_server_and_restarts_a_dead_one_in_the_background(
     loop = asyncio.new_event_loop()  # the clients' one loop, as the run's generation thread
     try:
         fleet.launch()
-        fleet.client = client = FleetClient(
-            [_client(s) for s in servers], window=2, on_set_aside=fleet.set_aside
+        client = fleet.connect(
+            FleetClient([_client(s) for s in servers], window=2, on_set_aside=fleet.set_aside)
         )
         assert [info(s)["env"]["CUDA_VISIBLE_DEVICES"] for s in servers] == ["0", "1"]
 

@@ -519,7 +519,9 @@ def test_a_killed_trainer_resumes_with_every_reward_it_accepted(
     first.process.send_signal(signal.SIGKILL)  # the trainer only: its server dies with it
     first.process.wait(30)
 
-    second = ServiceRun(run_dir, *args, "resume=true")
+    # The resumed run samples through a fleet of two servers (generation.servers may change on
+    # resume): the service routes its completions over both.
+    second = ServiceRun(run_dir, *args, "resume=true", "generation.servers=2")
     trainers.append(second)
     with second.connect() as http:
         after = http.get("/v1/status").json()
@@ -534,6 +536,9 @@ def test_a_killed_trainer_resumes_with_every_reward_it_accepted(
     assert record is not None
     taken = [g["id"] for g in record["service"]["groups"]]
     assert taken[:2] == [groups[0]["group_id"], groups[1]["group_id"]]
+    records = [read_json(train_metrics_path(run_dir, i)) for i in (0, 1)]
+    served = [sum(r["fleet"][k]["requests"] for r in records if r) for k in (0, 1)]
+    assert served[0] > 0 and served[1] > 0, served  # both servers sampled the client's groups
 
 
 def test_records_of_a_run_carry_no_secrets() -> None:

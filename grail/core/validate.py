@@ -154,11 +154,6 @@ def validate_generation(cfg: Config) -> None:
         raise ConfigError(f"generation.max_restarts must be >= 0, got {gen.max_restarts}")
     _positive("generation.servers", gen.servers)
     validate_fleet(cfg)
-    if gen.servers > 1 and cfg.mode == "service":
-        raise ConfigError(
-            f"generation.servers={gen.servers} with mode=service: the service samples through one "
-            "server; leave generation.servers at 1"
-        )
     validate_urls(cfg)
     if gen.start_timeout_s is not None:
         _positive("generation.start_timeout_s", gen.start_timeout_s)
@@ -230,11 +225,6 @@ def validate_urls(cfg: Config) -> None:
         raise ConfigError(
             "model.lora.enabled with generation.urls: serving the adapter needs flags at the "
             "server's start, which grail does not control for a server it did not start"
-        )
-    if len(urls) > 1 and cfg.mode == "service":
-        raise ConfigError(
-            f"generation.urls lists {len(urls)} servers with mode=service: the service samples "
-            "through one server; give one URL"
         )
 
 

@@ -210,21 +210,17 @@ class FleetClient:
         logger.warning(
             "server %d of the fleet set aside (%s); its requests go to the others", server, first
         )
-        self.set_aside(server)
-
-    def set_aside(self, server: int) -> bool:
-        """Server `server` takes no more requests until `restore`d; whether it was usable (then
-        `on_set_aside` is told, once)."""
-        if server not in self.balancer.usable():
-            return False
         self.balancer.set_aside(server)
         self._on_set_aside(server)
-        return True
 
     def aside(self) -> list[int]:
         """The servers set aside, in index order."""
         usable = set(self.balancer.usable())
         return [i for i in range(len(self.clients)) if i not in usable]
+
+    def set_aside(self, server: int) -> None:
+        """Server `server` takes no requests until `restore`d (the fleet says so)."""
+        self.balancer.set_aside(server)
 
     def restore(self, server: int) -> None:
         """Server `server` is back (restarted, synced): it takes requests again."""
@@ -255,15 +251,15 @@ class Fleet:
 
     `members[i]` is server i and the `WeightSyncer` that gives it the trainer's weights; all
     serve from one directory (`model_path`, or `lora_dir`), which the first server synced writes.
-    `client` (the `FleetClient` of `grail.rollouts.server.fleet_client`, set once the fleet is
-    launched) holds which servers are set aside: its balancer routes by it, the syncs read it."""
+    `clients` are the `FleetClient`s that route to these servers (`connect`: the run's, and the
+    service's on its own event loop); a server one of them sets aside is set aside in all."""
 
     def __init__(self, members: Sequence[tuple[ServerManager, WeightSyncer]]) -> None:
         if not members:
             raise ValueError("a fleet needs at least one server")
         self.servers = [server for server, _ in members]
         self.syncers = [syncer for _, syncer in members]
-        self.client: FleetClient | None = None
+        self.clients: list[FleetClient] = []
         # Servers on their way back: a managed one restarts as soon as it is set aside, while
         # the others serve; the next sync waits for it (it must not read a directory being
         # rewritten) and then gives it the new weights. Each result: None, or why it failed.
@@ -304,10 +300,24 @@ class Fleet:
                 )
                 self._bring_back()
 
+    def connect(self, client: FleetClient) -> FleetClient:
+        """Have `client` (built over these servers, with `on_set_aside=self.set_aside`) route by
+        which servers this fleet has set aside, from now on."""
+        for server in self.aside():
+            client.set_aside(server)
+        self.clients.append(client)
+        return client
+
+    def aside(self) -> list[int]:
+        """The servers set aside, in index order."""
+        return sorted({i for client in self.clients for i in client.aside()})
+
     def set_aside(self, server: int) -> None:
-        """Server `server` stopped answering (the client set it aside). A managed one restarts
-        now, in the background, from the newest weights its directory holds; it rejoins at the
-        next sync. A server the user runs is asked again at the next sync."""
+        """Server `server` stopped answering: every client sets it aside. A managed one
+        restarts now, in the background, from the newest weights its directory holds; it
+        rejoins at the next sync. A server the user runs is asked again at the next sync."""
+        for client in self.clients:
+            client.set_aside(server)
         if self._external(server) or server in self._returning:
             return
         logger.warning(
@@ -324,7 +334,9 @@ class Fleet:
         server's, with the whole fan-out's seconds."""
         t0 = time.perf_counter()
         self._bring_back()
-        members = [i for i in range(len(self)) if i not in self._client().aside()]
+        if not self.clients:
+            raise RuntimeError("the fleet has no client yet: connect one first")
+        members = [i for i in range(len(self)) if i not in self.aside()]
         first: SyncResult | None = None
         while first is None and members:
             first = self._try_sync(members.pop(0), weights, weight_version)
@@ -363,15 +375,14 @@ class Fleet:
                 self._name(server),
                 str(exc).splitlines()[0],
             )
-            self._client().set_aside(server)
+            self.set_aside(server)
             return None
 
     def _bring_back(self) -> None:
         """Wait for the servers set aside to come back (restarts begun in the background, and
         the others begun now, all in parallel); they take requests again. One that does not
         come back stays aside, with a warning, and is tried again at the next sync."""
-        client = self._client()
-        aside = client.aside()
+        aside = self.aside()
         for i in aside:
             if i not in self._returning:
                 self._returning[i] = self._restarts.submit(self._try_recover, i)
@@ -383,7 +394,8 @@ class Fleet:
                     del self._returning[i]
         for i, problem in zip(aside, problems, strict=True):
             if problem is None:
-                client.restore(i)
+                for client in self.clients:
+                    client.restore(i)
             else:
                 logger.warning(
                     "%s is still set aside (%s); tried again at the next sync",
@@ -399,11 +411,6 @@ class Fleet:
         except (ExternalServerGone, ServerError) as exc:
             return str(exc).splitlines()[0]
         return None
-
-    def _client(self) -> FleetClient:
-        if self.client is None:
-            raise RuntimeError("the fleet has no client yet: launch it first")
-        return self.client
 
     def _external(self, server: int) -> bool:
         return isinstance(self.servers[server], ExternalServer)

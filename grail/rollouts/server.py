@@ -178,7 +178,7 @@ def fleet_client(cfg: Config, fleet: Fleet) -> FleetClient:
     per_request = request_size(clients[0].prompts_per_request(n), problems, len(clients))
     requests = -(-problems // per_request)
     window = window_for(clients[0].max_batch_sequences, n, per_request, requests, len(clients))
-    return FleetClient(clients, window=window, on_set_aside=fleet.set_aside)
+    return fleet.connect(FleetClient(clients, window=window, on_set_aside=fleet.set_aside))
 
 
 def fleet_delta(
@@ -257,7 +257,7 @@ class ServerRollouts:
                 self._client = completion_client(self.cfg, self.server)
             else:
                 self._fleet.launch()
-                self._client = self._fleet.client = fleet_client(self.cfg, self._fleet)
+                self._client = fleet_client(self.cfg, self._fleet)
             self._generator, self._eval_generator = (
                 RolloutGenerator(
                     env,
@@ -396,6 +396,14 @@ class ServerRollouts:
     def _fleet_records(self) -> list[dict[str, Any]] | None:
         client = self._client
         return client.server_records() if isinstance(client, FleetClient) else None
+
+    def another_client(self) -> Completer:
+        """A client of this source's server(s) for another event loop (the service's): over a
+        fleet it routes as the run's own client does, and a server either sets aside is set
+        aside for both (`Fleet.connect`)."""
+        if self._fleet is None:
+            return completion_client(self.cfg, self.server)
+        return fleet_client(self.cfg, self._fleet)
 
     def _with_recovery(
         self,

@@ -19,7 +19,7 @@ from dataclasses import asdict, astuple
 from typing import Any
 
 from grail.core.http_api import APIError
-from grail.inference.client import CompletionClient, GenerationError, SamplingParams
+from grail.inference.client import Completer, GenerationError, SamplingParams
 from grail.rollouts.generation import request_seed
 from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceGroup
 from grail.service.store import LedgerStore
@@ -38,7 +38,7 @@ class ServiceCore:
         self,
         ledger: Ledger,
         store: LedgerStore,
-        client: CompletionClient,
+        client: Completer,
         sampling: SamplingParams,
         tokenizer: Any,
         *,

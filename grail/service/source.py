@@ -37,8 +37,9 @@ from grail.core.errors import UserError
 from grail.core.records import atomic_write_text
 from grail.envs.base import Problem
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
+from grail.rollouts.fleet import FleetClient
 from grail.rollouts.generation import sampling_params
-from grail.rollouts.server import ServerRollouts, completion_client, wait
+from grail.rollouts.server import ServerRollouts, fleet_delta, wait
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
 from grail.service.ledger import Ledger, ServiceGroup
@@ -84,6 +85,8 @@ class ServiceRollouts:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.core: ServiceCore | None = None
         self.store: LedgerStore | None = None
+        # Over a fleet: its servers' records when the previous batch was taken.
+        self._fleet_seen: list[dict[str, Any]] | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -105,7 +108,9 @@ class ServiceRollouts:
         ledger = self._load_ledger()
         self.store.snapshot(ledger)  # the journal starts from the (rewound) state
         api_key = cfg.service.api_key or f"sk-{secrets.token_urlsafe(24)}"
-        client = completion_client(cfg, server)
+        client = self.inner.another_client()
+        if isinstance(client, FleetClient):
+            self._fleet_seen = client.server_records()
         sampling = sampling_params(cfg.generation)
         self.core = ServiceCore(
             ledger,
@@ -118,6 +123,7 @@ class ServiceRollouts:
             iterations=cfg.train.iterations,
             info={
                 # For environments that sample from the inference server themselves (/v1/groups).
+                # A fleet's first server (each serves the same weights).
                 "inference_url": server.base_url,
                 "inference_api_key": server.api_key,
                 "problems_per_iteration": cfg.data.problems_per_iteration,
@@ -215,6 +221,10 @@ class ServiceRollouts:
             raise ServiceError(str(exc)) from None
         finished = time.perf_counter()
         counters = vars(core.ledger.counters)
+        fleet = None
+        if isinstance(core.client, FleetClient):  # what each server did since the last batch
+            now = core.client.server_records()
+            fleet, self._fleet_seen = fleet_delta(self._fleet_seen, now), now
         return GeneratedBatch(
             RolloutBatch([to_group(g) for g in groups]),
             min(g.policy_version for g in groups),
@@ -228,6 +238,7 @@ class ServiceRollouts:
                 ],
                 **counters,
             },
+            fleet=fleet,
         )
 
     def sync_weights(self, save: Callable[[Path], None], policy_version: int) -> WeightSync:

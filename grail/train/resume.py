@@ -50,6 +50,7 @@ RESUMABLE = (
     "generation.start_timeout_s",  # for the server to start
     "generation.urls",  # servers the user runs, and the model to ask them for: each loads the
     "generation.url_model",  # run's weights before it serves
+    "generation.servers",  # how many servers draw the samples, not what they draw (fleet.py)
     "service.wait_timeout_s",  # for a service's clients
     "train.threads",  # where the run computes: its share of the machine (a sweep sets these
     "generation.server_threads",  # per attempt)
