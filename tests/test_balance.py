@@ -41,35 +41,57 @@ def test_equal_measured_servers_split_the_work_evenly() -> None:
     assert Counter(_fill(balancer, 30)) == {0: 10, 1: 10, 2: 10}
 
 
-def test_a_half_speed_server_waits_until_the_fast_windows_are_full() -> None:
+def test_a_half_speed_server_gets_groups_only_when_the_fast_windows_are_full() -> None:
     # A group on a half-speed server takes twice as long whatever else it holds: while a faster
-    # server has room the group finishes sooner there.
+    # server has room the group finishes sooner there; once their windows are full, the
+    # half-speed server takes groups while it would finish them within WAIT_MARGIN of a fast
+    # server's next slot (its first two), and then they wait for that slot.
     balancer = Balancer(servers=3, window=4)
     _measure(balancer, [250.0, 500.0, 500.0])
-    chosen = _fill(balancer, 12)
+    chosen = _fill(balancer, 10)
     assert chosen[:8].count(0) == 0
-    assert Counter(chosen) == {0: 4, 1: 4, 2: 4}
+    assert Counter(chosen) == {0: 2, 1: 4, 2: 4}
     assert balancer.choose(COST) is None
 
 
+def test_a_third_speed_server_gets_nothing_while_the_fast_servers_answer() -> None:
+    # Even with the fast windows full, waiting for one of their slots beats a third-speed
+    # server: small batches, where the window is a server's even share, must not give it one.
+    balancer = Balancer(servers=2, window=4)
+    _measure(balancer, [500.0 / 3, 500.0])
+    assert _fill(balancer, 4) == [1, 1, 1, 1]
+    assert balancer.choose(COST) is None
+    balancer.finished(1, COST, tokens=5000, seconds=10.0)
+    assert balancer.choose(COST) == 1
+
+
 def test_a_half_speed_server_answering_later_asks_for_about_half_the_groups() -> None:
-    # The pull the window makes: each answer frees one slot, refilled at once. Server 0 answers
-    # at half the rate of the others, over a long queue.
+    # The pull the window makes: each answer frees one slot, and the groups waiting go where
+    # the balancer says, or wait for the next answer. Server 0 answers at half the rate of the
+    # others (each server answers its groups one after another), over a long queue.
     balancer = Balancer(servers=3, window=2)
     speeds = [0.5, 1.0, 1.0]
-    _fill(balancer, 6)
-    clock = [0.0, 0.0, 0.0]
+    busy: list[list[float]] = [[], [], []]  # when each group in flight is answered
+    clock, waiting = 0.0, 300
     taken = Counter[int]()
-    for _ in range(300):
-        server = min(range(3), key=lambda i: (clock[i] + 1 / speeds[i], i))
-        clock[server] += 1 / speeds[server]
-        balancer.finished(
-            server, COST, tokens=int(100 * speeds[server]), seconds=1 / speeds[server]
-        )
-        again = balancer.choose(COST)
-        assert again == server  # the only free slot
-        balancer.started(server, COST)
-        taken[server] += 1
+
+    def place() -> None:
+        nonlocal waiting
+        while waiting and (server := balancer.choose(COST)) is not None:
+            balancer.started(server, COST)
+            done = max([clock, *busy[server]]) + 1 / speeds[server]
+            busy[server].append(done)
+            taken[server] += 1
+            waiting -= 1
+
+    place()
+    while any(busy):
+        server = min((i for i in range(3) if busy[i]), key=lambda i: (min(busy[i]), i))
+        clock = min(busy[server])
+        busy[server].remove(clock)
+        balancer.finished(server, COST, tokens=100, seconds=1 / speeds[server])
+        place()
+    assert sum(taken.values()) == 300
     assert taken[0] / taken[1] == pytest.approx(0.5, abs=0.05)
 
 

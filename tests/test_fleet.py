@@ -4,6 +4,11 @@ as one server, failures that cost nothing, slow servers that get less, and clear
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,6 +74,49 @@ def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
     assert restarted_before_sync == [True]
     assert rejoined["requests"] > 0 and rejoined["failures"] == 0 and rejoined["usable"]
     assert records[1]["fleet"][0]["failures"] == 0
+
+
+def _run_a_third_of_the_time(pid: int, stop: threading.Event) -> None:
+    """Slow process `pid` to about a third of its speed: stopped 20 ms of every 30."""
+    try:
+        while not stop.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.02)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+    except ProcessLookupError:
+        return  # the server has ended
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_slowed_server_gets_fewer_groups_and_a_pipelined_fleet_matches_one_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two built-in servers, server 1 slowed to a third of its speed from the start (its process
+    # stopped 2/3 of the time), in pipelined mode: once the balancer has measured it, server 1
+    # gets fewer groups, and the metrics are still the lone pipelined server's, bitwise.
+    run(short_config("train.pipeline=true"), tmp_path / "one")
+    stop = threading.Event()
+    launch = Fleet.launch
+
+    def launch_then_slow(self: Fleet) -> None:
+        launch(self)
+        pid = self.servers[1].pid
+        assert pid is not None
+        threading.Thread(target=_run_a_third_of_the_time, args=(pid, stop), daemon=True).start()
+
+    monkeypatch.setattr(Fleet, "launch", launch_then_slow)
+    try:
+        run(short_config("train.pipeline=true", "generation.servers=2"), tmp_path / "fleet")
+    finally:
+        stop.set()
+    assert results(tmp_path / "fleet") == results(tmp_path / "one")
+    measured = train_records(tmp_path / "fleet")[1:]  # after the first batch's measurements
+    fast, slow = (sum(r["fleet"][i]["requests"] for r in measured) for i in (0, 1))
+    assert slow < fast, (fast, slow)
+    assert all(r["fleet"][1]["failures"] == 0 for r in measured)  # slow, not dead
 
 
 def test_a_fleet_whose_servers_are_all_gone_fails_naming_the_fleet(

@@ -7,24 +7,28 @@ benchmarks/fleet_sim.py, which is where its rule and its window were chosen (doc
 "A fleet of servers, simulated").
 
 The rule. Among usable servers with a free window slot, the one where the group would finish
-first:
+first, unless a full server would finish it clearly sooner (`WAIT_MARGIN`): then it waits here
+for a slot there:
 
     argmin_i  (outstanding_i / window + cost) / speed_i          ties -> the lowest index
 
 where outstanding_i is the cost of the groups server i has not answered yet, speed_i its smoothed
-measured rate of one request (a server not measured yet counts as the mean of the measured ones,
-or 1.0 when none is), and window the most groups a server holds. A batching server decodes the
-groups it holds side by side, so a new group does not queue behind all of them, as
-(outstanding + cost) / speed would have it: it shares the batch, and each group already there
-slows it a little (outstanding / window, a full window doubling its time, about what a full batch
-does to the engine's step: 5.3 ms against 3.1 ms for a nearly empty one). The consequence that
-matters: a server measured at half speed, where any group takes twice as long, gets a group only
-when every faster server's window is full. An idle fleet fills evenly, one group each in index
-order. The simulation (benchmarks/fleet_sim.py) is why: with a batch of 8 groups per server,
-(outstanding + cost) / speed gives a half-speed server about half a share, and the iteration
-waits ~2x for its longest group (6.9 s against 3.8 s with equal servers); this rule gives it
-none (4.1 s), and costs equal fleets 3-9% (4.1 s against 3.8 at 32 servers: the noise of the
-measured speeds spreads their loads a little).
+measured rate of one request (a server not measured yet counts as the mean of the measured ones, or
+1.0 when none is), and window the most groups a server holds. A batching server decodes the groups
+it holds side by side, so a new group does not queue behind all of them, as (outstanding + cost) /
+speed would have it: it shares the batch, and each group already there slows it a little
+(outstanding / window, a full window doubling its time, about what a full batch does to the engine's
+step: 5.3 ms against 3.1 ms for a nearly empty one; for a full window, also about when a slot frees
+and the group then runs). The consequence that matters: a server measured at half speed, where any
+group takes twice as long, gets a group only when every faster server's window is full, and a third-
+speed one not even then: the group waits for a fast server's slot. The wait matters in small
+batches, where the window is capped at a server's even share (grail/rollouts/fleet.py `window_for`):
+taking any free window gave a third-speed server its even share of every batch
+(tests/test_fleet.py). An idle fleet fills evenly, one group each in index order. The simulation
+(benchmarks/fleet_sim.py) is why: with a batch of 8 groups per server, (outstanding + cost) / speed
+gives a half-speed server about half a share, and the iteration waits ~2x for its longest group (6.9
+s against 3.8 s with equal servers); this rule gives it none (4.1 s), and costs equal fleets 3-9%
+(4.1 s against 3.8 at 32 servers: the noise of the measured speeds spreads their loads a little).
 
 The window. A batching server (the built-in engine, vLLM, SGLang) decodes all the requests it
 holds at once, so it must hold several to run a full batch; but a group handed to a server can no
@@ -48,6 +52,15 @@ from dataclasses import dataclass
 # ~3 answers (0.7^3 = 0.34 of the old value left) -- a few of the ~8 groups a server answers per
 # iteration.
 SPEED_SMOOTHING = 0.3
+
+# A group waits for a slot on a full server only when every server with a free window would take
+# more than this times as long: a third-speed server then gets nothing while the fast ones
+# answer (small batches, where the window is a server's even share, gave it its even share),
+# a half-speed one still gets a group once the fast windows are full (as long as a fast slot
+# would take). Waiting on any smaller difference waits on the noise of the measured speeds:
+# equal fleets then queued for the server measured fastest, 75.4% of the ideal instead of 89.7%
+# (8 servers, 128 groups each, benchmarks/fleet_sim.py).
+WAIT_MARGIN = 1.25
 
 
 @dataclass
@@ -84,22 +97,28 @@ class Balancer:
         self.loads: list[ServerLoad] = [ServerLoad() for _ in range(servers)]
 
     def choose(self, cost: float) -> int | None:
-        """The server where a group of `cost` would finish first (the module's rule), or None
-        when every usable server's window is full (the caller waits for an answer, then asks
-        again) or no server is usable (the caller tells these apart with `usable()`)."""
+        """The server with a free window where a group of `cost` would finish first (the
+        module's rule), or None when the group should wait for a slot (every free server would
+        take `WAIT_MARGIN` times as long as a full one, or none is free: the caller waits for an
+        answer, then asks again) or no server is usable (the caller tells these apart with
+        `usable()`)."""
         _check_cost(cost)
         measured = [load.tokens_per_s for load in self.loads if load.tokens_per_s is not None]
         unknown = sum(measured) / len(measured) if measured else 1.0
-        best: int | None = None
-        best_finish = math.inf
+        free: int | None = None
+        free_finish = full_finish = math.inf
         for i, load in enumerate(self.loads):
-            if not load.usable or load.in_flight >= self.window:
+            if not load.usable:
                 continue
             speed = load.tokens_per_s if load.tokens_per_s is not None else unknown
             finish = (load.outstanding / self.window + cost) / speed
-            if finish < best_finish:  # strict: a tie keeps the lower index
-                best, best_finish = i, finish
-        return best
+            if load.in_flight >= self.window:
+                full_finish = min(full_finish, finish)
+            elif finish < free_finish:  # strict: a tie keeps the lower index
+                free, free_finish = i, finish
+        if free_finish > WAIT_MARGIN * full_finish:
+            return None  # wait for a slot on a full server (`WAIT_MARGIN`)
+        return free
 
     def started(self, server: int, cost: float) -> None:
         """A group of `cost` was sent to `server` (the one `choose` named)."""
