@@ -26,9 +26,10 @@ batches, where the window is capped at a server's even share (grail/rollouts/fle
 taking any free window gave a third-speed server its even share of every batch
 (tests/test_fleet.py). An idle fleet fills evenly, one group each in index order. The simulation
 (benchmarks/fleet_sim.py) is why: with a batch of 8 groups per server, (outstanding + cost) / speed
-gives a half-speed server about half a share, and the iteration waits ~2x for its longest group (6.9
-s against 3.8 s with equal servers); this rule gives it none (4.1 s), and costs equal fleets 3-9%
-(4.1 s against 3.8 at 32 servers: the noise of the measured speeds spreads their loads a little).
+gives a half-speed server about half a share, and the iteration waits ~2x for its longest group
+(6.9 s against 3.8 s with equal servers); this rule gives it none (4.1 s), and costs equal fleets
+3-9% (4.1 s against 3.8 at 32 servers: the noise of the measured speeds spreads their loads a
+little).
 
 The window. A batching server (the built-in engine, vLLM, SGLang) decodes all the requests it
 holds at once, so it must hold several to run a full batch; but a group handed to a server can no
