@@ -2,8 +2,8 @@
 it, no modules import each other in a circle, and the console scripts point at functions that exist.
 
 Layers (docs/architecture.md): core -> algo / envs / models -> inference -> rollouts -> service /
-tinker -> study -> train -> report. Imports under `if TYPE_CHECKING:` count too: a type that must come from
-a higher layer is a sign the value travels the wrong way.
+tinker -> study -> train -> report. Imports under `if TYPE_CHECKING:` count too: a type that must
+come from a higher layer is a sign the value travels the wrong way.
 """
 
 from __future__ import annotations

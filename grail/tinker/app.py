@@ -142,9 +142,16 @@ async def create_session(core: Core) -> dict[str, Any]:
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(request: Request, core: Core) -> dict[str, Any]:
-    core.heartbeat((await _body(request))["session_id"])
-    return {"type": "session_heartbeat"}
+async def session_heartbeat(request: Request, core: Core) -> Response:
+    if not core.heartbeat((await _body(request))["session_id"]):
+        return error_response("this session has finished", 410)
+    return JSONResponse({"type": "session_heartbeat"})
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, core: Core) -> Response:
+    core.finish_session(session_id)
+    return Response(status_code=204)
 
 
 # ---- training -----------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests queued or running at once; past it the SDK backs off (429)",
     )
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
     p.add_argument("--log-level", default="warning")  # fmt: skip
     return p.parse_args(argv)
 
@@ -105,6 +108,8 @@ def serve(args: argparse.Namespace) -> None:
     from grail.tinker.sampler import Sampler, engine_for
     from grail.tinker.trainer import Trainer
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise TinkerArgsError(f"--device {args.device}: CUDA is not available on this machine")
     model_dir = _model_dir(args.model, TINY_MODEL_NAME, ensure_tiny_model)
@@ -161,3 +166,7 @@ def _model_dir(model: str, tiny_name: str, ensure_tiny: object) -> Path:
         return Path(snapshot_download(model))
     except Exception as exc:
         raise TinkerArgsError(f"--model {model}: could not fetch it from the hub ({exc})") from exc
+
+
+if __name__ == "__main__":
+    main()

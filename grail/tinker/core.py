@@ -49,6 +49,7 @@ class TinkerCore:
         )  # fmt: skip
         self.jobs = Jobs(sampler, max_pending)
         self.sessions: dict[str, float] = {}  # id -> last heartbeat (time.monotonic)
+        self.finished: set[str] = set()
         self._lock = threading.Lock()
 
     # ---- sessions -----------------------------------------------------------------------------
@@ -59,11 +60,31 @@ class TinkerCore:
             self.sessions[session_id] = time.monotonic()
         return session_id
 
-    def heartbeat(self, session_id: str) -> None:
+    def heartbeat(self, session_id: str) -> bool:
+        """False for a finished session (the SDK stops its heartbeats on a 410)."""
         with self._lock:
+            if session_id in self.finished:
+                return False
             if session_id not in self.sessions:
                 raise NotFound(f"unknown session {session_id!r}")
             self.sessions[session_id] = time.monotonic()
+        return True
+
+    def finish_session(self, session_id: str) -> None:
+        """The client closed its ServiceClient: its training clients are unloaded (after the
+        work they queued), freeing their adapters; what they saved stays on disk."""
+        self._session(session_id)
+        with self._lock:
+            del self.sessions[session_id]
+            self.finished.add(session_id)
+
+        def unload() -> None:
+            with self.trainer.lock:
+                mine = [m for m in self.trainer.runs if m.startswith(f"{session_id}:")]
+            for model_id in mine:
+                self.trainer.unload(model_id)
+
+        self.jobs.run_later(unload)
 
     def _session(self, session_id: str) -> None:
         with self._lock:

@@ -105,6 +105,10 @@ class Jobs:
         self._train.put((request_id, work))
         return request_id
 
+    def run_later(self, work: Callable[[], object]) -> None:
+        """Queue training work nobody waits for (it still runs in order with the rest)."""
+        self._train.put((None, work))
+
     def submit_sample(self, job: SampleJob) -> str:
         request_id = self._new()
         self._sample.put((request_id, job))
@@ -143,7 +147,9 @@ class Jobs:
     def _train_worker(self) -> None:
         while (item := self._train.get()) is not _STOP:
             request_id, work = item
-            self._finish(request_id, _run(work))
+            result = _run(work)
+            if request_id is not None:
+                self._finish(request_id, result)
 
     def _sample_worker(self) -> None:
         while (item := self._sample.get()) is not _STOP:

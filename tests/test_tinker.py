@@ -1,0 +1,315 @@
+"""grail-tinker driven by the official `tinker` SDK (the pinned version in pyproject), against a
+real `grail-tinker` process on the tiny model, on CPU: one server for the module.
+
+- the losses equal their documented formulas computed directly on the same datums;
+- a supervised cross_entropy loop drives the loss down and writes one metrics record per step;
+- save_state, then load_state (with the optimizer) in a new client continues exactly;
+- sampling: seeds, num_samples, max_tokens, stop; its logprobs are the trainer's;
+- checkpoints listed and deleted through the RestClient;
+- every bad input gets its clear exception at once (API key, model, model_id, context, NaN,
+  loss, body size).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from helpers.tinker_server import API_KEY, TinkerServer
+from tinker import types
+from transformers import AutoModelForCausalLM
+
+from grail.core.records import metric_records, validate_metrics
+from grail.models.loading import load_tokenizer
+from grail.models.tiny import ensure_tiny_model
+
+MAX_REQUEST_BYTES = 2_000_000
+TEXTS = [
+    "the cat sat on the mat and the cat sat on the mat",
+    "one two three four five six seven eight nine ten",
+    "hello world, hello grail, hello tinker",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
+    root = tmp_path_factory.mktemp("tinker")
+    with TinkerServer(
+        root / "run", root / "server.log", "--max-request-bytes", str(MAX_REQUEST_BYTES)
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def service(server: TinkerServer) -> Iterator[tinker.ServiceClient]:
+    with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return load_tokenizer(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def base_model() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32).eval()
+
+
+def sft_datum(tokenizer, text: str, prompt_tokens: int = 3) -> types.Datum:  # type: ignore[no-untyped-def]
+    ids = tokenizer.encode(text)
+    weights = [0.0] * (prompt_tokens - 1) + [1.0] * (len(ids) - prompt_tokens)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
+    )
+
+
+def direct_logprobs(model: torch.nn.Module, datum: types.Datum) -> torch.Tensor:
+    """log softmax(logits_t)[target_t] of the base model, one unpadded row."""
+    ids = torch.tensor([datum.model_input.to_ints()])
+    targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+
+
+def test_losses_equal_their_formulas(service, tokenizer, base_model) -> None:  # type: ignore[no-untyped-def]
+    """A fresh adapter is the base model (LoRA's B starts at 0), so the server's losses must be
+    the formulas of grail/tinker/losses.py over the base model's log-probabilities."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    sft = [sft_datum(tokenizer, t) for t in TEXTS]
+    out = client.forward(sft, "cross_entropy").result()
+    expected = 0.0
+    for datum, got in zip(sft, out.loss_fn_outputs, strict=True):
+        logp = direct_logprobs(base_model, datum)
+        weights = torch.tensor(datum.loss_fn_inputs["weights"].data)
+        np.testing.assert_allclose(got["logprobs"].data, logp.numpy(), rtol=1e-4, atol=1e-5)
+        expected += float((-weights * logp).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+
+    # importance_sampling and ppo: sampler logprobs q off from logp so that ppo clips both ways
+    rng = np.random.default_rng(0)
+    rl, direct = [], []
+    for datum in sft:
+        logp = direct_logprobs(base_model, datum)
+        q = logp + torch.from_numpy(rng.uniform(-0.5, 0.5, len(logp)).astype(np.float32))
+        adv = torch.from_numpy(rng.normal(size=len(logp)).astype(np.float32))
+        rl.append(
+            types.Datum(
+                model_input=datum.model_input,
+                loss_fn_inputs={
+                    "target_tokens": datum.loss_fn_inputs["target_tokens"],
+                    "logprobs": q.numpy(),
+                    "advantages": adv.numpy(),
+                },
+            )
+        )
+        direct.append((logp, q, adv))
+    is_loss = client.forward(rl, "importance_sampling").result().metrics["loss:sum"]
+    ratio = [torch.exp(logp - q) for logp, q, _ in direct]
+    assert is_loss == pytest.approx(
+        sum(float((-r * a).sum()) for r, (_, _, a) in zip(ratio, direct, strict=True)), rel=1e-4
+    )
+    for lo, hi in ((0.8, 1.2), (0.9, 1.05)):
+        config = {"clip_low_threshold": lo, "clip_high_threshold": hi}
+        ppo = client.forward(rl, "ppo", config).result().metrics["loss:sum"]
+        want = sum(
+            float(-torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum())
+            for r, (_, _, a) in zip(ratio, direct, strict=True)
+        )
+        assert ppo == pytest.approx(want, rel=1e-4)
+
+
+def test_supervised_loop_lowers_the_loss_and_writes_records(service, tokenizer, server) -> None:  # type: ignore[no-untyped-def]
+    client = service.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
+    data = [sft_datum(tokenizer, t) for t in TEXTS]
+    losses = []
+    for _ in range(10):
+        fb = client.forward_backward(data, "cross_entropy")
+        step = client.optim_step(types.AdamParams(learning_rate=5e-3))
+        losses.append(fb.result().metrics["loss:sum"])
+        assert step.result().metrics["grad_norm:mean"] > 0
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+    assert losses[-1] < 0.6 * losses[0], losses
+    run_dir = server.run_dir / "runs" / client.model_id.replace(":", "-")
+    records = metric_records(run_dir, "train")
+    assert [r["iteration"] for r in records] == list(range(10))
+    for record, loss in zip(records, losses, strict=True):
+        validate_metrics(record, "train_iteration")
+        assert record["loss_total"] == pytest.approx(loss)
+        assert record["lr"] == pytest.approx(5e-3)
+
+
+def test_save_then_load_state_continues_exactly(service, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    data = [sft_datum(tokenizer, t) for t in TEXTS]
+    adam = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0)
+
+    def step(client: tinker.TrainingClient) -> float:
+        loss = client.forward_backward(data, "cross_entropy")
+        client.optim_step(adam).result()
+        return float(loss.result().metrics["loss:sum"])
+
+    first = service.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+    for _ in range(2):
+        step(first)
+    path = first.save_state("resume-me").result().path
+    after_save = [step(first), step(first)]
+    next_loss = first.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    assert [step(resumed), step(resumed)] == after_save
+    assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == next_loss
+
+    # weights only: the same first loss, then a fresh optimizer takes another path
+    weights_only = service.create_training_client_from_state(path).result()
+    assert step(weights_only) == after_save[0]
+    assert step(weights_only) != after_save[1]
+
+
+def test_sampling(service, tokenizer, server) -> None:  # type: ignore[no-untyped-def]
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    data = [sft_datum(tokenizer, t) for t in TEXTS]
+    client.forward_backward(data, "cross_entropy")
+    client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("one two"))
+    params = types.SamplingParams(max_tokens=6, seed=11, temperature=1.0, top_p=0.95, top_k=50)
+    first = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    again = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert len(first.sequences) == 3
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    assert all(1 <= len(s.tokens) <= 6 for s in first.sequences)
+
+    # the sampler's logprobs are the trained policy's (the trainer's, on the same tokens)
+    seq = first.sequences[0]
+    full = prompt.to_ints() + seq.tokens
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+    )
+    trained = client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    tail = trained.data[-len(seq.tokens) :]
+    np.testing.assert_allclose(seq.logprobs, tail, atol=2e-4)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert scored[0] is None
+    np.testing.assert_allclose(scored[1:], trained.data, atol=2e-4)
+
+    # a stop string ends the sample (its tokens stay); greedy is deterministic without a seed
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    text = tokenizer.decode(sampler.sample(prompt, 1, greedy).result().sequences[0].tokens)
+    stop_at = text.strip()[:1]
+    if stop_at:
+        stopped = sampler.sample(
+            prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[stop_at])
+        ).result()
+        assert stopped.sequences[0].stop_reason == "stop"
+
+    # named sampler weights: a sampling client from the path; listed and deleted (RestClient)
+    path = client.save_weights_for_sampler("snap").result().path
+    named = service.create_sampling_client(model_path=path).result()
+    assert [s.tokens for s in named.sample(prompt, 3, params).result().sequences] == [
+        s.tokens for s in first.sequences
+    ]
+    rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+    ids = [c.checkpoint_id for c in rest.list_checkpoints(client.model_id).result().checkpoints]
+    assert ids == ["sampler_weights/snap"]
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(client.model_id).result().checkpoints == []
+
+    # the base model: a sampling client by name
+    base = service.create_sampling_client(base_model="tiny").result()
+    assert len(base.sample(prompt, 2, params).result().sequences) == 2
+
+
+def quick(call, error: type[Exception], match: str) -> None:  # type: ignore[no-untyped-def]
+    """`call` raises `error` whose text holds `match`, at once (no retry loop, no hang)."""
+    start = time.monotonic()
+    with pytest.raises(error, match=match):
+        call()
+    assert time.monotonic() - start < 10
+
+
+def test_bad_inputs_get_clear_errors(service, server, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    quick(
+        lambda: (
+            tinker.ServiceClient(base_url=server.url, api_key="tml-wrong")
+            .create_lora_training_client("tiny")
+            .result()
+        ),
+        tinker.AuthenticationError,
+        "invalid or missing API key",
+    )
+    quick(
+        lambda: service.create_lora_training_client(base_model="Qwen/Qwen3-8B").result(),
+        tinker.NotFoundError,
+        "is not served here",
+    )
+    client = service.create_lora_training_client(base_model="tiny", rank=2, seed=0).result()
+    good = sft_datum(tokenizer, TEXTS[0])
+    long_ids = [1] * 1025  # the tiny model's context is 1024
+    too_long = types.Datum(
+        model_input=types.ModelInput.from_ints(long_ids),
+        loss_fn_inputs={"target_tokens": long_ids, "weights": [1.0] * len(long_ids)},
+    )
+    quick(
+        lambda: client.forward_backward([too_long], "cross_entropy").result(),
+        tinker.BadRequestError,
+        "longer than the model's context",
+    )
+    nan = types.Datum(
+        model_input=good.model_input,
+        loss_fn_inputs={
+            "target_tokens": good.loss_fn_inputs["target_tokens"],
+            "logprobs": [0.0] * good.model_input.length,
+            "advantages": [math.nan] + [1.0] * (good.model_input.length - 1),
+        },
+    )
+    quick(
+        lambda: client.forward_backward([nan], "importance_sampling").result(),
+        tinker.BadRequestError,
+        "NaN or inf",
+    )
+    quick(
+        lambda: client.forward_backward([good], "cispo").result(),
+        tinker.BadRequestError,
+        "not supported",
+    )
+    quick(
+        lambda: client.forward_backward([good], "ppo", {"clip_eps": 0.2}).result(),
+        tinker.BadRequestError,
+        "clip_eps",
+    )
+    # 150 datums of 1000 tokens: 16 bytes a token on the wire (int32 input, int64 target,
+    # float32 weight), 2.4 MB in one chunk of the SDK's
+    ids = [5] * 1000
+    huge = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(ids),
+            loss_fn_inputs={"target_tokens": ids, "weights": [1.0] * 1000},
+        )
+        for _ in range(150)
+    ]
+    quick(
+        lambda: client.forward_backward(huge, "cross_entropy").result(),
+        tinker.APIStatusError,
+        "over this server's limit",
+    )
+    quick(
+        lambda: service.create_training_client_from_state(
+            "tinker://nobody:train:0/weights/x"
+        ).result(),
+        tinker.NotFoundError,
+        "no checkpoint",
+    )
+    client.model_id = "session-nobody:train:9"  # an id the server never issued
+    quick(
+        lambda: client.forward_backward([good], "cross_entropy").result(),
+        tinker.NotFoundError,
+        "unknown model_id",
+    )
