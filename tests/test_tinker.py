@@ -13,8 +13,10 @@ real `grail-tinker` process on the tiny model, on CPU: one server for the module
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,8 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from grail.core.records import metric_records, validate_metrics
+from grail.envs.base import Problem, Score
+from grail.envs.copy_digits import CopyDigitsEnv
 from grail.models.loading import load_tokenizer
 from grail.models.tiny import ensure_tiny_model
 
@@ -39,9 +43,8 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
     root = tmp_path_factory.mktemp("tinker")
-    with TinkerServer(
-        root / "run", root / "server.log", "--max-request-bytes", str(MAX_REQUEST_BYTES)
-    ) as srv:
+    extra = ("--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-training-clients", "16")
+    with TinkerServer(root / "run", root / "server.log", *extra) as srv:
         yield srv
 
 
@@ -313,3 +316,71 @@ def test_bad_inputs_get_clear_errors(service, server, tokenizer) -> None:  # typ
         tinker.NotFoundError,
         "unknown model_id",
     )
+
+
+def test_the_docs_example_runs(server, capsys) -> None:  # type: ignore[no-untyped-def]
+    """docs/tinker.md's quick start, as written but for the port and key of this server."""
+    text = (Path(__file__).parents[1] / "docs" / "tinker.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base_url="http://127.0.0.1:8000", api_key="tml-local"' in code
+    code = code.replace("http://127.0.0.1:8000", server.url).replace("tml-local", API_KEY)
+    exec(compile(code, "docs/tinker.md", "exec"), {"__name__": "docs_example"})
+    lines = capsys.readouterr().out.splitlines()
+    losses = [float(line.split()[1]) for line in lines[:5]]
+    assert losses == sorted(losses, reverse=True), lines
+
+
+@pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")  # peft on the tiny tied model
+def test_custom_loss_and_peft_load(service, tokenizer, server, base_model) -> None:  # type: ignore[no-untyped-def]
+    """forward_backward_custom (the SDK runs the loss, the server a cross_entropy backward), and
+    a saved state loaded by peft gives the server's log-probabilities."""
+    from peft import PeftModel
+
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    data = [sft_datum(tokenizer, t) for t in TEXTS]
+
+    def mean_nll(batch, logprobs):  # type: ignore[no-untyped-def]
+        loss = sum(-lp.mean() for lp in logprobs)
+        return loss, {"mean_nll": float(loss.detach())}
+
+    out = client.forward_backward_custom(data, mean_nll).result()
+    assert out.metrics["mean_nll"] == pytest.approx(out.metrics["loss:sum"])
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = client.save_state("for-peft").result().path
+    served = client.forward(data[:1], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    directory = server.run_dir / "runs" / path.removeprefix("tinker://").replace(":", "-")
+    directory = directory.parent.parent / "checkpoints" / "weights" / "for-peft"
+    fresh = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(fresh, directory).eval()
+    np.testing.assert_allclose(
+        direct_logprobs(peft_model, data[0]).numpy(), served.data, rtol=1e-4, atol=1e-5
+    )
+
+
+def test_the_rl_example_runs_on_policy(server) -> None:  # type: ignore[no-untyped-def]
+    """examples/tinker_rl_copy_digits.py for two small iterations: sample groups, score, centre,
+    importance_sampling. The sampler serves the learner's policy: the records' logprob_mismatch
+    (mean |logp - q| over the sampled tokens) is float rounding. Its learning numbers, from a
+    warm base, are in docs/tinker.md."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    import tinker_rl_copy_digits as example
+
+    class AnyReward(CopyDigitsEnv):
+        """copy_digits' prompts, a reward every completion gets (its length in characters, mod
+        3): the random tiny model almost never copies the digit, and a group of equal rewards
+        gives no step to check."""
+
+        def score(self, problem: Problem, completion: str) -> Score:
+            return Score(len(completion) % 3 / 2, {}, False)
+
+    args = example.parse_args([])
+    args.iterations, args.problems, args.group, args.eval_every = 2, 4, 8, 2
+    args.eval_problems, args.eval_replicates, args.api_key = 4, 2, API_KEY
+    before = set((server.run_dir / "runs").iterdir())
+    example.run(args, server.url, AnyReward())
+    (run_dir,) = set((server.run_dir / "runs").iterdir()) - before
+    records = metric_records(run_dir, "train")
+    assert len(records) == 2
+    for record in records:
+        assert record["tinker"]["loss_fns"] == ["importance_sampling"]
+        assert record["logprob_mismatch"] < 1e-4

@@ -8,8 +8,8 @@ safe. A forward/backward accumulates gradients (the loss is a sum, see grail/tin
 and writes one metrics record (grail/tinker/record.py).
 
 A training state (``save_state``) is a directory: the adapter in peft's format
-(``adapter_config.json`` + ``adapter_model.safetensors``, loadable by peft, the built-in server
-and ``grail-export-merged``) plus ``optimizer.pt`` (AdamW's state, in the adapter parameters'
+(``adapter_config.json`` + ``adapter_model.safetensors``, which ``PeftModel.from_pretrained``
+loads) plus ``optimizer.pt`` (AdamW's state, in the adapter parameters'
 order, and the step count). Loading it into a new client with the optimizer gives the same next
 loss, bit for bit, as continuing the saved one.
 """
@@ -21,9 +21,10 @@ import math
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from grail.tinker.wire import Datum
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE = (
     "adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
 )  # fmt: skip
+LORA_SPEC = "tinker_lora.json"  # the SDK's LoRA settings the adapter was made from
 # LoRA's scale is alpha / rank; a fixed alpha keeps the update size of a learning rate the same
 # across ranks at rank 32 (the SDK's default rank) and scales it by 32 / rank elsewhere.
 LORA_ALPHA = 32
@@ -155,8 +157,10 @@ class Trainer:
         self._names += 1
         adapter = f"client{self._names}"
         config = spec.peft_config(self.linear_names)
-        with torch.random.fork_rng(devices=[]):  # peft draws A from the global generator
-            torch.manual_seed(spec.seed)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            torch.manual_seed(spec.seed)  # peft draws A from the global generator
+            # A LoRA on a tied output layer adds to the output only (the sampler unties it too).
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             if self.peft is None:
                 self.peft = get_peft_model(self.base, config, adapter_name=adapter)
             else:
@@ -351,7 +355,10 @@ class Trainer:
     def adapter_tensors(self, run: TrainingRun) -> dict[str, torch.Tensor]:
         """The adapter in peft's file format (names without the adapter name), detached copies."""
         assert self.peft is not None
-        state = get_peft_model_state_dict(self.peft, adapter_name=run.adapter)
+        # Without the flag peft adds the (frozen) embeddings when the output layer is a target.
+        state = get_peft_model_state_dict(
+            self.peft, adapter_name=run.adapter, save_embedding_layers=False
+        )
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
     def write_adapter(self, run: TrainingRun, directory: Path) -> None:
@@ -360,14 +367,8 @@ class Trainer:
         config["target_modules"] = sorted(config["target_modules"])
         config["base_model_name_or_path"] = self.base_model
         save_file(self.adapter_tensors(run), str(directory / ADAPTER_WEIGHTS))
-        spec = {
-            k: getattr(run.spec, k)
-            for k in ("rank", "seed", "train_mlp", "train_attn", "train_unembed")
-        }
-        atomic_write_text(
-            directory / ADAPTER_CONFIG,
-            json.dumps({**config, "grail_tinker": {"lora": spec}}, indent=2, default=str) + "\n",
-        )
+        atomic_write_text(directory / ADAPTER_CONFIG, json.dumps(config, indent=2, default=str))
+        atomic_write_text(directory / LORA_SPEC, json.dumps(asdict(run.spec), indent=2))
 
     def save_state(self, model_id: str, directory: Path) -> None:
         run = self.known(model_id)
@@ -409,13 +410,13 @@ class Trainer:
 
 
 def read_lora_spec(directory: Path) -> LoraSpec:
-    path = directory / ADAPTER_CONFIG
+    path = directory / LORA_SPEC
     if not path.is_file():
-        raise NotFound(f"no training state at {directory} (no {ADAPTER_CONFIG})")
-    spec = json.loads(path.read_text()).get("grail_tinker", {}).get("lora")
-    if not isinstance(spec, dict):
-        raise UserFault(f"{path} was not written by grail-tinker (no grail_tinker.lora)")
-    return LoraSpec(**spec)
+        raise NotFound(f"no grail-tinker checkpoint at {directory} (no {LORA_SPEC})")
+    try:
+        return LoraSpec(**json.loads(path.read_text()))
+    except (TypeError, ValueError) as exc:
+        raise UserFault(f"{path} is not a LoRA spec grail-tinker wrote: {exc}") from exc
 
 
 def new_seed() -> int:
