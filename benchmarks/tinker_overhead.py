@@ -14,13 +14,15 @@ sampling, on the tiny model, CPU. Shapes:
 - `call`: one datum, one sample request of 1 sample: the per-call overhead alone.
 
 Both sides use `--threads` torch threads (the server's `--threads`, this process's
-`torch.set_num_threads` for the direct side). Medians [min-max] of the round's wall time; results
-go to benchmarks/results/tinker_overhead.json (`--out` elsewhere).
+`torch.set_num_threads` for the direct side) and take turns, round by round. Medians [min-max] of
+the round's wall time; results go to benchmarks/results/tinker_overhead.json (`--out`
+elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 import tempfile
@@ -77,6 +79,8 @@ def direct_round(model_dir: Path, shape: str, run_dir: Path) -> Callable[[], Non
     adam = AdamStep(LR, 0.9, 0.95, 1e-12, 0.0, 0.0)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
 
+    atexit.register(sampler.engine.stop)
+
     def one() -> None:
         trainer.forward_backward(run.model_id, data, "importance_sampling", {}, False)
         trainer.optim_step(run.model_id, adam)
@@ -120,14 +124,18 @@ def sdk_round(url: str, api_key: str, model_dir: Path, shape: str) -> Callable[[
     return one
 
 
-def timed(one: Callable[[], None], rounds: int, warmup: int = 2) -> list[float]:
+def timed(sides: list[Callable[[], None]], rounds: int, warmup: int = 2) -> list[list[float]]:
+    """Seconds of each side's round, the sides taking turns round by round (so that a change
+    in the machine's load meanwhile falls on both alike), after `warmup` untimed rounds each."""
     for _ in range(warmup):
-        one()
-    seconds = []
+        for one in sides:
+            one()
+    seconds: list[list[float]] = [[] for _ in sides]
     for _ in range(rounds):
-        start = time.perf_counter()
-        one()
-        seconds.append(time.perf_counter() - start)
+        for one, out in zip(sides, seconds, strict=True):
+            start = time.perf_counter()
+            one()
+            out.append(time.perf_counter() - start)
     return seconds
 
 
@@ -147,13 +155,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
-            direct = timed(
-                direct_round(model_dir, shape, Path(tmp) / f"direct-{shape}"), args.rounds
-            )
+            one = direct_round(model_dir, shape, Path(tmp) / f"direct-{shape}")
             log = Path(tmp) / f"server-{shape}.log"
             threads = ("--threads", str(args.threads))
             with TinkerServer(Path(tmp) / f"sdk-{shape}", log, *threads) as server:
-                sdk = timed(sdk_round(server.url, API_KEY, model_dir, shape), args.rounds)
+                sdk_one = sdk_round(server.url, API_KEY, model_dir, shape)
+                direct, sdk = timed([one, sdk_one], args.rounds)
             d, s = spread(direct), spread(sdk)
             overhead = s["median"] / d["median"] - 1
             results["shapes"][shape] = {"direct_s": d, "sdk_s": s, "overhead": overhead}

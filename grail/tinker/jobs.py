@@ -3,9 +3,9 @@ at once with a ``request_id``, and run on a worker thread; the client then polls
 ``/api/v1/retrieve_future`` for the result.
 
 - Two workers: the job thread runs training work (create, forward/backward, optimizer steps,
-  saves, loads) one request at a time in arrival order; the sampler thread takes every sampling
-  request queued at that moment and serves them together (grail/tinker/sampler.py batches them
-  in the engine).
+  saves, loads) one request at a time in arrival order; the sampler thread hands sampling
+  requests to the engine as they come (grail/tinker/sampler.py: the engine batches them with
+  what it is decoding), and their results come back from the engine's thread.
 - The queues are bounded (``max_pending`` requests queued or running, both kinds together): past
   that a request is answered 429, which the SDK backs off from and sends again.
 - A poll waits up to ``POLL_WAIT_S`` for the result (the SDK polls again at once on
@@ -153,28 +153,18 @@ class Jobs:
 
     def _sample_worker(self) -> None:
         while (item := self._sample.get()) is not _STOP:
-            batch = [item]
-            while True:  # everything queued now is served together
-                try:
-                    more = self._sample.get_nowait()
-                except queue.Empty:
-                    break
-                if more is _STOP:
-                    self._sample.put(_STOP)
-                    break
-                batch.append(more)
-            try:
-                outcomes: list[bytes | Exception] = list(
-                    self.sampler.run([job for _, job in batch])
-                )
-            except Exception as exc:  # the engine itself failed: every request of the batch
-                log.exception("sampling failed")
-                outcomes = [exc] * len(batch)
-            for (request_id, _), outcome in zip(batch, outcomes, strict=True):
+            request_id, job = item
+
+            def finish(outcome: bytes | Exception, request_id: str = request_id) -> None:
                 if isinstance(outcome, bytes):
                     self._finish(request_id, Result(proto=outcome))
                 else:
                     self._finish(request_id, _failure(outcome))
+
+            try:
+                self.sampler.serve(job, finish)
+            except Exception as exc:  # never the thread's end: this request fails, alone
+                finish(exc)
 
 
 def _run(work: Callable[[], Result]) -> Result:

@@ -17,11 +17,12 @@ before top-k / top-p; EOS and stop tokens stay in the returned tokens.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,7 @@ class Sampler:
         self.lock = threading.Lock()
         self._loaded: str | None = None  # the snapshot in the engine; None: base weights
         self._base: dict[str, torch.Tensor] = {}  # W_base of every layer a snapshot touched
+        self._inflight: list[concurrent.futures.Future[Any]] = []  # the engine's, not yet done
 
     # ---- sessions (event loop and job thread) ---------------------------------------------------
 
@@ -150,36 +152,66 @@ class Sampler:
 
     # ---- the sampler thread -------------------------------------------------------------------
 
+    def serve(self, job: SampleJob, finish: Callable[[bytes | Exception], None]) -> None:
+        """Start ``job`` (on the sampler thread, in arrival order); ``finish`` gets its
+        SampleResponse body or its error, from the engine's thread when its samples are done.
+
+        Jobs of the snapshot the engine holds go straight to the engine, which batches them with
+        what it is decoding (continuous batching), so requests sent one by one still share
+        batches. A job of another snapshot first waits for the jobs in flight (a batch never
+        mixes weights), and so does one that asks for prompt log-probabilities (computed here,
+        with the engine idle)."""
+        key = job.session.snapshot
+        if key != self._loaded or job.prompt_logprobs:
+            concurrent.futures.wait(self._inflight)
+        self._inflight = [f for f in self._inflight if not f.done()]
+        try:
+            self._load(key)
+            futures = self.engine.submit(job.prompt, job.params, job.num_samples, job.seed)
+        except Exception as exc:
+            finish(exc)
+            return
+        if job.prompt_logprobs:
+            concurrent.futures.wait(futures)
+            finish(self._response(job, futures))
+            return
+        self._inflight.extend(futures)
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_: concurrent.futures.Future[Any]) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                finish(self._response(job, futures))
+
+        for future in futures:
+            future.add_done_callback(done)
+
     def run(self, jobs: Sequence[SampleJob]) -> list[bytes | Exception]:
-        """Serve ``jobs`` (queued together), batched per snapshot: each group's samples go to
-        the engine at once; the prompt log-probabilities are computed after, with the engine
-        idle. Returns each job's SampleResponse body, or its error."""
+        """Serve ``jobs`` and wait for all of them (what ``serve`` does, for a caller in this
+        process: the overhead benchmark's direct side)."""
         results: list[bytes | Exception] = [UserFault("not run")] * len(jobs)
-        order = sorted(range(len(jobs)), key=lambda i: jobs[i].session.snapshot or "")
-        for key, group in itertools.groupby(order, key=lambda i: jobs[i].session.snapshot):
-            members = list(group)
-            try:
-                self._load(key)
-            except Exception as exc:
-                for i in members:
-                    results[i] = exc
-                continue
-            futures = {}
-            for i in members:
-                job = jobs[i]
-                futures[i] = self.engine.submit(job.prompt, job.params, job.num_samples, job.seed)
-            for i in members:
-                try:
-                    outs = [f.result() for f in futures[i]]
-                    seqs = [
-                        wire.Sequence(o.token_ids, o.logprobs, o.finish_reason == "stop")
-                        for o in outs
-                    ]
-                    prompt_lp = self._prompt_logprobs(jobs[i]) if jobs[i].prompt_logprobs else None
-                    results[i] = wire.write_sample_response(seqs, prompt_lp)
-                except Exception as exc:
-                    results[i] = exc
+        for i, job in enumerate(jobs):
+
+            def finish(outcome: bytes | Exception, i: int = i) -> None:
+                results[i] = outcome
+
+            self.serve(job, finish)
+        concurrent.futures.wait(self._inflight)
         return results
+
+    def _response(
+        self, job: SampleJob, futures: list[concurrent.futures.Future[Any]]
+    ) -> bytes | Exception:
+        try:
+            outs = [f.result() for f in futures]
+            seqs = [wire.Sequence(o.token_ids, o.logprobs, o.finish_reason == "stop") for o in outs]
+            prompt_lp = self._prompt_logprobs(job) if job.prompt_logprobs else None
+            return wire.write_sample_response(seqs, prompt_lp)
+        except Exception as exc:
+            return exc
 
     def _load(self, key: str | None) -> None:
         if key == self._loaded:

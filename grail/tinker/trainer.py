@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -230,9 +231,7 @@ class Trainer:
                         f"datum {i}: loss_fn_inputs[{key!r}] has {tensor.values.size} values for "
                         f"{n} input tokens (one per position)"
                     )
-                if tensor.values.dtype.kind == "f" and not bool(
-                    torch.isfinite(torch.from_numpy(tensor.values.copy())).all()
-                ):
+                if tensor.values.dtype.kind == "f" and not np.isfinite(tensor.values).all():
                     raise UserFault(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or inf")
             ids = [*datum.tokens, *datum.inputs["target_tokens"].values.tolist()]
             if min(ids) < 0 or max(ids) >= self.vocab_size:

@@ -13,6 +13,7 @@ repeated message of ``key = 1``, ``value = 2``. Unknown fields are skipped, as p
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ def read_tensor(buf: bytes) -> Tensor:
         values = np.frombuffer(dense or b"", dtype=np_dtype)
         if not shape:
             shape = [values.size]
-        if int(np.prod(shape)) != values.size:
+        if math.prod(shape) != values.size:
             raise WireError(f"tensor of shape {shape} holds {values.size} values")
         return Tensor(values, shape)
     # Sparse CSR (the SDK sends 2-D target_tokens / weights that way): rows of a [R, C] matrix.
