@@ -23,6 +23,9 @@ from grail.tinker.sampler import SampleJob, Sampler, Snapshot, sampling_params
 from grail.tinker.trainer import LORA_ALPHA, AdamStep, LoraSpec, Trainer, new_seed
 
 MAX_RANK = 1024
+# A session whose heartbeats (every 10 s from the SDK) stopped this long ago is over: its client
+# died without closing. Its training clients are unloaded when a new one is made.
+SESSION_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,14 @@ class TinkerCore:
 
         self.jobs.run_later(unload)
 
+    def reap_stale(self) -> None:
+        """Finish the sessions whose heartbeats stopped SESSION_TIMEOUT_S ago."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [k for k, seen in self.sessions.items() if now - seen > SESSION_TIMEOUT_S]
+        for session_id in stale:
+            self.finish_session(session_id)
+
     def _session(self, session_id: str) -> None:
         with self._lock:
             if session_id not in self.sessions:
@@ -113,6 +124,7 @@ class TinkerCore:
     # ---- training clients ---------------------------------------------------------------------
 
     def create_model(self, req: dict[str, Any]) -> str:
+        self.reap_stale()
         self._session(req["session_id"])
         self.check_base_model(req["base_model"])
         lora = req.get("lora_config")
@@ -220,6 +232,7 @@ class TinkerCore:
         directory = self.checkpoints.resolve(req["path"], "weights")
         optimizer = bool(req.get("optimizer", False))
         if req.get("session_id") is not None:  # a new client, made from the state
+            self.reap_stale()
             self._session(req["session_id"])
             self.check_base_model(req.get("base_model"))
             model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
