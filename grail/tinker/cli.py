@@ -119,7 +119,7 @@ def serve(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model = load_model(model_dir, dtype=args.dtype, device=args.device)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    engine = engine_for(model_dir, args.device, context)
+    engine = engine_for(model_dir, args.device, context, args.dtype)
     info = ModelInfo(
         name=name,
         arch=str(getattr(model.config, "model_type", "unknown")),

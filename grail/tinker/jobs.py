@@ -11,7 +11,8 @@ at once with a ``request_id``, and run on a worker thread; the client then polls
 - A poll waits up to ``POLL_WAIT_S`` for the result (the SDK polls again at once on
   ``try_again``, so a short wait would spin), then answers ``{"type": "try_again"}``.
 - A result is kept until ``RETAIN_S`` after its first retrieval (a client whose connection broke
-  may ask again), then dropped; an unknown ``request_id`` is a 404.
+  may ask again), or ``UNCLAIMED_S`` after it is ready when nobody asks, then dropped; an
+  unknown ``request_id`` is a 404.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 20.0  # under the SDK's 45 s read timeout on retrieve_future
 RETAIN_S = 300.0
+UNCLAIMED_S = 3600.0
 STOP_TIMEOUT_S = 30.0
 
 
@@ -136,13 +138,21 @@ class Jobs:
         with self._lock:
             self._pending -= 1
         entry = self.entries[request_id]
-        assert self._loop is not None
+        loop = self._loop
+        assert loop is not None
 
         def set_result() -> None:
             entry.result = result
             entry.done.set()
+            # A result nobody asks for (its client died) is dropped after UNCLAIMED_S.
+            loop.call_later(UNCLAIMED_S, self._drop_unclaimed, request_id)
 
-        self._loop.call_soon_threadsafe(set_result)
+        loop.call_soon_threadsafe(set_result)
+
+    def _drop_unclaimed(self, request_id: str) -> None:
+        entry = self.entries.get(request_id)
+        if entry is not None and not entry.retrieved:
+            del self.entries[request_id]
 
     def _train_worker(self) -> None:
         while (item := self._train.get()) is not _STOP:

@@ -303,7 +303,11 @@ def sampling_params(raw: dict[str, Any]) -> SamplingParams:
     )
 
 
-def engine_for(model_dir: Path, device: str, max_model_len: int | None) -> Engine:
-    engine = Engine(model_dir, device=device, max_model_len=max_model_len)
+def engine_for(
+    model_dir: Path, device: str, max_model_len: int | None, dtype: str | None = None
+) -> Engine:
+    """The built-in engine over ``model_dir``, started (``dtype``: the trainer's, so that the
+    sampler's log-probabilities are the learner's)."""
+    engine = Engine(model_dir, device=device, dtype=dtype, max_model_len=max_model_len)
     engine.start()
     return engine

@@ -34,6 +34,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
+from grail.algo.logprobs import token_logprobs
 from grail.core.records import atomic_write_text
 from grail.tinker import losses
 from grail.tinker.checkpoints import run_dir_of
@@ -300,8 +301,6 @@ class Trainer:
             mask[row, :n] = 1
         ids, targets, mask = ids.to(self.device), targets.to(self.device), mask.to(self.device)
         logits = model(input_ids=ids, attention_mask=mask).logits
-        from grail.algo.logprobs import token_logprobs
-
         logp = token_logprobs(logits, targets)
         return [logp[row, : len(d.tokens)] for row, d in enumerate(batch)]
 
