@@ -384,3 +384,27 @@ def test_the_rl_example_runs_on_policy(server) -> None:  # type: ignore[no-untyp
     for record in records:
         assert record["tinker"]["loss_fns"] == ["importance_sampling"]
         assert record["logprob_mismatch"] < 1e-4
+
+
+def test_training_clients_do_not_touch_each_other(service, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Two clients stepping in turn (each its own adapter and optimizer over one base model)
+    get, bit for bit, the losses a client with the same seed and data gets alone."""
+    data_a = [sft_datum(tokenizer, t) for t in TEXTS[:2]]
+    data_b = [sft_datum(tokenizer, TEXTS[2])]
+    adam = types.AdamParams(learning_rate=1e-2)
+
+    def step(client: tinker.TrainingClient, data: list[types.Datum]) -> float:
+        loss = client.forward_backward(data, "cross_entropy")
+        client.optim_step(adam)
+        return float(loss.result().metrics["loss:sum"])
+
+    a = service.create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+    b = service.create_lora_training_client(
+        base_model="tiny", rank=8, seed=22, train_mlp=False
+    ).result()
+    interleaved = []
+    for _ in range(3):
+        interleaved.append(step(a, data_a))
+        step(b, data_b)
+    alone = service.create_lora_training_client(base_model="tiny", rank=4, seed=21).result()
+    assert [step(alone, data_a) for _ in range(3)] == interleaved
