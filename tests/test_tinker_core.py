@@ -12,7 +12,8 @@ import pytest
 from grail.tinker import core as tinker_core
 from grail.tinker.checkpoints import Checkpoints
 from grail.tinker.core import ModelInfo, TinkerCore
-from grail.tinker.errors import NotFound, UserFault
+from grail.tinker.errors import Busy, NotFound, UserFault
+from grail.tinker.jobs import Result
 
 
 def bare_core() -> TinkerCore:
@@ -70,3 +71,15 @@ def test_grail_tinker_refuses_a_key_the_sdk_cannot_send(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_queue_is_bounded() -> None:
+    """Past --max-pending requests queued or running, a request gets 429 (Busy), which the SDK
+    backs off from and retries; nothing is queued for it."""
+    core = bare_core()  # max_pending=4, workers not started: everything stays pending
+    for _ in range(4):
+        core.jobs.submit(lambda: Result(json={}))
+    with pytest.raises(Busy, match="--max-pending") as refused:
+        core.jobs.submit(lambda: Result(json={}))
+    assert refused.value.status == 429
+    assert core.jobs._train.qsize() == 4
