@@ -74,6 +74,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     # 400, not 500: the SDK retries a 5xx for five minutes, which looks like a hang. A body
     # missing a field or of the wrong type lands here too (KeyError, TypeError, ValueError).
+    if isinstance(exc, KeyError):
+        return error_response(f"the request body lacks the field {exc}", 400)
     log.error("request failed", exc_info=exc)
     return error_response(
         f"grail-tinker could not serve this request: {type(exc).__name__}: {exc}", 400

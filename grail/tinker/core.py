@@ -19,7 +19,7 @@ from grail.tinker import wire
 from grail.tinker.checkpoints import Checkpoints
 from grail.tinker.errors import NotFound, UserFault
 from grail.tinker.jobs import Jobs, Result
-from grail.tinker.sampler import SampleJob, Sampler, Snapshot, sampling_params
+from grail.tinker.sampler import SampleJob, Sampler, Session, Snapshot, sampling_params
 from grail.tinker.trainer import LORA_ALPHA, AdamStep, LoraSpec, Trainer, new_seed
 
 MAX_RANK = 1024
@@ -295,13 +295,17 @@ class TinkerCore:
         }  # fmt: skip
 
     def sample(self, req: dict[str, Any]) -> tuple[str, int]:
+        # The SDK always names a sampling session; a request naming weights instead (a client of
+        # its own) samples from them without making a session per request.
         if req.get("sampling_session_id") is not None:
             session = self.sampler.session(req["sampling_session_id"])
         elif req.get("model_path") is not None:
-            session = self.sampler.session(self.sampler.session_for_path(req["model_path"]))
+            directory = self.checkpoints.resolve(req["model_path"], "sampler_weights")
+            session = Session(self.info.name, req["model_path"], None)
+            session.snapshot = self.sampler.snapshot_of(req["model_path"], directory)
         else:
             self.check_base_model(req.get("base_model") or "")
-            session = self.sampler.session(self.sampler.add_session(None, None))
+            session = Session(self.info.name, None, None)
         for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
             if req.get(key):
                 raise UserFault(f"{key} is not offered by this server")

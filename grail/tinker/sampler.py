@@ -123,11 +123,23 @@ class Sampler:
         """A sampling session over saved sampler weights (``tinker://<model>/sampler_weights/
         <name>``), read from disk now so a bad path fails here."""
         directory = self.resolve_path(model_path, "sampler_weights")
-        spec = read_lora_spec(directory)
-        tensors = load_file(str(directory / ADAPTER_WEIGHTS))
+        return self.add_session(self.snapshot_of(model_path, directory), model_path)
+
+    def snapshot_of(self, model_path: str, directory: Path) -> str:
+        """The key of the snapshot saved in ``directory``: its path and the file's time, so
+        that weights saved anew under the same name are a new snapshot (read once each)."""
+        weights = directory / ADAPTER_WEIGHTS
+        if not weights.is_file():
+            raise NotFound(f"{model_path}: no {ADAPTER_WEIGHTS} in {directory}")
+        key = f"{model_path}@{weights.stat().st_mtime_ns}"
         with self.lock:
-            self.snapshots[model_path] = Snapshot(tensors, LORA_ALPHA / spec.rank)
-        return self.add_session(model_path, model_path)
+            if key in self.snapshots:
+                return key
+        spec = read_lora_spec(directory)
+        snapshot = Snapshot(load_file(str(weights)), LORA_ALPHA / spec.rank)
+        with self.lock:
+            self.snapshots[key] = snapshot
+        return key
 
     # ---- checks before queueing -------------------------------------------------------------
 
