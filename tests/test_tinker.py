@@ -278,6 +278,20 @@ def test_bad_inputs_get_clear_errors(service, server, tokenizer) -> None:  # typ
         tinker.BadRequestError,
         "NaN or inf",
     )
+    # finite inputs, infinite loss: found while the job runs, so it fails through the future
+    overflow = types.Datum(
+        model_input=good.model_input,
+        loss_fn_inputs={
+            "target_tokens": good.loss_fn_inputs["target_tokens"],
+            "logprobs": [-1e30] * good.model_input.length,
+            "advantages": [1.0] * good.model_input.length,
+        },
+    )
+    quick(
+        lambda: client.forward_backward([overflow], "importance_sampling").result(),
+        tinker.RequestFailedError,
+        "accumulated since the last optim_step was dropped",
+    )
     quick(
         lambda: client.forward_backward([good], "cispo").result(),
         tinker.BadRequestError,

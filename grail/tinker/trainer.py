@@ -277,9 +277,12 @@ class Trainer:
                             run.pending.add_datum(datum, logp.detach(), loss_fn, config)
                     if not forward_only:
                         if not torch.isfinite(loss):
+                            for p in run.params:  # half a batch's gradient is no gradient
+                                p.grad = None
+                            run.pending = StepStats()
                             raise UserFault(
-                                f"the {loss_fn} loss is {loss.item()} (NaN or inf); no gradient "
-                                "was kept from this batch"
+                                f"the {loss_fn} loss is {loss.item()} (NaN or inf); the gradient "
+                                "accumulated since the last optim_step was dropped"
                             )
                         loss.backward()
                 total += float(loss.detach())
