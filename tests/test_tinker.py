@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def service(server: TinkerServer) -> Iterator[tinker.ServiceClient]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
+def tokenizer() -> Any:
     return load_tokenizer(ensure_tiny_model())
 
 
@@ -64,7 +65,7 @@ def base_model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32).eval()
 
 
-def sft_datum(tokenizer, text: str, prompt_tokens: int = 3) -> types.Datum:  # type: ignore[no-untyped-def]
+def sft_datum(tokenizer: Any, text: str, prompt_tokens: int = 3) -> types.Datum:
     ids = tokenizer.encode(text)
     weights = [0.0] * (prompt_tokens - 1) + [1.0] * (len(ids) - prompt_tokens)
     return types.Datum(
@@ -82,7 +83,9 @@ def direct_logprobs(model: torch.nn.Module, datum: types.Datum) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
 
-def test_losses_equal_their_formulas(service, tokenizer, base_model) -> None:  # type: ignore[no-untyped-def]
+def test_losses_equal_their_formulas(
+    service: tinker.ServiceClient, tokenizer: Any, base_model: torch.nn.Module
+) -> None:
     """A fresh adapter is the base model (LoRA's B starts at 0), so the server's losses must be
     the formulas of grail/tinker/losses.py over the base model's log-probabilities."""
     client = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
@@ -129,7 +132,9 @@ def test_losses_equal_their_formulas(service, tokenizer, base_model) -> None:  #
         assert ppo == pytest.approx(want, rel=1e-4)
 
 
-def test_supervised_loop_lowers_the_loss_and_writes_records(service, tokenizer, server) -> None:  # type: ignore[no-untyped-def]
+def test_supervised_loop_lowers_the_loss_and_writes_records(
+    service: tinker.ServiceClient, tokenizer: Any, server: TinkerServer
+) -> None:
     client = service.create_lora_training_client(base_model="tiny", rank=8, seed=0).result()
     data = [sft_datum(tokenizer, t) for t in TEXTS]
     losses = []
@@ -149,7 +154,9 @@ def test_supervised_loop_lowers_the_loss_and_writes_records(service, tokenizer, 
         assert record["lr"] == pytest.approx(5e-3)
 
 
-def test_save_then_load_state_continues_exactly(service, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_save_then_load_state_continues_exactly(
+    service: tinker.ServiceClient, tokenizer: Any
+) -> None:
     data = [sft_datum(tokenizer, t) for t in TEXTS]
     adam = types.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0)
 
@@ -175,7 +182,7 @@ def test_save_then_load_state_continues_exactly(service, tokenizer) -> None:  # 
     assert step(weights_only) != after_save[1]
 
 
-def test_sampling(service, tokenizer, server) -> None:  # type: ignore[no-untyped-def]
+def test_sampling(service: tinker.ServiceClient, tokenizer: Any, server: TinkerServer) -> None:
     client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     data = [sft_datum(tokenizer, t) for t in TEXTS]
     client.forward_backward(data, "cross_entropy")
@@ -230,7 +237,7 @@ def test_sampling(service, tokenizer, server) -> None:  # type: ignore[no-untype
     assert len(base.sample(prompt, 2, params).result().sequences) == 2
 
 
-def quick(call, error: type[Exception], match: str) -> None:  # type: ignore[no-untyped-def]
+def quick(call: Callable[[], object], error: type[Exception], match: str) -> None:
     """`call` raises `error` whose text holds `match`, at once (no retry loop, no hang)."""
     start = time.monotonic()
     with pytest.raises(error, match=match):
@@ -238,7 +245,9 @@ def quick(call, error: type[Exception], match: str) -> None:  # type: ignore[no-
     assert time.monotonic() - start < 10
 
 
-def test_bad_inputs_get_clear_errors(service, server, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_get_clear_errors(
+    service: tinker.ServiceClient, server: TinkerServer, tokenizer: Any
+) -> None:
     quick(
         lambda: (
             tinker.ServiceClient(base_url=server.url, api_key="tml-wrong")
@@ -332,7 +341,7 @@ def test_bad_inputs_get_clear_errors(service, server, tokenizer) -> None:  # typ
     )
 
 
-def test_the_docs_example_runs(server, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_the_docs_example_runs(server: TinkerServer, capsys: pytest.CaptureFixture[str]) -> None:
     """docs/tinker.md's quick start, as written but for the port and key of this server."""
     text = (Path(__file__).parents[1] / "docs" / "tinker.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
@@ -345,7 +354,9 @@ def test_the_docs_example_runs(server, capsys) -> None:  # type: ignore[no-untyp
 
 
 @pytest.mark.filterwarnings("ignore:.*tie_word_embeddings")  # peft on the tiny tied model
-def test_custom_loss_and_peft_load(service, tokenizer, server, base_model) -> None:  # type: ignore[no-untyped-def]
+def test_custom_loss_and_peft_load(
+    service: tinker.ServiceClient, tokenizer: Any, server: TinkerServer, base_model: torch.nn.Module
+) -> None:
     """forward_backward_custom (the SDK runs the loss, the server a cross_entropy backward), and
     a saved state loaded by peft gives the server's log-probabilities."""
     from peft import PeftModel
@@ -353,7 +364,9 @@ def test_custom_loss_and_peft_load(service, tokenizer, server, base_model) -> No
     client = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
     data = [sft_datum(tokenizer, t) for t in TEXTS]
 
-    def mean_nll(batch, logprobs):  # type: ignore[no-untyped-def]
+    def mean_nll(
+        batch: list[types.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         loss = sum(-lp.mean() for lp in logprobs)
         return loss, {"mean_nll": float(loss.detach())}
 
@@ -371,7 +384,7 @@ def test_custom_loss_and_peft_load(service, tokenizer, server, base_model) -> No
     )
 
 
-def test_the_rl_example_runs_on_policy(server) -> None:  # type: ignore[no-untyped-def]
+def test_the_rl_example_runs_on_policy(server: TinkerServer) -> None:
     """examples/tinker_rl_copy_digits.py for two small iterations: sample groups, score, centre,
     importance_sampling. The sampler serves the learner's policy: the records' logprob_mismatch
     (mean |logp - q| over the sampled tokens) is float rounding. Its learning numbers, from a
@@ -400,7 +413,9 @@ def test_the_rl_example_runs_on_policy(server) -> None:  # type: ignore[no-untyp
         assert record["logprob_mismatch"] < 1e-4
 
 
-def test_training_clients_do_not_touch_each_other(service, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_training_clients_do_not_touch_each_other(
+    service: tinker.ServiceClient, tokenizer: Any
+) -> None:
     """Two clients stepping in turn (each its own adapter and optimizer over one base model)
     get, bit for bit, the losses a client with the same seed and data gets alone."""
     data_a = [sft_datum(tokenizer, t) for t in TEXTS[:2]]

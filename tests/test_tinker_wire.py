@@ -19,7 +19,9 @@ from tinker.proto.response_conv import (
 from grail.tinker import wire
 
 
-def sdk_request(data: list[types.Datum], loss_fn: str, config: dict | None = None) -> bytes:  # type: ignore[type-arg]
+def sdk_request(
+    data: list[types.Datum], loss_fn: str, config: dict[str, float | str] | None = None
+) -> bytes:
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(
             data=data, loss_fn=loss_fn, loss_fn_config=config
