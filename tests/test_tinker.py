@@ -229,6 +229,12 @@ def test_sampling(service: tinker.ServiceClient, tokenizer: Any, server: TinkerS
     rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
     ids = [c.checkpoint_id for c in rest.list_checkpoints(client.model_id).result().checkpoints]
     assert ids == ["sampler_weights/snap"]
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == ("tiny", True, 4)
+    run = rest.get_training_run(client.model_id).result()
+    assert (run.training_run_id, run.lora_rank) == (client.model_id, 4)
+    listed = rest.list_training_runs(limit=100).result()
+    assert client.model_id in [r.training_run_id for r in listed.training_runs]
     rest.delete_checkpoint_from_tinker_path(path).result()
     assert rest.list_checkpoints(client.model_id).result().checkpoints == []
 

@@ -258,6 +258,21 @@ async def retrieve_future(request: Request, core: Core) -> Response:
 # ---- checkpoints (RestClient) ---------------------------------------------------------------
 
 
+@router.get("/training_runs")
+async def training_runs(core: Core, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    return core.training_runs(limit, offset)
+
+
+@router.get("/training_runs/{model_id}")
+async def training_run(model_id: str, core: Core) -> dict[str, Any]:
+    return core.training_run(model_id)
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request, core: Core) -> dict[str, Any]:
+    return core.weights_info((await _body(request))["tinker_path"])
+
+
 @router.get("/training_runs/{model_id}/checkpoints")
 async def list_checkpoints(model_id: str, core: Core) -> dict[str, Any]:
     return {"checkpoints": core.checkpoints.list(model_id)}

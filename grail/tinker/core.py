@@ -20,7 +20,7 @@ from grail.tinker.checkpoints import Checkpoints
 from grail.tinker.errors import NotFound, UserFault
 from grail.tinker.jobs import Jobs, Result
 from grail.tinker.sampler import SampleJob, Sampler, Session, Snapshot, sampling_params
-from grail.tinker.trainer import LORA_ALPHA, AdamStep, LoraSpec, Trainer, new_seed
+from grail.tinker.trainer import LORA_ALPHA, AdamStep, LoraSpec, Trainer, new_seed, read_lora_spec
 
 MAX_RANK = 1024
 # A session whose heartbeats (every 10 s from the SDK) stopped this long ago is over: its client
@@ -166,6 +166,35 @@ class TinkerCore:
             "lora_rank": run.spec.rank,
             "model_name": self.info.name,
         }
+
+    def training_run(self, model_id: str) -> dict[str, Any]:
+        """A live training client as the RestClient's TrainingRun."""
+        run = self.trainer.known(model_id)
+        return {
+            "training_run_id": model_id,
+            "base_model": self.info.name,
+            "model_owner": "local",
+            "is_lora": True,
+            "lora_rank": run.spec.rank,
+            "last_request_time": run.last_request,
+        }
+
+    def training_runs(self, limit: int, offset: int) -> dict[str, Any]:
+        with self.trainer.lock:
+            ids = sorted(self.trainer.runs)
+        runs = [self.training_run(i) for i in ids[offset : offset + limit]]
+        cursor = {"offset": offset, "limit": limit, "total_count": len(ids)}
+        return {"training_runs": runs, "cursor": cursor}
+
+    def weights_info(self, tinker_path: str) -> dict[str, Any]:
+        """What a saved checkpoint was made from (its training state or sampler weights)."""
+        kind = "sampler_weights" if "/sampler_weights/" in tinker_path else "weights"
+        spec = read_lora_spec(self.checkpoints.resolve(tinker_path, kind))
+        return {
+            "base_model": self.info.name, "is_lora": True, "lora_rank": spec.rank,
+            "train_unembed": spec.train_unembed, "train_mlp": spec.train_mlp,
+            "train_attn": spec.train_attn,
+        }  # fmt: skip
 
     def unload(self, model_id: str) -> str:
         self.trainer.known(model_id)

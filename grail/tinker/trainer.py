@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,8 @@ class TrainingRun:
     run_dir: Path
     steps: int = 0
     pending: StepStats = field(default_factory=StepStats)
+    # When a request of this client last ran (ISO 8601, UTC): the RestClient's TrainingRun.
+    last_request: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
 
 
 class Trainer:
@@ -143,6 +146,7 @@ class Trainer:
             run = self.runs.get(model_id)
         if run is None:
             raise NotFound(f"unknown model_id {model_id!r} (no training client of that id here)")
+        run.last_request = datetime.now(UTC).isoformat()
         return run
 
     def create(self, model_id: str, spec: LoraSpec) -> TrainingRun:
