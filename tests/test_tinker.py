@@ -209,6 +209,14 @@ def test_sampling(service: tinker.ServiceClient, tokenizer: Any, server: TinkerS
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
     assert scored[0] is None
     np.testing.assert_allclose(scored[1:], trained.data, atol=2e-4)
+    last = sampler.compute_logprobs(types.ModelInput.from_ints(full), 2).result()
+    assert last[:-2] == [None] * (len(full) - 2) and last[-2:] == scored[-2:]
+    too_long = types.SamplingParams(max_tokens=1024)  # the prompt + 1024 > the context
+    quick(
+        lambda: sampler.sample(prompt, 1, too_long).result(),
+        tinker.BadRequestError,
+        "over the model's context",
+    )
 
     # a stop string ends the sample (its tokens stay); greedy is deterministic without a seed
     greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
