@@ -18,6 +18,7 @@ at once with a ``request_id``, and run on a worker thread; the client then polls
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -147,7 +148,8 @@ class Jobs:
             # A result nobody asks for (its client died) is dropped after UNCLAIMED_S.
             loop.call_later(UNCLAIMED_S, self._drop_unclaimed, request_id)
 
-        loop.call_soon_threadsafe(set_result)
+        with contextlib.suppress(RuntimeError):  # the server shut down: nobody will ask
+            loop.call_soon_threadsafe(set_result)
 
     def _drop_unclaimed(self, request_id: str) -> None:
         entry = self.entries.get(request_id)
