@@ -1,9 +1,9 @@
 """The package's shape, checked: every module imports only from its own layer or the layers below
 it, no modules import each other in a circle, and the console scripts point at functions that exist.
 
-Layers (docs/architecture.md): core -> algo / envs / models -> inference -> rollouts -> service ->
-study -> train -> report. Imports under `if TYPE_CHECKING:` count too: a type that must come from
-a higher layer is a sign the value travels the wrong way.
+Layers (docs/architecture.md): core -> algo / envs / models -> inference -> rollouts -> service /
+tinker -> study -> train -> report. Imports under `if TYPE_CHECKING:` count too: a type that must
+come from a higher layer is a sign the value travels the wrong way.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ LAYERS = {
     "inference": 2,
     "rollouts": 3,
     "service": 4,
+    "tinker": 4,
     "study": 5,
     "train": 6,
     "report": 7,

@@ -80,9 +80,13 @@ class Gate:
         max_body_bytes: int,
         open_paths: tuple[str, ...] = ("/health",),
         limit_name: str = "(--max-request-bytes)",
+        key_header: str | None = None,
     ) -> None:
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        # A second header that may carry the bare key instead (the Tinker SDK's X-API-Key).
+        self.key_header = None if key_header is None else key_header.lower().encode()
+        self.bare_key = None if api_key is None else api_key.encode()
         self.max_body_bytes = max_body_bytes
         self.open_paths, self.limit_name = open_paths, limit_name
 
@@ -93,8 +97,12 @@ class Gate:
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] not in self.open_paths:
             given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+            ok = secrets.compare_digest(given, self.expected)
+            if self.key_header is not None and self.bare_key is not None:
+                ok |= secrets.compare_digest(headers.get(self.key_header, b""), self.bare_key)
+            if not ok:
+                also = f" or '{self.key_header.decode()}: <key>'" if self.key_header else ""
+                message = f"invalid or missing API key: send 'Authorization: Bearer <key>'{also}"
                 await error_response(message, 401)(scope, receive, send)
                 return
         length = headers.get(b"content-length")

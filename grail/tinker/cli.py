@@ -1,0 +1,172 @@
+"""``grail-tinker``: grail as a Tinker service the official ``tinker`` SDK drives (docs/tinker.md).
+
+    uv run grail-tinker --model tiny --port 8000 --api-key tml-local
+
+then, in the client: ``tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")``
+and ``create_lora_training_client(base_model="tiny")``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from grail.core.errors import UserError
+
+log = logging.getLogger("grail.tinker")
+
+DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="grail-tinker",
+        description="Serve a model for training (LoRA) and sampling over the Tinker REST protocol.",
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (the offline tiny model), a local model directory or a hub id",
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        help="the model name clients pass as base_model (default: --model as given)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TINKER_API_KEY"),
+        help="the key clients send (the SDK requires the 'tml-' prefix); default $TINKER_API_KEY",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="metrics and checkpoints (default: outputs/tinker/<date>_<time>)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (trainer and sampler)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument(
+        "--max-training-clients",
+        type=int,
+        default=8,
+        help="training clients (LoRA adapters) held at once; more are refused",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=256,
+        help="requests queued or running at once; past it the SDK backs off (429)",
+    )
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    p.add_argument("--log-level", default="warning")  # fmt: skip
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        serve(args)
+    except UserError as exc:
+        print(f"grail-tinker: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+class TinkerArgsError(UserError, ValueError):
+    pass
+
+
+def serve(args: argparse.Namespace) -> None:
+    if not args.api_key:
+        raise TinkerArgsError("give --api-key (or set TINKER_API_KEY), e.g. --api-key tml-local")
+    if not args.api_key.startswith("tml-"):
+        raise TinkerArgsError(
+            f"--api-key {args.api_key[:4]}...: the tinker SDK only sends keys that start with "
+            "'tml-'; choose one that does"
+        )
+    # Heavy imports after the argument checks, so that --help and bad flags answer at once.
+    import torch
+    import uvicorn
+
+    from grail.core.records import run_lock
+    from grail.models.loading import load_model
+    from grail.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+    from grail.tinker.app import create_app
+    from grail.tinker.checkpoints import Checkpoints
+    from grail.tinker.core import ModelInfo, TinkerCore
+    from grail.tinker.sampler import Sampler, engine_for
+    from grail.tinker.trainer import Trainer
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise TinkerArgsError(f"--device {args.device}: CUDA is not available on this machine")
+    model_dir = _model_dir(args.model, TINY_MODEL_NAME, ensure_tiny_model)
+    name = args.name or args.model
+    run_dir = args.run_dir or Path("outputs/tinker") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    run_dir = run_dir.resolve()
+    start = time.perf_counter()
+    model = load_model(model_dir, dtype=args.dtype, device=args.device)
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    engine = engine_for(model_dir, args.device, context, args.dtype)
+    info = ModelInfo(
+        name=name,
+        arch=str(getattr(model.config, "model_type", "unknown")),
+        tokenizer_id=str(model_dir),
+        max_context=context,
+    )
+    checkpoints = Checkpoints(run_dir)
+    trainer = Trainer(
+        model, base_model=name, run_dir=run_dir, max_context=context,
+        max_clients=args.max_training_clients,
+    )  # fmt: skip
+    sampler = Sampler(engine, name, checkpoints.resolve)
+    core = TinkerCore(trainer, sampler, checkpoints, info, max_pending=args.max_pending)
+    app = create_app(core, args.api_key, args.max_request_bytes)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+    with run_lock(run_dir):
+        print(
+            f"grail-tinker: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}, "
+            f"run dir {run_dir} (loaded in {time.perf_counter() - start:.1f} s)",
+            flush=True,
+        )
+        try:
+            uvicorn.Server(config).run()
+        finally:
+            engine.stop()
+
+
+def _model_dir(model: str, tiny_name: str, ensure_tiny: object) -> Path:
+    """A local directory holding the model: the tiny model's cache, the directory given, or a
+    hub id's snapshot (downloaded once; the engine and the SDK's tokenizer read it locally)."""
+    from grail.models.loading import check_model_source, is_hub_id
+
+    if model == tiny_name:
+        return Path(ensure_tiny())  # type: ignore[operator]
+    path = Path(model).expanduser()
+    if path.exists() or not is_hub_id(model):
+        check_model_source(path)
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model))
+    except Exception as exc:
+        raise TinkerArgsError(f"--model {model}: could not fetch it from the hub ({exc})") from exc
+
+
+if __name__ == "__main__":
+    main()
