@@ -122,7 +122,10 @@ def main() -> None:
             proc.wait(15)
 
 
-def run(args: argparse.Namespace, url: str, env: Environment | None = None) -> None:
+def run(
+    args: argparse.Namespace, url: str, env: Environment | None = None
+) -> list[tuple[int, float]]:
+    """The loop against the grail-tinker at `url`; the held-out success by iteration."""
     env = env or CopyDigitsEnv()
     rest = tinker.RestClient(base_url=url, api_key=args.api_key)
     base_model = rest.get_server_capabilities().result().supported_models[0].model_name
@@ -180,6 +183,7 @@ def run(args: argparse.Namespace, url: str, env: Environment | None = None) -> N
         print("held-out success by iteration: "
               + ", ".join(f"{it}: {s:.3f}" for it, s in curve)
               + f"  ({time.monotonic() - start:.0f} s)")  # fmt: skip
+        return curve
 
 
 if __name__ == "__main__":

@@ -110,6 +110,27 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def warm_base(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -> Path:
+    """A base that knows its tokens: the default job's model after 80 iterations (held-out
+    success ~0.09; the tiny model is random, and LoRA alone cannot teach it: docs/lora.md).
+    Built once per test run, whichever worker asks first (the others wait on the lock): the
+    LoRA and Tinker learning tests start from it."""
+    from filelock import FileLock
+    from helpers.run_dirs import grail_train
+
+    shared = tmp_path_factory.getbasetemp().parent  # every xdist worker's base's parent
+    run_dir = shared / f"warm-base-{testrun_uid}"
+    checkpoint = run_dir / "checkpoints" / "iter_079"
+    with FileLock(str(shared / f"warm-base-{testrun_uid}.lock"), timeout=900):
+        if not (run_dir / "built").exists():
+            result = grail_train("train.iterations=80", "eval.enabled=false",
+                                 f"hydra.run.dir={run_dir}")  # fmt: skip
+            assert result.returncode == 0, result.stdout + result.stderr
+            (run_dir / "built").touch()
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
 def one_server_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The short default job (helpers/short_runs.py) with the one server grail starts: what a
     fleet and servers started by hand must reproduce."""
