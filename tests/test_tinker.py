@@ -27,7 +27,7 @@ from helpers.tinker_server import API_KEY, TinkerServer
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from grail.core.records import metric_records, validate_metrics
+from grail.core.records import metric_records, read_metrics, validate_metrics
 from grail.envs.base import Problem, Score
 from grail.envs.copy_digits import CopyDigitsEnv
 from grail.models.loading import load_tokenizer
@@ -470,3 +470,43 @@ def test_an_rl_loop_through_the_sdk_improves_held_out_success(
     (first_it, first), (last_it, last) = curve
     assert (first_it, last_it) == (0, 16)
     assert last >= first + 0.15, curve
+
+
+def test_ended_runs_are_done_for_grail_report(tmp_path: Path, tokenizer: Any) -> None:
+    """A client whose session closed, and one still loaded when the server stops, each leave a
+    summary.json in grail-train's shape: grail-report lists both runs as done, not incomplete.
+    A client that never stepped leaves no run directory."""
+    import csv
+
+    from grail.report.cli import main as grail_report
+
+    datum = sft_datum(tokenizer, TEXTS[0])
+    adam = types.AdamParams(learning_rate=1e-3)
+    with TinkerServer(tmp_path / "run", tmp_path / "server.log") as server:
+        ids = []
+        for steps in (2, 1):
+            service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+            client = service.create_lora_training_client(base_model="tiny", rank=4).result()
+            service.create_lora_training_client(base_model="tiny", rank=4).result()  # idle
+            for _ in range(steps):
+                client.forward_backward([datum], "cross_entropy")
+                client.optim_step(adam).result()
+            ids.append(client.model_id.replace(":", "-"))
+            if steps == 2:
+                service.close("success").result()  # the other session stays open
+        runs = server.run_dir / "runs"
+        closed = runs / ids[0] / "summary.json"
+        deadline = time.monotonic() + 30
+        while not closed.exists() and time.monotonic() < deadline:  # unloaded as a job
+            time.sleep(0.05)
+        assert not (runs / ids[1] / "summary.json").exists()  # still loaded
+    assert sorted(p.name for p in runs.iterdir()) == sorted(ids)  # the idle ones left nothing
+    summaries = {i: read_metrics(runs / i / "summary.json") for i in ids}
+    assert [summaries[i]["tinker"]["ended"] for i in ids] == ["session finished", "server stopped"]
+    assert [summaries[i]["iterations"] for i in ids] == [2, 1]
+    assert all(s["status"] == "completed" and s["wall_time_s"] > 0 for s in summaries.values())
+
+    assert grail_report([str(runs), "--out", str(tmp_path / "report")]) == 0
+    with open(tmp_path / "report" / "summary.csv") as f:
+        rows = {row["run"]: row for row in csv.DictReader(f)}
+    assert {name: row["status"] for name, row in rows.items()} == dict.fromkeys(ids, "done")

@@ -53,7 +53,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        core.jobs.stop()
+        core.close()
 
 
 def _core(request: Request) -> TinkerCore:

@@ -85,9 +85,15 @@ class TinkerCore:
             with self.trainer.lock:
                 mine = [m for m in self.trainer.runs if m.startswith(f"{session_id}:")]
             for model_id in mine:
-                self.trainer.unload(model_id)
+                self.trainer.unload(model_id, ended="session finished")
 
         self.jobs.run_later(unload)
+
+    def close(self) -> None:
+        """The server stops: the queued work ends (bounded by the jobs' stop timeout), then the
+        runs of the training clients still loaded end too (their summary.json)."""
+        self.jobs.stop()
+        self.trainer.end_runs("server stopped")
 
     def reap_stale(self) -> None:
         """Finish the sessions whose heartbeats stopped SESSION_TIMEOUT_S ago."""
@@ -200,7 +206,7 @@ class TinkerCore:
         self.trainer.known(model_id)
 
         def work() -> Result:
-            self.trainer.unload(model_id)
+            self.trainer.unload(model_id, ended="unloaded (unload_model)")
             return Result(json={"model_id": model_id, "type": "unload_model"})
 
         return self.jobs.submit(work)

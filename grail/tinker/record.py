@@ -7,6 +7,10 @@ so ``reward_mean``, ``reward_std``, ``success_rate`` are 0 and the ``tinker`` bl
 "Completion" tokens are the positions the loss weighs (a nonzero weight or advantage), "prompt"
 tokens the rest. ``logprob_mismatch`` (importance_sampling, ppo) is the mean |logp - q| over the
 weighed tokens: how far the learner's log-probabilities are from the sampler's.
+
+When a training client's run ends (it is unloaded, its session closes or times out, or the server
+stops), ``summary.json`` beside the records says so in grail-train's shape, so grail-report lists
+the run as done rather than incomplete.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from typing import Any
 
 import torch
 
-from grail.core.records import SCHEMA_VERSION, train_metrics_path, write_metrics
+from grail.core.records import (
+    SCHEMA_VERSION,
+    SUMMARY,
+    run_summary,
+    train_metrics_path,
+    write_metrics,
+)
 from grail.tinker.losses import PPO_CLIP_HIGH, PPO_CLIP_LOW
 from grail.tinker.wire import Datum
 
@@ -110,3 +120,16 @@ def write_step_record(
     }
     write_metrics(train_metrics_path(run_dir, iteration), record, "train_iteration")
     return record
+
+
+def write_run_summary(run_dir: Path, model_id: str, wall_time_s: float, ended: str) -> None:
+    """summary.json of a training client's run that ended: grail-train's summary of the records
+    it wrote (``run_summary``: iterations, tokens, train time; no evals, which are the client's),
+    status "completed", and a ``tinker`` block saying how it ended. Written atomically, only
+    where the run left something (records or checkpoints): a client that never stepped or saved
+    leaves no directory, and gets none."""
+    if not run_dir.is_dir():
+        return
+    summary = run_summary(run_dir, "completed", wall_time_s)
+    summary["tinker"] = {"model_id": model_id, "ended": ended}
+    write_metrics(run_dir / SUMMARY, summary, "summary")

@@ -17,6 +17,7 @@ loss, bit for bit, as continuing the saved one.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 import threading
@@ -40,8 +41,10 @@ from grail.core.records import atomic_write_text
 from grail.tinker import losses
 from grail.tinker.checkpoints import run_dir_of
 from grail.tinker.errors import NotFound, UserFault
-from grail.tinker.record import StepStats, write_step_record
+from grail.tinker.record import StepStats, write_run_summary, write_step_record
 from grail.tinker.wire import Datum
+
+log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE = (
     "adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
@@ -110,6 +113,7 @@ class TrainingRun:
     pending: StepStats = field(default_factory=StepStats)
     # When a request of this client last ran (ISO 8601, UTC): the RestClient's TrainingRun.
     last_request: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    started: float = field(default_factory=time.perf_counter)  # summary.json's wall_time_s
 
 
 class Trainer:
@@ -179,16 +183,32 @@ class Trainer:
             self.runs[model_id] = run
         return run
 
-    def unload(self, model_id: str) -> None:
+    def unload(self, model_id: str, ended: str = "unloaded") -> None:
+        """Drop a training client's adapter and optimizer; its run ends (summary.json says
+        how: `ended`)."""
         run = self.known(model_id)
         assert self.peft is not None
         with self.lock:
             del self.runs[model_id]
+        self._summarise(run, ended)
         if self.runs:
             self.peft.delete_adapter(run.adapter)
         else:  # peft cannot delete its last adapter: drop the wrapper, the base is untouched
             self.base = self.peft.unload()
             self.peft = None
+
+    def end_runs(self, ended: str) -> None:
+        """The server stops: each loaded client's run ends (its summary.json), adapters kept."""
+        with self.lock:
+            runs = list(self.runs.values())
+        for run in runs:
+            self._summarise(run, ended)
+
+    def _summarise(self, run: TrainingRun, ended: str) -> None:
+        try:
+            write_run_summary(run.run_dir, run.model_id, time.perf_counter() - run.started, ended)
+        except OSError as exc:  # a full disk, say: the run's records stay, only the summary lacks
+            log.warning("summary.json of %s not written: %s", run.model_id, exc)
 
     def _adapter_params(self, adapter: str) -> list[torch.nn.Parameter]:
         assert self.peft is not None
