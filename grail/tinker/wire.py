@@ -37,8 +37,8 @@ class WireError(ValueError):
 
 _F = descriptor_pb2.FieldDescriptorProto
 _PACKAGE = "grail_tinker"
-# name: [(field, number, type, oneof or None)]; a type is a scalar name, "repeated <scalar>",
-# a message or enum of this file, or "map<string, <type>>".
+# name: [(field, number, type, oneof or None)]; a type is a scalar, enum or message name of this
+# file, with "repeated " or (proto3 field presence) "optional " before it, or "map<string, T>".
 _SCALARS = {"bytes": _F.TYPE_BYTES, "string": _F.TYPE_STRING, "int32": _F.TYPE_INT32,
             "int64": _F.TYPE_INT64, "bool": _F.TYPE_BOOL, "double": _F.TYPE_DOUBLE}  # fmt: skip
 _ENUMS = {
