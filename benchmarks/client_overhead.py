@@ -27,7 +27,8 @@ from common import print_table, spread, write_results
 
 from grail.envs import make_env
 from grail.inference.backends.builtin import BuiltinServer
-from grail.inference.client import CompletionClient, SamplingParams
+from grail.inference.client import CompletionClient
+from grail.inference.completions import SamplingParams
 from grail.models.tiny import ensure_tiny_model
 
 # The default job (conf/env/copy_digits.yaml): 64 problems per iteration, 16 rollouts each.

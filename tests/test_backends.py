@@ -43,12 +43,8 @@ from grail.inference.backends.gpu import (
 )
 from grail.inference.backends.sglang import SGLangServer
 from grail.inference.backends.vllm import VLLMServer
-from grail.inference.client import (
-    CompletionClient,
-    MalformedResponseError,
-    SamplingParams,
-    parse_completions,
-)
+from grail.inference.client import CompletionClient
+from grail.inference.completions import MalformedResponseError, SamplingParams, parse_completions
 from grail.inference.errors import ServerDiedError, ServerStartError, WeightSyncError
 from grail.inference.os_process import visible_devices
 from grail.inference.recovery import call_with_recovery

@@ -17,10 +17,10 @@ import pytest
 
 from grail.core.config import GenerationConfig
 from grail.inference.backends.builtin import BuiltinServer
-from grail.inference.client import (
+from grail.inference.client import CompletionClient
+from grail.inference.completions import (
     VLLM_NEG_INF,
     Completion,
-    CompletionClient,
     GenerationError,
     MalformedResponseError,
     SamplingParams,

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from grail.core.errors import ConfigError
 from grail.core.validate import validate
-from grail.inference.client import Completion, GenerationError, SamplingParams
+from grail.inference.completions import Completion, GenerationError, SamplingParams
 from grail.inference.errors import ServerDiedError
 from grail.rollouts import fleet as fleet_module
 from grail.rollouts.balance import Balancer

@@ -18,7 +18,8 @@ from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
 from grail.core.errors import ConfigError
 from grail.core.placement import GpuConfig, fleet_size, gpu_layout, gpu_placement
 from grail.core.validate import validate
-from grail.inference.client import CompletionClient, SamplingParams
+from grail.inference.client import CompletionClient
+from grail.inference.completions import SamplingParams
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts.fleet import Fleet, FleetClient
 from grail.train.components import server_manager_from_config, weight_route_from_config

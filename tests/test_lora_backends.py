@@ -29,7 +29,8 @@ from helpers.real_packages import python_with, run_check
 from grail.inference.backends import make_server_manager
 from grail.inference.backends.sglang import SGLangServer
 from grail.inference.backends.vllm import VLLM_LORA_RANKS, VLLMServer, vllm_max_lora_rank
-from grail.inference.client import CompletionClient, SamplingParams
+from grail.inference.client import CompletionClient
+from grail.inference.completions import SamplingParams
 from grail.inference.errors import ServerStartError, WeightSyncError
 
 TESTS_DIR = Path(__file__).resolve().parent

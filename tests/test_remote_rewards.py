@@ -31,7 +31,7 @@ from grail.envs.rewards.plugins import (
     score_completions,
 )
 from grail.envs.rewards.remote import RemoteOptions, RemoteReward
-from grail.inference.client import Completion, SamplingParams
+from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.generation import RolloutGenerator
 
 pytestmark = pytest.mark.timeout(30)

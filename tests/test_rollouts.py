@@ -11,7 +11,8 @@ from grail.core.config import Config, DataConfig
 from grail.envs import make_env
 from grail.envs.base import Problem
 from grail.inference.backends.builtin import BuiltinServer
-from grail.inference.client import CompletionClient, SamplingParams
+from grail.inference.client import CompletionClient
+from grail.inference.completions import SamplingParams
 from grail.models.loading import load_tokenizer
 from grail.models.tiny import ensure_tiny_model
 from grail.rollouts.batch import Group, Resampling, Sample, informative
@@ -86,7 +87,7 @@ def test_request_seeds_are_stable_and_leave_room_for_replicates() -> None:
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
-    from grail.inference.client import GenerationError
+    from grail.inference.completions import GenerationError
     from grail.inference.os_process import free_port
 
     tokenizer = load_tokenizer(str(ensure_tiny_model()))

@@ -615,7 +615,8 @@ def _perturbed_copy(src: Path, dst: Path) -> Path:
 
 
 def _sample(server: BuiltinServer, seed: int = 3) -> list:
-    from grail.inference.client import CompletionClient, SamplingParams
+    from grail.inference.client import CompletionClient
+    from grail.inference.completions import SamplingParams
 
     client = CompletionClient(
         server.base_url, server.model_name, timeout=60, liveness_check=server.check_alive

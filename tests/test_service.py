@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from grail.core.http_api import APIError
 from grail.core.records import eval_metrics_path, read_json, train_metrics_path
 from grail.envs import make_env
-from grail.inference.client import Completion, SamplingParams
+from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.generation import render_prompt_ids
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout

@@ -48,7 +48,7 @@ from grail.core.choices import WeightSyncMode
 from grail.core.server_urls import server_root
 from grail.inference.backends import BACKEND_CLASSES
 from grail.inference.backends.gpu import GpuServer
-from grail.inference.client import (
+from grail.inference.completions import (
     MalformedResponseError,
     SamplingParams,
     error_message,

@@ -38,13 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from grail.inference.client import (
-    Completion,
-    CompletionClient,
-    GenerationError,
-    SamplingParams,
-    in_requests,
-)
+from grail.inference.client import CompletionClient, in_requests
+from grail.inference.completions import Completion, GenerationError, SamplingParams
 from grail.inference.errors import ExternalServerGone, ServerDiedError, ServerError
 from grail.inference.external import ExternalServer
 from grail.inference.process import ServerManager, SyncResult

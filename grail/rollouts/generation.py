@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from grail.core.threads import in_daemon_thread
 from grail.envs.base import Environment, Problem
 from grail.envs.rewards.plugins import RewardFunctions, score_completions
-from grail.inference.client import SamplingParams
+from grail.inference.completions import SamplingParams
 from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, informative
 
 if TYPE_CHECKING:

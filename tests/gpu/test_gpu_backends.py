@@ -29,7 +29,8 @@ from gpu_helpers import require_package
 from grail.algo.logprobs import token_logprobs
 from grail.envs import make_env
 from grail.inference.backends import make_server_manager
-from grail.inference.client import FINISH_REASONS, Completion, CompletionClient, SamplingParams
+from grail.inference.client import CompletionClient
+from grail.inference.completions import FINISH_REASONS, Completion, SamplingParams
 from grail.models.loading import load_model, load_tokenizer
 from grail.rollouts.batch import Sample
 from grail.rollouts.generation import render_prompt_ids

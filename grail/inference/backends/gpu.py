@@ -33,7 +33,7 @@ import httpx
 
 from grail.inference.backends.nccl import DEFAULT_TIMEOUT_S as DEFAULT_NCCL_TIMEOUT_S
 from grail.inference.backends.nccl import NcclSender
-from grail.inference.client import error_message
+from grail.inference.completions import error_message
 from grail.inference.errors import ServerError, ServerStartError, WeightSyncError
 from grail.inference.process import ServerManager
 
