@@ -4,15 +4,17 @@ share (tests/test_builtin_server.py, test_server_hardening.py)."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import httpx
 import pytest
+
+from grail.inference.os_process import free_port
 
 API_KEY = "test-key"
 NAME = "tiny"
@@ -20,26 +22,29 @@ STARTUP_TIMEOUT = 120.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class ServerProcess:
-    """`python -m grail.inference.builtin.server` as a subprocess, logging to a file."""
+    """`python -m grail.inference.builtin.server` as a subprocess on a free port, logging to a
+    file; the other servers the tests run as processes (grail-tinker: helpers/tinker_server.py)
+    subclass it with their own command and health route. A context manager: entered once ready,
+    stopped on exit."""
+
+    name = "server"
+    health_path = "/health"
+    stop_timeout = 15.0
 
     def __init__(self, model_dir: Path | str, log_path: Path, *extra: str) -> None:
-        self.port = _free_port()
         self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        command = [
+        self.port = free_port()
+        self._spawn(log_path, [
             sys.executable, "-m", "grail.inference.builtin.server",
             "--model", str(model_dir), "--served-model-name", NAME,
             "--port", str(self.port), "--threads", "1", "--max-batch-size", "16", *extra,
-        ]  # fmt: skip
+        ])  # fmt: skip
+
+    def _spawn(self, log_path: Path, command: list[str]) -> None:
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = log_path.open("wb")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
@@ -49,24 +54,35 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{self.health_path}", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+        raise TimeoutError(f"{self.name} not ready after {timeout} s:\n{self.log()}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(15)
+                self.proc.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
         self._log.close()
+
+    def __enter__(self) -> Self:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @contextlib.contextmanager
