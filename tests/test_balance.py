@@ -116,6 +116,18 @@ def test_set_aside_servers_get_nothing_until_restored() -> None:
     assert balancer.choose(COST) == 1  # the idle one
 
 
+def test_a_restored_server_counts_as_unmeasured_and_gets_groups_again() -> None:
+    # Measured at a third of the others' speed before it died, a restarted server would wait
+    # behind WAIT_MARGIN for good (never answering, never measured again): restored, it counts
+    # as the mean of the measured servers.
+    balancer = Balancer(servers=2, window=4)
+    _measure(balancer, [500.0 / 3, 500.0])
+    balancer.set_aside(0)
+    balancer.restore(0)
+    assert balancer.loads[0].tokens_per_s is None
+    assert 0 in _fill(balancer, 4)
+
+
 def test_none_when_every_usable_window_is_full_or_no_server_is_usable() -> None:
     balancer = Balancer(servers=2, window=3)
     _fill(balancer, 6)

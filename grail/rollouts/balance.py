@@ -169,8 +169,12 @@ class Balancer:
         self._load(server).usable = False
 
     def restore(self, server: int) -> None:
-        """`server` takes groups again; its last measured speed stands (same hardware)."""
-        self._load(server).usable = True
+        """`server` takes groups again, as a server not measured yet (the mean of the others):
+        it is a new process, and a speed measured before it was set aside (noisy, or what made
+        it fail) could keep it waiting behind `WAIT_MARGIN` for good, never answering a group
+        that would measure it again."""
+        load = self._load(server)
+        load.usable, load.tokens_per_s = True, None
 
     def usable(self) -> list[int]:
         """The servers not set aside, in index order."""
