@@ -73,6 +73,9 @@ class SamplingParams:
 
     top_k = -1 disables top-k. Log-probabilities match the trainer's log-softmax(logits / T) only
     with top_p = 1 and top_k = -1 (or a server that reports processed log-probabilities).
+    `stop_token_ids` and `ignore_eos` (never stop on EOS) are sent only when set, so a request
+    that does not use them is what it always was; vLLM, SGLang and the built-in server take both
+    (docs/protocols.md).
     """
 
     max_tokens: int
@@ -80,6 +83,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -100,6 +105,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
 
 
 @dataclass(frozen=True)
@@ -155,6 +165,10 @@ def request_body(
         "logprobs": 0,
         "return_token_ids": True,
     }
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.ignore_eos:
+        body["ignore_eos"] = True
     if len(prompts) == 1:
         body["seed"] = seeds[0]
     else:

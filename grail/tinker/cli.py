@@ -11,16 +11,24 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grail.core.errors import UserError
+
+if TYPE_CHECKING:
+    from grail.tinker.sampler import SampleEngine
 
 log = logging.getLogger("grail.tinker")
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
+# The server samplers (grail/tinker/server_sampler.py SERVER_SAMPLERS), named here so that --help
+# answers without importing torch.
+SERVER_SAMPLERS = ("builtin", "vllm", "sglang")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +60,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="metrics and checkpoints (default: outputs/tinker/<date>_<time>)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (trainer and sampler)")
+    p.add_argument(
+        "--sampler",
+        default="engine",
+        choices=("engine", *SERVER_SAMPLERS),
+        help="engine: the built-in engine in this process; builtin, vllm or sglang: that server "
+        "in its own process, given each snapshot's weights through a weight route",
+    )
+    p.add_argument(
+        "--sampler-device",
+        default=None,
+        help="the sampler server's device (default: --device); not for --sampler engine",
+    )
+    p.add_argument(
+        "--weight-transfer",
+        default="auto",
+        choices=("auto", "disk", "shared", "nccl"),
+        help="how a sampler server gets a snapshot's weights (auto: as grail-train picks)",
+    )
+    p.add_argument(
+        "--sampler-args",
+        default="",
+        help="extra command-line arguments for the sampler server, one string (shell quoting)",
+    )
+    p.add_argument(
+        "--sampler-start-timeout",
+        type=float,
+        default=None,
+        help="seconds the sampler server may take to start (default: the backend's)",
+    )
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument(
         "--max-training-clients",
@@ -105,7 +142,7 @@ def serve(args: argparse.Namespace) -> None:
     from grail.tinker.app import create_app
     from grail.tinker.checkpoints import Checkpoints
     from grail.tinker.core import ModelInfo, TinkerCore
-    from grail.tinker.sampler import Sampler, engine_for
+    from grail.tinker.sampler import Sampler
     from grail.tinker.trainer import Trainer
 
     if args.threads is not None:
@@ -119,34 +156,67 @@ def serve(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model = load_model(model_dir, dtype=args.dtype, device=args.device)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    engine = engine_for(model_dir, args.device, context, args.dtype)
-    info = ModelInfo(
-        name=name,
-        arch=str(getattr(model.config, "model_type", "unknown")),
-        tokenizer_id=str(model_dir),
-        max_context=context,
-    )
-    checkpoints = Checkpoints(run_dir)
-    trainer = Trainer(
-        model, base_model=name, run_dir=run_dir, max_context=context,
-        max_clients=args.max_training_clients,
-    )  # fmt: skip
-    sampler = Sampler(engine, name, checkpoints.resolve)
-    core = TinkerCore(trainer, sampler, checkpoints, info, max_pending=args.max_pending)
-    app = create_app(core, args.api_key, args.max_request_bytes)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-    )
     with run_lock(run_dir):
-        print(
-            f"grail-tinker: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}, "
-            f"run dir {run_dir} (loaded in {time.perf_counter() - start:.1f} s)",
-            flush=True,
-        )
+        engine = sampler_engine(args, model_dir, run_dir, context)
         try:
+            info = ModelInfo(
+                name=name,
+                arch=str(getattr(model.config, "model_type", "unknown")),
+                tokenizer_id=str(model_dir),
+                max_context=context,
+            )
+            checkpoints = Checkpoints(run_dir)
+            trainer = Trainer(
+                model, base_model=name, run_dir=run_dir, max_context=context,
+                max_clients=args.max_training_clients,
+            )  # fmt: skip
+            sampler = Sampler(engine, name, checkpoints.resolve)
+            core = TinkerCore(trainer, sampler, checkpoints, info, max_pending=args.max_pending)
+            app = create_app(core, args.api_key, args.max_request_bytes)
+            config = uvicorn.Config(
+                app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5,
+            )  # fmt: skip
+            print(
+                f"grail-tinker: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}, "
+                f"run dir {run_dir}, sampler {args.sampler} "
+                f"(loaded in {time.perf_counter() - start:.1f} s)",
+                flush=True,
+            )
             uvicorn.Server(config).run()
         finally:
             engine.stop()
+
+
+def sampler_engine(
+    args: argparse.Namespace, model_dir: Path, run_dir: Path, context: int
+) -> SampleEngine:
+    """The engine the sampler feeds: the built-in engine here, or a started sampler server."""
+    from grail.inference.errors import ServerError
+    from grail.models.loading import load_model
+    from grail.tinker.sampler import engine_for
+    from grail.tinker.server_sampler import start_server_engine
+
+    if args.sampler == "engine":
+        if args.sampler_device is not None:
+            raise TinkerArgsError("--sampler-device is for a sampler server (--sampler builtin)")
+        return engine_for(model_dir, args.device, context, args.dtype)
+    try:
+        return start_server_engine(
+            args.sampler,
+            model_dir,
+            run_dir / "sampler" / "model",
+            load=lambda: load_model(model_dir, dtype=args.dtype, device=args.device),
+            trainer_device=args.device,
+            server_device=args.sampler_device or args.device,
+            dtype=args.dtype,
+            weight_transfer=args.weight_transfer,
+            threads=args.threads,
+            extra_args=shlex.split(args.sampler_args),
+            start_timeout=args.sampler_start_timeout,
+        )
+    except (ServerError, ValueError) as exc:
+        raise TinkerArgsError(f"--sampler {args.sampler}: {exc}") from exc
 
 
 def _model_dir(model: str, tiny_name: str, ensure_tiny: object) -> Path:

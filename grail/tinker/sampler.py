@@ -1,14 +1,16 @@
-"""The sampling side of the Tinker server: grail's built-in engine (grail/inference/builtin/
-engine.py) in this process, fed the weights of whichever snapshot a request samples from.
+"""The sampling side of the Tinker server: an engine fed the weights of whichever snapshot a
+request samples from. The engine is grail's built-in engine (grail/inference/builtin/engine.py) in
+this process by default, or a sampler server in its own process (grail-serve, vLLM or SGLang,
+``--sampler``; grail/tinker/server_sampler.py), both behind ``SampleEngine``.
 
-Why in-process: a sampling client names a snapshot of one training client's adapter (or the base
-model), and requests for different snapshots interleave. The engine holds its own copy of the
-base model (so sampling never waits for a training pass), and a snapshot is loaded into it as
-merged weights: for each layer the snapshot's LoRA touches, ``W = W_base + (alpha / r) B A``,
-copied in place between batches (the engine's weight route for in-memory tensors), layers a
-previous snapshot touched going back to ``W_base``. Loading costs one copy of the LoRA layers,
-and only when the snapshot changes. vLLM / SGLang as the sampler, through the disk or NCCL weight
-routes, is not wired here (docs/tinker.md).
+Why the in-process engine by default: a sampling client names a snapshot of one training
+client's adapter (or the base model), and requests for different snapshots interleave. The engine
+holds its own copy of the base model (so sampling never waits for a training pass), and a
+snapshot is loaded into it as merged weights: for each layer the snapshot's LoRA touches,
+``W = W_base + (alpha / r) B A``, copied in place between batches (the engine's weight route for
+in-memory tensors), layers a previous snapshot touched going back to ``W_base``. Loading costs one
+copy of the LoRA layers, and only when the snapshot changes. A server sampler gets the same merged
+weights through grail-train's weight routes (disk, shared tensors, NCCL).
 
 What the engine guarantees carries over (docs/protocols.md): sample i of a request with seed s
 draws from a generator seeded s + i; a sampled token's logprob is ``log_softmax(logits / T)``
@@ -25,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -41,6 +43,34 @@ from grail.tinker.trainer import ADAPTER_WEIGHTS, LORA_ALPHA, read_lora_spec
 MAX_EPHEMERAL = 32
 MAX_SAMPLES = 128
 _PEFT_PREFIX = "base_model.model."
+
+
+class Sampled(Protocol):
+    """One finished sample, as an engine gives it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class SampleEngine(Protocol):
+    """What the Sampler needs of an engine: the model to merge snapshots into (the engine's own,
+    or a server sampler's staging copy), copying weights into what samples, and sampling."""
+
+    model: Any
+    device: torch.device
+    vocab_size: int
+    max_model_len: int
+
+    def copy_weights(self, tensors: dict[str, torch.Tensor], weight_version: str, what: str) -> Any:
+        """Put ``tensors`` (parameter name -> value) into the model that samples."""
+
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, n: int = 1, seed: int | None = None
+    ) -> Sequence[concurrent.futures.Future[Any]]:
+        """``n`` samples of ``prompt``, sample i seeded ``seed + i``: one future each."""
+
+    def stop(self) -> None: ...
 
 
 @dataclass
@@ -81,7 +111,7 @@ class SampleJob:
 
 
 class Sampler:
-    def __init__(self, engine: Engine, base_model: str, resolve_path: Any) -> None:
+    def __init__(self, engine: SampleEngine, base_model: str, resolve_path: Any) -> None:
         self.engine, self.base_model = engine, base_model
         self.resolve_path = resolve_path  # tinker:// path -> directory (the app's checkpoints)
         self.sessions: dict[str, Session] = {}
@@ -179,7 +209,7 @@ class Sampler:
         self._inflight = [f for f in self._inflight if not f.done()]
         try:
             self._load(key)
-            futures = self.engine.submit(job.prompt, job.params, job.num_samples, job.seed)
+            futures = list(self.engine.submit(job.prompt, job.params, job.num_samples, job.seed))
         except Exception as exc:
             finish(exc)
             return

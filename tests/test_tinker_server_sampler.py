@@ -1,0 +1,204 @@
+"""grail-tinker with a sampler server (`--sampler builtin|vllm|sglang`, grail/tinker/
+server_sampler.py) in the place of the in-process engine:
+
+- through the official SDK, `--sampler builtin` (a real grail-serve process fed each snapshot's
+  merged weights through the disk route) samples what `--sampler engine` samples: the same tokens
+  for the same seed, the same log-probabilities, for trained snapshots, the base model, stops and
+  prompt log-probabilities; snapshots interleave; the sampler server goes when the server stops;
+- against the vLLM / SGLang stand-ins (tests/helpers/fake_gpu_server.py, their real command
+  lines): a snapshot reaches the server as a directory holding the merged weights, which the
+  server reloads, and the SDK's stop settings are sent as the server takes them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls
+from helpers.tinker_server import API_KEY, TinkerServer
+from safetensors.torch import load_file
+from tinker import types
+
+import grail.inference.backends as backends
+from grail.inference.builtin.sampling import SamplingParams
+from grail.models.loading import load_model, load_tokenizer
+from grail.models.tiny import ensure_tiny_model
+from grail.tinker.sampler import SampleJob, Sampler, Session, Snapshot
+from grail.tinker.server_sampler import start_server_engine
+
+TEXTS = ["one two three four five six seven eight nine ten", "hello world, hello tinker"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinkerServer]]:
+    """The same model behind both samplers: the in-process engine, and a grail-serve process."""
+    root = tmp_path_factory.mktemp("tinker-samplers")
+    with (
+        TinkerServer(root / "engine", root / "engine.log") as engine,
+        TinkerServer(root / "builtin", root / "builtin.log", "--sampler", "builtin") as builtin,
+    ):
+        yield {"engine": engine, "builtin": builtin}
+
+
+def _samples(url: str, tokenizer: Any) -> dict[str, Any]:
+    """One SFT step, then what a loop asks of its samplers, from the server at `url`."""
+    service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+        )
+        for ids in (tokenizer.encode(t) for t in TEXTS)
+    ]
+    client.forward_backward(data, "cross_entropy")
+    client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    first = client.save_weights_and_get_sampling_client().result()
+    # a second snapshot of another client, sampled between two samples of the first
+    other = service.create_lora_training_client(base_model="tiny", rank=8, seed=5).result()
+    other.forward_backward(data, "cross_entropy")
+    other.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    second = other.save_weights_and_get_sampling_client().result()
+    base = service.create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("one two"))
+    params = types.SamplingParams(max_tokens=6, seed=11, temperature=1.0)
+
+    def sample(sampler: Any, p: types.SamplingParams = params, n: int = 3) -> list[Any]:
+        return list(sampler.sample(prompt, n, p).result().sequences)
+
+    out = {
+        "first": sample(first),
+        "second": sample(second),
+        "first again": sample(first),
+        "base": sample(base),
+        "no stop": sample(first, types.SamplingParams(max_tokens=5, seed=2, stop=[])),
+        "stop token": sample(first, types.SamplingParams(max_tokens=8, seed=4, stop=[7, 9])),
+    }
+    full = prompt.to_ints() + out["first"][0].tokens
+    out["prompt logprobs"] = first.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    service.close("success").result()
+    return out
+
+
+def test_a_sampler_server_samples_what_the_engine_samples(
+    servers: dict[str, TinkerServer],
+) -> None:
+    tokenizer = load_tokenizer(ensure_tiny_model())
+    engine = _samples(servers["engine"].url, tokenizer)
+    builtin = _samples(servers["builtin"].url, tokenizer)
+    for key in ("first", "second", "first again", "base", "no stop", "stop token"):
+        assert [s.tokens for s in builtin[key]] == [s.tokens for s in engine[key]], key
+        assert [s.stop_reason for s in builtin[key]] == [s.stop_reason for s in engine[key]], key
+        for ours, theirs in zip(builtin[key], engine[key], strict=True):
+            np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=1e-5, err_msg=key)
+    # the snapshots were told apart, and the first came back after the second
+    assert [s.tokens for s in builtin["first again"]] == [s.tokens for s in builtin["first"]]
+    assert [s.tokens for s in builtin["second"]] != [s.tokens for s in builtin["first"]]
+    # stop=[]: not even EOS stops a sample; stop token ids end it (the token stays)
+    assert all(len(s.tokens) == 5 for s in builtin["no stop"])
+    stopped = [s for s in builtin["stop token"] if s.stop_reason == "stop"]
+    assert all(s.tokens[-1] in (7, 9, tokenizer.eos_token_id) for s in stopped)
+    assert builtin["prompt logprobs"][0] is None and engine["prompt logprobs"][0] is None
+    np.testing.assert_allclose(
+        builtin["prompt logprobs"][1:], engine["prompt logprobs"][1:], atol=1e-5
+    )
+
+
+def test_the_sampler_server_goes_with_the_tinker_server(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with TinkerServer(run_dir, tmp_path / "server.log", "--sampler", "builtin"):
+        children = _processes_naming(run_dir / "sampler" / "model")
+        assert children, "no sampler server process serves the run's sampler directory"
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, f"sampler server {children} outlived grail-tinker"
+        time.sleep(0.1)
+    assert (run_dir / "sampler" / "logs" / "builtin-tinker-sampler.log").is_file()
+
+
+@pytest.mark.parametrize(("kind", "fake"), [("vllm", FakeVLLMServer), ("sglang", FakeSGLangServer)])
+def test_a_snapshot_reaches_a_gpu_server_as_merged_weights_it_reloads(
+    kind: str, fake: type, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(backends, "VLLMServer" if kind == "vllm" else "SGLangServer", fake)
+    model_dir = ensure_tiny_model()
+    directory = tmp_path / "sampler" / "model"
+    engine = start_server_engine(
+        kind,
+        model_dir,
+        directory,
+        load=lambda: load_model(model_dir),
+        trainer_device="cpu",
+        server_device="cuda:0",  # the stand-in only reads the flag
+        dtype="float32",
+        weight_transfer="disk",
+        start_timeout=30.0,
+    )
+    try:
+        base = load_model(model_dir)
+        # the served checkpoint has its own output layer (untied), equal to the embedding
+        served = load_file(str(directory / "model.safetensors"))
+        assert torch.equal(served["lm_head.weight"], served["model.embed_tokens.weight"])
+
+        module = "model.layers.1.self_attn.q_proj"
+        a, b = torch.randn(2, 64), torch.randn(64, 2)
+        tensors = {
+            f"base_model.model.{module}.lora_A.weight": a,
+            f"base_model.model.{module}.lora_B.weight": b,
+        }
+        sampler = Sampler(engine, "tiny", lambda *_: None)
+        key = sampler.add_ephemeral(Snapshot(tensors, 16.0))
+        params = SamplingParams(max_tokens=3, stop_token_ids=(7,), ignore_eos=True)
+        job = SampleJob(Session("tiny", None, key), [1, 2, 3], params, 2, 5, False, None)
+        (answer,) = sampler.run([job])
+        assert isinstance(answer, bytes), answer
+
+        # the server reloaded the directory, which holds W + 16 B A for the layer, W elsewhere,
+        # in the server's dtype (bfloat16)
+        reloads = [c for c in calls(engine.server) if c["path"] in RELOAD_ROUTES]
+        assert len(reloads) == 1 and str(directory) in str(reloads[0])
+        served = load_file(str(directory / "model.safetensors"))
+        merged = base.get_parameter(f"{module}.weight") + 16.0 * b @ a
+        assert torch.equal(served[f"{module}.weight"], merged.to(torch.bfloat16))
+        other = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(served[other], base.get_parameter(other).to(torch.bfloat16))
+
+        # the request: token ids in, both seeds, the SDK's stops as the server takes them
+        (request,) = [c["body"] for c in calls(engine.server) if c["path"] == "/v1/completions"]
+        assert request["prompt"] == [1, 2, 3] and request["n"] == 2 and request["seed"] == 5
+        assert request["stop_token_ids"] == [7] and request["ignore_eos"] is True
+    finally:
+        engine.stop()
+    assert not engine.server.is_alive()
+
+
+RELOAD_ROUTES = {"/collective_rpc", "/update_weights_from_disk"}
+
+
+def _processes_naming(path: Path) -> list[int]:
+    """Pids of the processes whose command line names `path`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if str(path) in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
