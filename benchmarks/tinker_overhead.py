@@ -4,6 +4,7 @@ directly (grail/tinker/trainer.py and sampler.py in this process, no HTTP, no fu
 
     uv run python benchmarks/tinker_overhead.py                     # both shapes, 10 rounds each
     uv run python benchmarks/tinker_overhead.py --rounds 20 --threads 2
+    uv run python benchmarks/tinker_overhead.py --sampler builtin   # a grail-serve sampler server
 
 A round is forward_backward (importance_sampling) + optim_step + a snapshot for the sampler +
 sampling, on the tiny model, CPU. Shapes:
@@ -15,8 +16,9 @@ sampling, on the tiny model, CPU. Shapes:
 
 Both sides use `--threads` torch threads (the server's `--threads`, this process's
 `torch.set_num_threads` for the direct side) and take turns, round by round. Medians [min-max] of
-the round's wall time; results go to benchmarks/results/tinker_overhead.json (`--out`
-elsewhere).
+the round's wall time. `--sampler` is the server's (`grail-tinker --sampler`: a sampler server
+pays a weight sync per round, the direct side's engine a copy in memory); results go to
+benchmarks/results/tinker_overhead.json (`--out` elsewhere).
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--sampler", default="engine", choices=["engine", "builtin"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -151,14 +154,16 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_tiny_model()
-    results: dict[str, Any] = {"threads": args.threads, "rounds": args.rounds, "shapes": {}}
+    results: dict[str, Any] = {
+        "threads": args.threads, "rounds": args.rounds, "sampler": args.sampler, "shapes": {},
+    }  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             one = direct_round(model_dir, shape, Path(tmp) / f"direct-{shape}")
             log = Path(tmp) / f"server-{shape}.log"
-            threads = ("--threads", str(args.threads))
-            with TinkerServer(Path(tmp) / f"sdk-{shape}", log, *threads) as server:
+            extra = ("--threads", str(args.threads), "--sampler", args.sampler)
+            with TinkerServer(Path(tmp) / f"sdk-{shape}", log, *extra) as server:
                 sdk_one = sdk_round(server.url, API_KEY, model_dir, shape)
                 direct, sdk = timed([one, sdk_one], args.rounds)
             d, s = spread(direct), spread(sdk)
@@ -168,7 +173,8 @@ def main() -> None:
                 shape, f"{d['median']:.3f} [{d['min']:.3f}-{d['max']:.3f}]",
                 f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]", f"{overhead:+.0%}",
             ])  # fmt: skip
-    print_table("one round, seconds", ["shape", "direct", "through the SDK", "overhead"], rows)
+    title = f"one round, seconds (grail-tinker --sampler {args.sampler})"
+    print_table(title, ["shape", "direct", "through the SDK", "overhead"], rows)
     write_results("tinker_overhead", results, args.out)
 
 
