@@ -13,8 +13,8 @@ server_sampler.py) in the place of the in-process engine:
 from __future__ import annotations
 
 import os
+import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls
+from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls, info
 from helpers.tinker_server import API_KEY, TinkerServer
 from safetensors.torch import load_file
 from tinker import types
@@ -35,17 +35,6 @@ from grail.tinker.sampler import SampleJob, Sampler, Session, Snapshot
 from grail.tinker.server_sampler import start_server_engine
 
 TEXTS = ["one two three four five six seven eight nine ten", "hello world, hello tinker"]
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinkerServer]]:
-    """The same model behind both samplers: the in-process engine, and a grail-serve process."""
-    root = tmp_path_factory.mktemp("tinker-samplers")
-    with (
-        TinkerServer(root / "engine", root / "engine.log") as engine,
-        TinkerServer(root / "builtin", root / "builtin.log", "--sampler", "builtin") as builtin,
-    ):
-        yield {"engine": engine, "builtin": builtin}
 
 
 def _samples(url: str, tokenizer: Any) -> dict[str, Any]:
@@ -88,17 +77,24 @@ def _samples(url: str, tokenizer: Any) -> dict[str, Any]:
     return out
 
 
-def test_a_sampler_server_samples_what_the_engine_samples(
-    servers: dict[str, TinkerServer],
+def test_a_sampler_server_samples_what_the_engine_samples_and_goes_with_its_server(
+    tmp_path: Path,
 ) -> None:
     tokenizer = load_tokenizer(ensure_tiny_model())
-    engine = _samples(servers["engine"].url, tokenizer)
-    builtin = _samples(servers["builtin"].url, tokenizer)
+    sampler_dir = tmp_path / "builtin" / "sampler"
+    with (
+        TinkerServer(tmp_path / "engine", tmp_path / "engine.log") as engine_server,
+        TinkerServer(tmp_path / "builtin", tmp_path / "ours.log", "--sampler", "builtin") as ours,
+    ):
+        children = _processes_naming(sampler_dir / "model")
+        assert children, "no sampler server process serves the run's sampler directory"
+        engine = _samples(engine_server.url, tokenizer)
+        builtin = _samples(ours.url, tokenizer)
     for key in ("first", "second", "first again", "base", "no stop", "stop token"):
         assert [s.tokens for s in builtin[key]] == [s.tokens for s in engine[key]], key
         assert [s.stop_reason for s in builtin[key]] == [s.stop_reason for s in engine[key]], key
-        for ours, theirs in zip(builtin[key], engine[key], strict=True):
-            np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=1e-5, err_msg=key)
+        for mine, theirs in zip(builtin[key], engine[key], strict=True):
+            np.testing.assert_allclose(mine.logprobs, theirs.logprobs, atol=1e-5, err_msg=key)
     # the snapshots were told apart, and the first came back after the second
     assert [s.tokens for s in builtin["first again"]] == [s.tokens for s in builtin["first"]]
     assert [s.tokens for s in builtin["second"]] != [s.tokens for s in builtin["first"]]
@@ -110,18 +106,12 @@ def test_a_sampler_server_samples_what_the_engine_samples(
     np.testing.assert_allclose(
         builtin["prompt logprobs"][1:], engine["prompt logprobs"][1:], atol=1e-5
     )
-
-
-def test_the_sampler_server_goes_with_the_tinker_server(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    with TinkerServer(run_dir, tmp_path / "server.log", "--sampler", "builtin"):
-        children = _processes_naming(run_dir / "sampler" / "model")
-        assert children, "no sampler server process serves the run's sampler directory"
+    # the sampler server stopped with grail-tinker, and left its log
     deadline = time.monotonic() + 15
     while any(_alive(pid) for pid in children):
         assert time.monotonic() < deadline, f"sampler server {children} outlived grail-tinker"
         time.sleep(0.1)
-    assert (run_dir / "sampler" / "logs" / "builtin-tinker-sampler.log").is_file()
+    assert (sampler_dir / "logs" / "builtin-tinker-sampler.log").is_file()
 
 
 @pytest.mark.parametrize(("kind", "fake"), [("vllm", FakeVLLMServer), ("sglang", FakeSGLangServer)])
@@ -175,6 +165,19 @@ def test_a_snapshot_reaches_a_gpu_server_as_merged_weights_it_reloads(
         (request,) = [c["body"] for c in calls(engine.server) if c["path"] == "/v1/completions"]
         assert request["prompt"] == [1, 2, 3] and request["n"] == 2 and request["seed"] == 5
         assert request["stop_token_ids"] == [7] and request["ignore_eos"] is True
+
+        # a sampler server that died is restarted on the weights it served, and samples again
+        dead = engine.server.pid
+        assert dead is not None
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while engine.server.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (answer,) = sampler.run([job])
+        assert isinstance(answer, bytes), answer
+        assert engine.server.recoveries == 1 and engine.server.pid != dead
+        assert str(directory) in " ".join(info(engine.server)["argv"])
     finally:
         engine.stop()
     assert not engine.server.is_alive()

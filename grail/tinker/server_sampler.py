@@ -89,7 +89,10 @@ class ServerEngine:
         self, prompt: Sequence[int], params: SamplingParams, n: int = 1, seed: int | None = None
     ) -> list[concurrent.futures.Future[completions.Completion]]:
         """``n`` samples of ``prompt`` in one request; sample i is seeded ``seed + i`` (a random
-        seed when None), one future per sample, all done when the answer comes."""
+        seed when None), one future per sample, all done when the answer comes. A server that
+        died is restarted first, on the weights it last served (the requests it had fail)."""
+        if not self.server.is_alive():
+            self.syncer.recover()
         request = self.client.complete(
             list(prompt), n, client_params(params), secrets.randbits(31) if seed is None else seed
         )
