@@ -130,6 +130,15 @@ def test_losses_equal_their_formulas(
             for r, (_, _, a) in zip(ratio, direct, strict=True)
         )
         assert ppo == pytest.approx(want, rel=1e-4)
+        cispo = client.forward(rl, "cispo", config).result().metrics["loss:sum"]
+        want = sum(
+            float((-torch.clamp(r, lo, hi) * logp * a).sum())
+            for r, (logp, _, a) in zip(ratio, direct, strict=True)
+        )
+        assert cispo == pytest.approx(want, rel=1e-4)
+    dro = client.forward(rl, "dro", {"beta": 0.3}).result().metrics["loss:sum"]
+    want = sum(float(-(logp * a - 0.15 * (logp - q) ** 2).sum()) for logp, q, a in direct)
+    assert dro == pytest.approx(want, rel=1e-4)
 
 
 def test_supervised_loop_lowers_the_loss_and_writes_records(
@@ -316,9 +325,14 @@ def test_bad_inputs_get_clear_errors(
         "accumulated since the last optim_step was dropped",
     )
     quick(
-        lambda: client.forward_backward([good], "cispo").result(),
+        lambda: client.forward_backward([good], "gspo").result(),
         tinker.BadRequestError,
         "not supported",
+    )
+    quick(
+        lambda: client.forward_backward([good], "dro").result(),
+        tinker.BadRequestError,
+        "dro needs loss_fn_config",
     )
     quick(
         lambda: client.forward_backward([good], "ppo", {"clip_eps": 0.2}).result(),

@@ -1,6 +1,6 @@
 """grail/tinker/core.py and checkpoints.py in-process (the SDK-driven tests are
 tests/test_tinker.py): sessions whose client died are reaped, checkpoint names and paths are
-checked."""
+checked; and the gradients of the losses whose formulas hold a term constant."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from grail.tinker import core as tinker_core
+from grail.tinker import losses
 from grail.tinker.checkpoints import Checkpoints
 from grail.tinker.core import ModelInfo, TinkerCore
 from grail.tinker.errors import Busy, NotFound, UserFault
@@ -83,3 +85,21 @@ def test_the_queue_is_bounded() -> None:
         core.jobs.submit(lambda: Result(json={}))
     assert refused.value.status == 429
     assert core.jobs._train.qsize() == 4
+
+
+def test_cispo_holds_its_clipped_ratio_constant_and_dro_pulls_back_to_the_sampler() -> None:
+    """The gradients the documented formulas mean (the SDK tests compare the values): cispo's
+    d L / d logp_t is -clip(ratio_t) * A_t, the ratio not differentiated; dro's is
+    -(A_t - beta * (logp_t - q_t))."""
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    q = torch.tensor([-1.5, -1.0, -0.5])
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    inputs = {"logprobs": q, "advantages": adv}
+    losses.cispo(logp, inputs, {}).sum().backward()
+    ratio = torch.exp(logp.detach() - q).clamp(losses.PPO_CLIP_LOW, losses.PPO_CLIP_HIGH)
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, -ratio * adv)
+    logp.grad = None
+    losses.dro(logp, inputs, {"beta": 0.5}).sum().backward()
+    assert logp.grad is not None
+    torch.testing.assert_close(logp.grad, -(adv - 0.5 * (logp.detach() - q)))

@@ -22,6 +22,16 @@ a client normalises through its weights or advantages, as on the hosted service.
 
       L = sum_t  -min(ratio_t * A_t, clip(ratio_t, lo, hi) * A_t)
 
+- ``cispo`` (same inputs and config as ppo, same defaults): the clipped ratio, held constant
+  (``sg``, stop-gradient), weighs the log-probability::
+
+      L = sum_t  -sg(clip(ratio_t, lo, hi)) * logp_t * A_t
+
+- ``dro`` (same inputs; ``loss_fn_config`` ``beta``, required: the hosted service documents the
+  loss but not a default, and guessing one would train with a penalty nobody chose)::
+
+      L = sum_t  -(logp_t * A_t - beta / 2 * (logp_t - q_t)^2)
+
 Each returns the per-token loss (``elementwise_loss``, summed into ``loss:sum``); the response also
 carries ``logprobs`` (logp, detached).
 """
@@ -40,13 +50,19 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("weights",),
     "importance_sampling": ("logprobs", "advantages"),
     "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
 }
 # loss_fn_config keys each loss reads; others are refused (a typo must not be ignored silently).
 CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "cross_entropy": (),
     "importance_sampling": (),
     "ppo": ("clip_low_threshold", "clip_high_threshold"),
+    "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
 }
+# The losses that clip the ratio (their records count the clipped tokens).
+CLIPPED = ("ppo", "cispo")
 
 
 class LossInputError(ValueError):
@@ -72,13 +88,19 @@ def check_loss(loss_fn: str, config: Mapping[str, float | str]) -> dict[str, flo
         if not isinstance(value, int | float) or value != value:
             raise LossInputError(f"loss_fn_config {key}={value!r} must be a finite number")
         numeric[key] = float(value)
-    if loss_fn == "ppo":
+    if loss_fn in CLIPPED:
         lo = numeric.get("clip_low_threshold", PPO_CLIP_LOW)
         hi = numeric.get("clip_high_threshold", PPO_CLIP_HIGH)
         if not 0 <= lo <= 1 <= hi:
             raise LossInputError(
-                f"ppo needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got {lo}, {hi}"
+                f"{loss_fn} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, "
+                f"got {lo}, {hi}"
             )
+    if loss_fn == "dro" and not numeric.get("beta", -1.0) >= 0:
+        raise LossInputError(
+            "dro needs loss_fn_config={'beta': B} with B >= 0 (the weight of its quadratic "
+            "penalty; no default is documented, so none is assumed)"
+        )
     return numeric
 
 
@@ -103,8 +125,22 @@ def ppo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float])
     return -torch.minimum(ratio * advantages, torch.clamp(ratio, lo, hi) * advantages)
 
 
+def cispo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    lo = config.get("clip_low_threshold", PPO_CLIP_LOW)
+    hi = config.get("clip_high_threshold", PPO_CLIP_HIGH)
+    weight = torch.clamp(torch.exp(logp - inputs["logprobs"]), lo, hi).detach()
+    return -weight * logp * inputs["advantages"]
+
+
+def dro(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    penalty = (logp - inputs["logprobs"]) ** 2
+    return -(logp * inputs["advantages"] - 0.5 * config["beta"] * penalty)
+
+
 LOSSES: dict[str, Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": importance_sampling,
     "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
 }

@@ -5,7 +5,7 @@ grail-train's (grail/schemas/train_iteration.schema.json), so grail-report and t
 What the server cannot know is written as zero: rewards and success live in the client's loop,
 so ``reward_mean``, ``reward_std``, ``success_rate`` are 0 and the ``tinker`` block says so.
 "Completion" tokens are the positions the loss weighs (a nonzero weight or advantage), "prompt"
-tokens the rest. ``logprob_mismatch`` (importance_sampling, ppo) is the mean |logp - q| over the
+tokens the rest. ``logprob_mismatch`` (every loss but cross_entropy) is the mean |logp - q| over the
 weighed tokens: how far the learner's log-probabilities are from the sampler's.
 
 When a training client's run ends (it is unloaded, its session closes or times out, or the server
@@ -28,7 +28,7 @@ from grail.core.records import (
     train_metrics_path,
     write_metrics,
 )
-from grail.tinker.losses import PPO_CLIP_HIGH, PPO_CLIP_LOW
+from grail.tinker.losses import CLIPPED, PPO_CLIP_HIGH, PPO_CLIP_LOW
 from grail.tinker.wire import Datum
 
 
@@ -62,7 +62,7 @@ class StepStats:
             q = torch.from_numpy(datum.inputs["logprobs"].values.copy()).to(logp.device)
             self.mismatch_sum += float((logp.float() - q).abs()[weighed].sum())
             self.mismatch_tokens += count
-            if loss_fn == "ppo":
+            if loss_fn in CLIPPED:
                 ratio = torch.exp(logp.float() - q)[weighed]
                 lo = config.get("clip_low_threshold", PPO_CLIP_LOW)
                 hi = config.get("clip_high_threshold", PPO_CLIP_HIGH)
