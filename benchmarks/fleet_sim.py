@@ -180,6 +180,7 @@ def run_iteration(
 
     if fail is not None:
         heapq.heappush(events, (fail[1], -1, -1, fail[0]))
+    balancer.new_batch(len(lengths), cost)
     dispatch(0.0)
     end = 0.0
     while events and len(answered) < len(lengths):
@@ -234,6 +235,14 @@ class Scenario:
     name: str
     speeds: Callable[[int], list[float]]
     fails: bool = False
+    # The speeds hold in the first iteration only; every server runs at 1.0 after it (a slowness
+    # that passed: the balancer must measure the server again to use it).
+    recovers: bool = False
+
+    def speeds_at(self, servers: int, iteration: int) -> list[float]:
+        if self.recovers and iteration > 0:
+            return [1.0] * servers
+        return self.speeds(servers)
 
 
 def _slow(count: Callable[[int], int]) -> Callable[[int], list[float]]:
@@ -241,10 +250,16 @@ def _slow(count: Callable[[int], int]) -> Callable[[int], list[float]]:
     return lambda n: [0.5 if i < count(n) else 1.0 for i in range(n)]
 
 
+def _third(n: int) -> list[float]:
+    return [1 / 3] + [1.0] * (n - 1)
+
+
 SCENARIOS = (
     Scenario("all equal", lambda n: [1.0] * n),
     Scenario("one at half speed", _slow(lambda n: 1)),
     Scenario("10% at half speed", _slow(lambda n: max(1, round(n / 10)))),
+    Scenario("one at a third of the speed", _third),
+    Scenario("one at a third, then recovered", _third, recovers=True),
     Scenario("one fails mid-iteration", lambda n: [1.0] * n, fails=True),
 )
 
@@ -256,6 +271,10 @@ class Outcome:
     window: int
     iteration_s: float  # the last iteration (measurements settled)
     first_iteration_s: float  # the first (no measurement yet)
+    # every iteration's seconds, and server 0's groups in each (the slow, failing or recovered
+    # server of the scenarios)
+    each_iteration_s: list[float]
+    server0_groups: list[int]
     rollouts_per_s: float
     ideal_rollouts_per_s: float
     utilisation: float
@@ -283,7 +302,6 @@ def simulate(
     one at `fail_at` seconds (the caller passes half the equal fleet's iteration)."""
     if scenario.fails and fail_at is None:
         raise ValueError(f"scenario {scenario.name!r} needs fail_at")
-    speeds = scenario.speeds(servers)
     rng = random.Random(seed)  # the same seed draws the same batches for every scenario
     balancer = balancer_factory(servers, window)
     cost = n * (max_len + 1) / 2  # expected tokens: the caller knows the distribution, not the draw
@@ -292,6 +310,7 @@ def simulate(
         batch = draw_batch(rng, groups_per_server * servers, n, max_len)
         last = it == iterations - 1
         fail = (0, fail_at) if scenario.fails and last and fail_at is not None else None
+        speeds = scenario.speeds_at(servers, it)
         results.append(
             run_iteration(balancer, speeds, batch, max_batch=max_batch, cost=cost, fail=fail)
         )
@@ -304,12 +323,16 @@ def simulate(
     if slow:
         fair = sum(speeds[i] for i in slow) / sum(speeds)
         share = sum(final.server_groups[i] for i in slow) / sum(final.server_groups) / fair
+    elif scenario.recovers:  # the once-slow server's share, now that it runs at full speed
+        share = final.server_groups[0] / sum(final.server_groups) * servers
     outcome = Outcome(
         servers=servers,
         scenario=scenario.name,
         window=window,
         iteration_s=final.seconds,
         first_iteration_s=results[0].seconds,
+        each_iteration_s=[r.seconds for r in results],
+        server0_groups=[r.server_groups[0] for r in results],
         rollouts_per_s=rate,
         ideal_rollouts_per_s=ideal,
         utilisation=rate / ideal,
@@ -330,7 +353,7 @@ def fleet_table(sizes: Sequence[int], *, window: int, **kwargs: Any) -> list[Out
             else:
                 fail_at = equal.iteration_s / 2 if scenario.fails else None
                 outcome, _ = simulate(servers, scenario, window=window, fail_at=fail_at, **kwargs)
-            capacity = sum(scenario.speeds(servers)) / servers
+            capacity = sum(scenario.speeds_at(servers, kwargs.get("iterations", 3) - 1)) / servers
             if not scenario.fails:
                 outcome.vs_equal = outcome.rollouts_per_s / (equal.rollouts_per_s * capacity)
             else:

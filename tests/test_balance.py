@@ -65,6 +65,48 @@ def test_a_third_speed_server_gets_nothing_while_the_fast_servers_answer() -> No
     assert balancer.choose(COST) == 1
 
 
+def test_a_server_measured_slow_is_probed_at_the_start_of_a_long_batch_it_fits() -> None:
+    # Server 0 was measured at a third of the speed: the rule leaves it idle, so only a probe
+    # measures it again. It gets the first group of a batch after one it held nothing in, when
+    # that group would end before the batch does: in a batch of 16 groups per server (four
+    # windows of 4), a third-speed group (3 units) ends before the even share (16 / 4 + 1 = 5).
+    balancer = Balancer(servers=2, window=4)
+    _measure(balancer, [500.0 / 3, 500.0])
+    balancer.new_batch(groups=2, cost=COST)  # the batch after the measuring one
+    assert balancer.choose(COST) == 1  # server 0 held a group in the last batch: no probe
+    balancer.started(1, COST)
+    balancer.finished(1, COST, tokens=5000, seconds=10.0)
+    assert not balancer.probe_fits(0, groups=4, cost=COST)  # 2 per server: (2/4 + 1) < 3
+    balancer.new_batch(groups=4, cost=COST)
+    assert balancer.choose(COST) == 1  # too short a batch to risk a slow group
+    balancer.started(1, COST)
+    balancer.finished(1, COST, tokens=5000, seconds=10.0)
+    balancer.new_batch(groups=32, cost=COST)  # 16 per server: it fits
+    assert balancer.choose(COST) == 0  # the probe
+    balancer.started(0, COST)
+    assert balancer.choose(COST) == 1  # one probe; then the rule
+    balancer.started(1, COST)
+    # answering at full speed now, it is measured again; a few answers and it has its share
+    for _ in range(6):
+        balancer.finished(0, COST, tokens=5000, seconds=10.0)
+        balancer.started(0, COST)
+    balancer.finished(0, COST, tokens=5000, seconds=10.0)
+    balancer.finished(1, COST, tokens=5000, seconds=10.0)
+    assert Counter(_fill(balancer, 8)) == {0: 4, 1: 4}
+
+
+def test_a_set_aside_or_unmeasured_server_is_not_probed() -> None:
+    balancer = Balancer(servers=3, window=4)
+    _measure(balancer, [500.0 / 3, 500.0, 500.0])
+    balancer.new_batch(groups=3, cost=COST)
+    balancer.set_aside(0)
+    balancer.new_batch(groups=300, cost=COST)
+    assert 0 not in balancer._probes
+    balancer.restore(0)  # a new process: unmeasured, it gets groups by the rule, no probe due
+    balancer.new_batch(groups=300, cost=COST)
+    assert 0 not in balancer._probes
+
+
 def test_a_half_speed_server_answering_later_asks_for_about_half_the_groups() -> None:
     # The pull the window makes: each answer frees one slot, and the groups waiting go where
     # the balancer says, or wait for the next answer. Server 0 answers at half the rate of the

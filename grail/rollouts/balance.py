@@ -31,6 +31,14 @@ gives a half-speed server about half a share, and the iteration waits ~2x for it
 3-9% (4.1 s against 3.8 at 32 servers: the noise of the measured speeds spreads their loads a
 little).
 
+Probes. Only answers update a speed, so a server once measured slow -- by noise, or by a slowness
+that has passed (a GPU shared for a while) -- would wait behind `WAIT_MARGIN` for the rest of the
+run. So when a batch starts (`new_batch`), a server that held no group through the last one is
+given the batch's first group (a probe) if that group would end before the batch does, as the
+rule's model expects it to last (`probe_fits`): at the start of a long batch a slow group costs
+nothing, while in a short one, where the iteration lasts about one group, it would make the
+batch wait, and there the fast servers absorb a missing server's share at no cost anyway.
+
 The window. A batching server (the built-in engine, vLLM, SGLang) decodes all the requests it
 holds at once, so it must hold several to run a full batch; but a group handed to a server can no
 longer move. With at most `window` groups in flight per server the rest of the batch waits here,
@@ -76,6 +84,7 @@ class ServerLoad:
     # first answer.
     tokens_per_s: float | None = None
     usable: bool = True  # False while set aside (dead, unreachable, restarting)
+    batch_groups: int = 0  # groups sent to it since the current batch started (`new_batch`)
     # For records: answered requests, their tokens, their summed latency (request-seconds, which
     # exceed wall time when requests overlap; busy_s / requests is the mean latency), and the
     # groups that failed on this server.
@@ -96,14 +105,52 @@ class Balancer:
             raise ValueError(f"Balancer window must be an integer >= 1, got {window!r}")
         self.window = window
         self.loads: list[ServerLoad] = [ServerLoad() for _ in range(servers)]
+        self._probes: list[int] = []  # servers due a probe in this batch, in index order
+
+    def new_batch(self, groups: int, cost: float) -> None:
+        """A batch of `groups` groups of `cost` each starts: the servers that held no group
+        through the last batch, measured, and whose one group fits in this one (`probe_fits`),
+        get its first groups (the module's "Probes")."""
+        _check_cost(cost)
+        self._probes = [
+            i
+            for i, load in enumerate(self.loads)
+            if load.usable
+            and load.batch_groups == 0
+            and load.tokens_per_s is not None
+            and self.probe_fits(i, groups, cost)
+        ]
+        for load in self.loads:
+            load.batch_groups = 0
+
+    def probe_fits(self, server: int, groups: int, cost: float) -> bool:
+        """Whether one group of `cost` on `server`, at its measured speed, would end before a
+        batch of `groups` groups spread evenly over the usable servers at the fastest measured
+        speed: ``cost / speed_server <= (groups / usable * cost / window + cost) / fastest``, the
+        rule's finish time of a server holding its even share."""
+        measured = [
+            load.tokens_per_s
+            for load in self.loads
+            if load.usable and load.tokens_per_s is not None
+        ]
+        speed = self._load(server).tokens_per_s
+        if speed is None or not measured:
+            return False
+        share = groups / len(self.usable()) * cost
+        return cost / speed <= (share / self.window + cost) / max(measured)
 
     def choose(self, cost: float) -> int | None:
-        """The server with a free window where a group of `cost` would finish first (the
-        module's rule), or None when the group should wait for a slot (every free server would
-        take `WAIT_MARGIN` times as long as a full one, or none is free: the caller waits for an
-        answer, then asks again) or no server is usable (the caller tells these apart with
-        `usable()`)."""
+        """A server due a probe (`new_batch`), else the server with a free window where a group
+        of `cost` would finish first (the module's rule), or None when the group should wait for
+        a slot (every free server would take `WAIT_MARGIN` times as long as a full one, or none
+        is free: the caller waits for an answer, then asks again) or no server is usable (the
+        caller tells these apart with `usable()`)."""
         _check_cost(cost)
+        while self._probes:
+            probe = self._probes.pop(0)
+            load = self.loads[probe]
+            if load.usable and load.in_flight < self.window and load.batch_groups == 0:
+                return probe  # the module's "Probes"
         measured = [load.tokens_per_s for load in self.loads if load.tokens_per_s is not None]
         unknown = sum(measured) / len(measured) if measured else 1.0
         free: int | None = None
@@ -131,6 +178,7 @@ class Balancer:
             raise ValueError(f"server {server}'s window of {self.window} groups is full")
         load.in_flight += 1
         load.outstanding += cost
+        load.batch_groups += 1
 
     def finished(self, server: int, cost: float, *, tokens: int, seconds: float) -> None:
         """`server` answered a group of `cost` with `tokens` completion tokens, `seconds` after

@@ -132,9 +132,12 @@ class FleetClient:
             return []
         # Expected tokens of one prompt's group: what the balancer weighs requests by.
         group_cost = n * (sampling.max_tokens or 1)
+        per_request = self.prompts_per_request(n, len(prompts))
+        requests = -(-len(prompts) // per_request)
+        self.balancer.new_batch(requests, group_cost * per_request)
         return await in_requests(
             len(prompts),
-            self.prompts_per_request(n, len(prompts)),
+            per_request,
             lambda start, stop: self._send(
                 prompts[start:stop], n, sampling, seeds[start:stop], group_cost
             ),
