@@ -375,6 +375,14 @@ class EvenSplit(Balancer):
         return min(free)[1] if free else None
 
 
+class NoProbes(Balancer):
+    """The balancer without its probes (`new_batch` does nothing): what a server measured slow
+    got before them."""
+
+    def new_batch(self, groups: int, cost: float) -> None:
+        pass
+
+
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * x:.1f}%"
 
@@ -390,6 +398,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--even-split", action="store_true", help="the baseline: round robin, speed ignored"
     )
+    parser.add_argument(
+        "--no-probes", action="store_true", help="the balancer without its probes (before them)"
+    )
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print the outcomes as JSON")
@@ -404,7 +415,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "max_batch": args.max_batch,
         "iterations": args.iterations,
         "seed": args.seed,
-        "balancer_factory": EvenSplit if args.even_split else Balancer,
+        "balancer_factory": (
+            EvenSplit if args.even_split else NoProbes if args.no_probes else Balancer
+        ),
     }
     outcomes = fleet_table(sizes, window=window, **common_kwargs)
 
