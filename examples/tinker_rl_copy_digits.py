@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def start_server(api_key: str, model: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(api_key: str, model: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     import socket
 
     with socket.socket() as sock:
@@ -79,7 +79,7 @@ def start_server(api_key: str, model: str) -> tuple[subprocess.Popen[bytes], str
             raise RuntimeError(f"grail-tinker exited with {proc.returncode}")
         try:
             if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                return proc, url
+                return proc, url, run_dir
         except httpx.TransportError:
             time.sleep(0.2)
     proc.terminate()
@@ -113,13 +113,15 @@ def main() -> None:
     proc = None
     url = args.base_url
     if url is None:
-        proc, url = start_server(args.api_key, args.model)
+        proc, url, run_dir = start_server(args.api_key, args.model)
     try:
         run(args, url)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(15)
+            # the server's records and checkpoints stay: the run as grail-report sees it
+            print(f"the server's run directory: uv run grail-report {run_dir}/runs", flush=True)
 
 
 def run(

@@ -1,21 +1,27 @@
 """grail/tinker/core.py and checkpoints.py in-process (the SDK-driven tests are
 tests/test_tinker.py): sessions whose client died are reaped, checkpoint names and paths are
-checked; and the gradients of the losses whose formulas hold a term constant."""
+checked; the gradients of the losses whose formulas hold a term constant; no step after the runs
+ended."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from grail.models.loading import load_model
+from grail.models.tiny import ensure_tiny_model
 from grail.tinker import core as tinker_core
-from grail.tinker import losses
+from grail.tinker import losses, wire
 from grail.tinker.checkpoints import Checkpoints
 from grail.tinker.core import ModelInfo, TinkerCore
 from grail.tinker.errors import Busy, NotFound, UserFault
 from grail.tinker.jobs import Result
+from grail.tinker.trainer import AdamStep, LoraSpec, Trainer
 
 
 def bare_core() -> TinkerCore:
@@ -103,3 +109,32 @@ def test_cispo_holds_its_clipped_ratio_constant_and_dro_pulls_back_to_the_sample
     losses.dro(logp, inputs, {"beta": 0.5}).sum().backward()
     assert logp.grad is not None
     torch.testing.assert_close(logp.grad, -(adv - 0.5 * (logp.detach() - q)))
+
+
+def test_no_step_is_taken_after_the_runs_end_and_the_summary_follows_the_last_record(
+    tmp_path: Path,
+) -> None:
+    model_dir = ensure_tiny_model()
+    model = load_model(model_dir)
+    trainer = Trainer(model, base_model="tiny", run_dir=tmp_path, max_context=64, max_clients=1)
+    run = trainer.create("s:train:0", LoraSpec(rank=4, seed=0))
+    ids = [5, 6, 7, 8, 9]
+    k = len(ids) - 1
+    datum = wire.Datum(
+        ids[:-1],
+        {
+            "target_tokens": wire.Tensor(np.array(ids[1:], dtype=np.int64), [k]),
+            "weights": wire.Tensor(np.ones(k, dtype=np.float32), [k]),
+        },
+    )
+    adam = AdamStep(1e-3, 0.9, 0.95, 1e-8, 0.0, 0.0)
+    trainer.forward_backward(run.model_id, [datum], "cross_entropy", {}, False)
+    trainer.optim_step(run.model_id, adam)
+    trainer.forward_backward(run.model_id, [datum], "cross_entropy", {}, False)
+    trainer.end_runs("server stopped")
+    with pytest.raises(UserFault, match="the server is stopping"):
+        trainer.optim_step(run.model_id, adam)
+    records = sorted((run.run_dir / "metrics").glob("train_iter_*.json"))
+    assert [r.name for r in records] == ["train_iter_000.json"]
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 1

@@ -58,6 +58,8 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 # Tokens per forward pass when a request's datums are batched (right-padded rows).
 MICROBATCH_TOKENS = 8192
+# How long the end of the runs waits for a step still running (a job thread past its stop time).
+END_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,10 @@ class Trainer:
         self._names = 0
         # The routes read `runs` (is this model_id known?) while jobs add and remove entries.
         self.lock = threading.Lock()
+        # Held by a step while it updates and writes its record, and by `end_runs`: a run's
+        # summary.json always comes after its last record.
+        self._recording = threading.Lock()
+        self._ended = False
 
     # ---- clients ------------------------------------------------------------------------------
 
@@ -197,12 +203,22 @@ class Trainer:
             self.base = self.peft.unload()
             self.peft = None
 
-    def end_runs(self, ended: str) -> None:
-        """The server stops: each loaded client's run ends (its summary.json), adapters kept."""
-        with self.lock:
-            runs = list(self.runs.values())
-        for run in runs:
-            self._summarise(run, ended)
+    def end_runs(self, ended: str, timeout: float = END_TIMEOUT_S) -> None:
+        """The server stops: each loaded client's run ends (its summary.json), adapters kept.
+        A step still running (its job outlived the job threads' stop timeout) writes its record
+        first, within `timeout`; no step is taken after."""
+        recording = self._recording.acquire(timeout=timeout)
+        if not recording:
+            log.warning("a step still running after %g s: summaries written beside it", timeout)
+        try:
+            self._ended = True
+            with self.lock:
+                runs = list(self.runs.values())
+            for run in runs:
+                self._summarise(run, ended)
+        finally:
+            if recording:
+                self._recording.release()
 
     def _summarise(self, run: TrainingRun, ended: str) -> None:
         try:
@@ -367,12 +383,17 @@ class Trainer:
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                 weight_decay=adam.weight_decay,
             )  # fmt: skip
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.steps += 1
-        stats, run.pending = run.pending, StepStats()
-        stats.train_s += time.perf_counter() - start
-        write_step_record(run.run_dir, run.steps - 1, stats, norm, adam.learning_rate, run.model_id)
+        with self._recording:  # the step and its record, or neither once the runs have ended
+            if self._ended:
+                raise UserFault("the server is stopping: the step was not taken")
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.steps += 1
+            stats, run.pending = run.pending, StepStats()
+            stats.train_s += time.perf_counter() - start
+            write_step_record(
+                run.run_dir, run.steps - 1, stats, norm, adam.learning_rate, run.model_id
+            )
         return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate}
 
     # ---- state ----------------------------------------------------------------------------------
