@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from grail.core.errors import UserError
-from grail.train import cli
+from grail.train import cli, launch
 
 REPO = Path(__file__).resolve().parents[1]
 # Small enough that a run reaches its first iteration fast (tests/test_train_loop.py's SMALL).
@@ -319,7 +319,7 @@ def test_an_unknown_error_keeps_its_traceback_and_a_known_one_is_one_line(
     def crash(config: object, run_dir: Path, resume: object, plan: object = None) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cli, "_train", crash)
+    monkeypatch.setattr(launch, "train", crash)
     with pytest.raises(RuntimeError, match="a bug"):  # not caught: Python prints its traceback
         cli._single_run(_compose(), tmp_path, HYDRA, None)
 
@@ -329,7 +329,7 @@ def test_an_unknown_error_keeps_its_traceback_and_a_known_one_is_one_line(
     def refuse(config: object, run_dir: Path, resume: object, plan: object = None) -> None:
         raise DirectoryInUse(f"{run_dir} is in use by pid 123")
 
-    monkeypatch.setattr(cli, "_train", refuse)
+    monkeypatch.setattr(launch, "train", refuse)
     with pytest.raises(SystemExit) as info:
         cli._single_run(_compose(), tmp_path, HYDRA, None)
     assert info.value.code == 1

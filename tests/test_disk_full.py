@@ -26,7 +26,7 @@ from grail.core import disk
 from grail.core.errors import DiskFullError, UserError
 from grail.core.records import atomic_write_text, read_metrics, write_summary
 from grail.train import checkpoint as checkpoint_module
-from grail.train import cli
+from grail.train import cli, launch, sweep_job
 from grail.train.checkpoint import (
     checkpoint_problems,
     commit_checkpoint,
@@ -154,7 +154,7 @@ def test_grail_train_says_it_in_one_line_with_the_resume_command(
     def full(config: object, run_dir: Path, resume: object = None, plan: object = None) -> None:
         raise DiskFullError(path)
 
-    monkeypatch.setattr(cli, "_train", full)
+    monkeypatch.setattr(launch, "train", full)
     with initialize_config_dir(config_dir=cli.CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="offline_grpo")
     with pytest.raises(SystemExit) as info:
@@ -177,7 +177,7 @@ def test_in_a_sweep_a_full_disk_stops_the_sweep_and_leaves_the_run_to_resume(
     def full(config: object, run_dir: Path, resume: object = None, plan: object = None) -> None:
         raise DiskFullError(run_dir / "checkpoints" / "iter_000")
 
-    monkeypatch.setattr(cli, "_train", full)
+    monkeypatch.setattr(launch, "train", full)
     hydra_cfg = OmegaConf.create(
         {
             "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
@@ -192,7 +192,7 @@ def test_in_a_sweep_a_full_disk_stops_the_sweep_and_leaves_the_run_to_resume(
         cfg = compose(config_name="offline_grpo")
     # Every later run would hit it too: not one failed run, but the end of the sweep ...
     with pytest.raises(DiskFullError):
-        cli._sweep_job(cfg, run_dir, hydra_cfg, None)
+        sweep_job.sweep_job(cfg, run_dir, hydra_cfg, None)
     # ... leaving the run incomplete, not failed: `resume=true` continues it.
     assert not (run_dir / "summary.json").exists()
 

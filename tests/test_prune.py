@@ -44,7 +44,8 @@ from grail.study.prune import (
 )
 from grail.study.runs import run_status
 from grail.study.sweep import Action, RunRecord, decide
-from grail.train.cli import CONF_DIR, SweepOutcome
+from grail.train.cli import CONF_DIR
+from grail.train.sweep_job import SweepOutcome
 
 
 def _config(study_dir: Path, seed: int = 0, **prune: object) -> Config:

@@ -41,7 +41,7 @@ from grail.study.sweep import (
     resource_overrides,
     run_shape,
 )
-from grail.train import cli
+from grail.train import launch, sweep_job
 from grail.train.cli import CONF_DIR
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -230,18 +230,18 @@ def _hydra_cfg(target: str, batch: int | None, job: int, task: list[str]):
 
 
 def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "visible_gpus", lambda: 4)
-    monkeypatch.setattr(cli, "available_cores", lambda: 16)
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 4)
+    monkeypatch.setattr(sweep_job, "available_cores", lambda: 16)
     # reproducible=false (the default): the threads follow the cores (reproducible=true: below)
     cfg = _compose("train.threads=3", "gpu.strategy=multi", "reproducible=false")
     cfg.generation.server_threads = 5  # set in a YAML file: also the user's choice
-    values = cli.sweep_resources(
+    values = sweep_job.sweep_resources(
         cfg, _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=["train.threads=3", "gpu.strategy=multi"])
     )
     assert values == {"gpu.server_gpu": 2, "gpu.training_gpu": 3}
 
     cfg = _compose("gpu.strategy=multi", "reproducible=false")
-    values = cli.sweep_resources(cfg, _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[]))
+    values = sweep_job.sweep_resources(cfg, _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[]))
     assert values == {
         "train.threads": 8,
         "generation.server_threads": 4,
@@ -254,14 +254,14 @@ def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) ->
 
     # one run at a time (basic launcher) or one allocation per job (SLURM): the whole machine
     for target in (BASIC, SUBMITIT_SLURM):
-        values = cli.sweep_resources(
+        values = sweep_job.sweep_resources(
             _compose("reproducible=false"), _hydra_cfg(target, None, job=5, task=[])
         )
         assert values["train.threads"] == 16 and values["gpu.server_gpu"] == 0
 
     # reproducible=true: fixed threads in a sweep as alone, so a seed gives the same numbers
     # either way; only the GPUs are shared out
-    values = cli.sweep_resources(
+    values = sweep_job.sweep_resources(
         _compose("gpu.strategy=multi", "reproducible=true"),
         _hydra_cfg(SUBMITIT_LOCAL, 2, job=3, task=[]),
     )
@@ -271,7 +271,7 @@ def test_cli_applies_the_share_to_the_config(monkeypatch: pytest.MonkeyPatch) ->
 def test_local_launcher_preset_composes_with_automatic_batch_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cli, "available_cores", lambda: 2)
+    monkeypatch.setattr(sweep_job, "available_cores", lambda: 2)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         local = compose(
             config_name="offline_grpo",
@@ -284,7 +284,7 @@ def test_local_launcher_preset_composes_with_automatic_batch_size(
             return_hydra_config=True,
         )
     assert local.hydra.launcher._target_ == SUBMITIT_LOCAL
-    gpus = cli.visible_gpus()
+    gpus = launch.visible_gpus()
     expected = gpus if gpus else 2
     assert local.hydra.sweeper.max_batch_size == expected
     assert local.hydra.launcher.gpus_per_node == gpus  # jobs see every GPU, grail splits them
@@ -466,11 +466,12 @@ DRIVER = textwrap.dedent(
     def task(cfg):
         import types
         import grail.train.cli as cli
+        import grail.train.launch as launch
 
         loop = types.ModuleType("grail.train.loop")
         loop.run = fake_run
         sys.modules["grail.train.loop"] = loop
-        cli.visible_gpus = lambda: 0  # a CPU machine, whatever this one has
+        launch.visible_gpus = lambda: 0  # a CPU machine, whatever this one has
         cli.train_job(cfg)
 
 
@@ -587,7 +588,7 @@ def test_submitit_local_launcher_runs_jobs_in_parallel_with_their_own_share(
     assert seen[0]["pid"] != seen[1]["pid"]  # separate processes...
     assert all(s["waited"] < 60 for s in seen)  # ...alive at the same time (they met)
     assert seen[0]["port"] != seen[1]["port"]
-    share = max(1, cli.available_cores() // 2)
+    share = max(1, sweep_job.available_cores() // 2)
     for s in seen:
         assert (s["threads"], s["server_threads"]) == (share, max(1, share // 2))
     assert (sweep_dir / ".submitit").is_dir()

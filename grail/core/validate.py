@@ -1,6 +1,6 @@
 """Checks of a composed config that its types cannot express: keys outside the schema, choices,
 ranges and combinations that cannot work, each error naming the key. One function per section;
-`validate` runs them all, once per run (grail.train.cli.preflight)."""
+`validate` runs them all, once per run (grail.train.launch.preflight)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class RunDirNotEmpty(UserError, FileExistsError):
 def run(cfg: Config, run_dir: Path, resume: Resume | None = None) -> dict[str, Any]:
     """Train according to `cfg`, writing everything into `run_dir`; returns the summary. Holds
     the directory's lock throughout; a run resumed after its last iteration only rewrites its
-    summary. `cfg` has passed `grail.train.cli.preflight` (which validates it, once per run);
+    summary. `cfg` has passed `grail.train.launch.preflight` (which validates it, once per run);
     `resume`: how a resume's command line changed the run's saved config (grail/train/resume.py).
 
     A run that fails once it holds its directory writes summary.json with the error; an interrupt

@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from grail.core.config import Config
-from grail.train.cli import CONF_DIR, preflight
+from grail.train.cli import CONF_DIR
+from grail.train.launch import preflight
 
 # Three iterations (two syncs after the first batch), one server thread: servers started by hand
 # or in a fleet then compute as the lone managed server does, on any machine (reductions split
