@@ -162,7 +162,6 @@ def start_server_engine(
     threads: int | None = None,
     extra_args: Sequence[str] = (),
     start_timeout: float | None = None,
-    make_server: Callable[..., ServerManager] = make_server_manager,
 ) -> ServerEngine:
     """Start a ``backend`` server on ``server_device`` from the base model (``load()``: a fresh
     copy, the staging model), written untied into ``directory`` with the tokenizer of
@@ -173,7 +172,7 @@ def start_server_engine(
     untie_output_layer(model)
     PolicyWeights(model).save(directory)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(directory)
-    same_device = torch.device(trainer_device) == torch.device(server_device)
+    same_device = _device(trainer_device) == _device(server_device)
     route = resolve_route(
         weight_transfer,
         BACKEND_CLASSES[backend].weight_routes,
@@ -183,7 +182,7 @@ def start_server_engine(
         lora=False,
         weight_sync="in_place",
     )
-    server = make_server(
+    server = make_server_manager(
         backend,
         directory,
         "tinker-sampler",
@@ -204,3 +203,9 @@ def start_server_engine(
         syncer.close()
         server.stop()
         raise
+
+
+def _device(name: str) -> torch.device:
+    """``name`` as a device, ``cuda`` spelled ``cuda:0`` (what this process addresses first)."""
+    device = torch.device(name)
+    return torch.device("cuda", device.index or 0) if device.type == "cuda" else device
