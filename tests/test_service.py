@@ -463,13 +463,21 @@ def held_out(run_dir: Path, iteration: int) -> tuple[float, float]:
 
 
 def test_a_client_in_another_process_teaches_the_default_task(
-    tmp_path: Path, trainers: list[ServiceRun]
+    tmp_path: Path, trainers: list[ServiceRun], warm_base: Path
 ) -> None:
     """The default task, its rewards computed and sent by examples/service_client.py alone:
-    held-out success (evaluated by the trainer on seeds the client never sees) rises."""
+    held-out success (evaluated by the trainer on seeds the client never sees) rises. From the
+    base 80 iterations of the default job trained (`warm_base`, shared with the LoRA and Tinker
+    learning tests), which knows its tokens: from the random tiny model success rises only
+    after ~50 iterations."""
     run_dir = tmp_path / "run"
-    iterations = 100
-    trainer = ServiceRun(run_dir, f"train.iterations={iterations}", "eval.interval=50")
+    iterations = 30
+    trainer = ServiceRun(
+        run_dir,
+        f"model.train_id={warm_base}",
+        f"train.iterations={iterations}",
+        f"eval.interval={iterations}",
+    )
     trainers.append(trainer)
     trainer.connect().close()
     printed = run_client(trainer.endpoint, "--workers", "8")
@@ -480,12 +488,11 @@ def test_a_client_in_another_process_teaches_the_default_task(
         held_out(run_dir, iterations - 1),
     )
     # The order groups arrive in varies from run to run (and with the machine's load), and with it
-    # how fast the task is learnt, like a seed: one run had success 0.90 after 100 iterations,
-    # another 0.000 on a busy 2-core machine. Success (all digits right) rises late and abruptly
-    # (the default job: 0.00 until iteration ~50, 0.30 at 89, 0.68 at 99); the mean reward (the
-    # share of digits right) rises from the start (0.003 -> 0.04 at 19, 0.21 at 49, 0.75 at 99),
-    # so a rise of 0.1 in held-out reward is what every arrival order reaches by iteration 99.
+    # how fast the task is learnt, like a seed. Measured on the idle 2-core machine from the warm
+    # base (success 0.086, reward 0.290): after 30 iterations success 0.89, reward 0.91; after 20,
+    # success 0.53 and 0.37, reward 0.58 and 0.50. The asserted rises leave room for a busy machine.
     assert reward >= reward_0 + 0.1, ((success_0, reward_0), (success, reward), trainer.output())
+    assert success >= success_0 + 0.1, ((success_0, reward_0), (success, reward))
     record = read_json(train_metrics_path(run_dir, iterations - 1))
     assert record is not None and len(record["service"]["groups"]) == 64
     assert {g["source"] for g in record["service"]["groups"]} == {"completions"}

@@ -497,9 +497,10 @@ def test_ended_runs_are_done_for_grail_report(tmp_path: Path, tokenizer: Any) ->
     datum = sft_datum(tokenizer, TEXTS[0])
     adam = types.AdamParams(learning_rate=1e-3)
     with TinkerServer(tmp_path / "run", tmp_path / "server.log") as server:
-        ids = []
+        ids, services = [], []
         for steps in (2, 1):
             service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+            services.append(service)
             client = service.create_lora_training_client(base_model="tiny", rank=4).result()
             service.create_lora_training_client(base_model="tiny", rank=4).result()  # idle
             for _ in range(steps):
@@ -514,6 +515,8 @@ def test_ended_runs_are_done_for_grail_report(tmp_path: Path, tokenizer: Any) ->
         while not closed.exists() and time.monotonic() < deadline:  # unloaded as a job
             time.sleep(0.05)
         assert not (runs / ids[1] / "summary.json").exists()  # still loaded
+    # the open session's heartbeats would go on failing against the stopped server
+    services[1].close("interrupted")
     assert sorted(p.name for p in runs.iterdir()) == sorted(ids)  # the idle ones left nothing
     summaries = {i: read_metrics(runs / i / "summary.json") for i in ids}
     assert [summaries[i]["tinker"]["ended"] for i in ids] == ["session finished", "server stopped"]
