@@ -101,8 +101,7 @@ def _single_run(
     """One run. A failure after the run claimed its directory writes summary.json with its error
     (grail/train/loop.py); a configuration error (exit 2) writes nothing: nothing started."""
     try:
-        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        launch.preflight(config, launch.env_choice(hydra_cfg, run_dir, resume))
+        config = launch.checked_config(cfg, hydra_cfg, run_dir, resume)
         launch.train(config, run_dir, resume, plan)
     except UserError as exc:
         code = report_run_error(exc, run_dir)
@@ -137,8 +136,7 @@ def _other_node(
             cfg = resume.config
         if multirun:
             sweep_job.sweep_settings(cfg, hydra_cfg)
-        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        launch.preflight(config, launch.env_choice(hydra_cfg, run_dir, resume))
+        config = launch.checked_config(cfg, hydra_cfg, run_dir, resume)
         if config.reproducible:
             apply_reproducible_env(os.environ)
         launch_ranks(config, run_dir, resume, None, plan)

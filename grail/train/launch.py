@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from grail.core.config import Config
 from grail.core.errors import ConfigError, UserError
 from grail.core.nodes import NodePlan
@@ -111,7 +113,15 @@ def failed_summary(config: Config, run_dir: Path, exc: BaseException) -> None:
         log.warning("summary.json not written: %s", unwritten)
 
 
-def env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | None:
+def checked_config(cfg: DictConfig, hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> Config:
+    """The run's typed config from the composed one, through `preflight` (with the `env=` choice
+    it was composed with)."""
+    config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    preflight(config, _env_choice(hydra_cfg, run_dir, resume))
+    return config
+
+
+def _env_choice(hydra_cfg: Any, run_dir: Path, resume: Resume | None) -> str | None:
     """The `env=` choice the run's config was composed with: the saved one for a resume."""
     if resume is not None:
         env = saved_choices(run_dir).get("env")

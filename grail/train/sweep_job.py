@@ -21,7 +21,6 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from grail.core.choices import GpuStrategy
-from grail.core.config import Config
 from grail.core.errors import DiskFullError
 from grail.core.nodes import NodePlan
 from grail.core.placement import GpuConfig, available_cores
@@ -131,8 +130,7 @@ def sweep_job(
     t0 = time.perf_counter()
     try:
         sweep_settings(cfg, hydra_cfg)
-        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-        launch.preflight(config, launch.env_choice(hydra_cfg, run_dir, resume))
+        config = launch.checked_config(cfg, hydra_cfg, run_dir, resume)
         launch.train(config, run_dir, resume, plan)
     except DiskFullError:
         raise  # every later run would hit it too: the sweep stops (train_job), resumable
