@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grail.core.choices import BACKENDS
 from grail.core.errors import UserError
 
 if TYPE_CHECKING:
@@ -26,9 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("grail.tinker")
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
-# The server samplers (grail/tinker/server_sampler.py SERVER_SAMPLERS), named here so that --help
-# answers without importing torch.
-SERVER_SAMPLERS = ("builtin", "vllm", "sglang")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sampler",
         default="engine",
-        choices=("engine", *SERVER_SAMPLERS),
+        choices=("engine", *BACKENDS),  # a sampler server: grail-train's backends
         help="engine: the built-in engine in this process; builtin, vllm or sglang: that server "
         "in its own process, given each snapshot's weights through a weight route",
     )

@@ -65,6 +65,14 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 CLIPPED = ("ppo", "cispo")
 
 
+def clip_bounds(config: Mapping[str, float]) -> tuple[float, float]:
+    """(lo, hi) of a clipping loss: its ``loss_fn_config`` thresholds, or ppo's defaults."""
+    return (
+        config.get("clip_low_threshold", PPO_CLIP_LOW),
+        config.get("clip_high_threshold", PPO_CLIP_HIGH),
+    )
+
+
 class LossInputError(ValueError):
     """A loss function, its config or a datum's inputs this server cannot use."""
 
@@ -89,8 +97,7 @@ def check_loss(loss_fn: str, config: Mapping[str, float | str]) -> dict[str, flo
             raise LossInputError(f"loss_fn_config {key}={value!r} must be a finite number")
         numeric[key] = float(value)
     if loss_fn in CLIPPED:
-        lo = numeric.get("clip_low_threshold", PPO_CLIP_LOW)
-        hi = numeric.get("clip_high_threshold", PPO_CLIP_HIGH)
+        lo, hi = clip_bounds(numeric)
         if not 0 <= lo <= 1 <= hi:
             raise LossInputError(
                 f"{loss_fn} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, "
@@ -118,16 +125,14 @@ def importance_sampling(
 
 
 def ppo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
-    lo = config.get("clip_low_threshold", PPO_CLIP_LOW)
-    hi = config.get("clip_high_threshold", PPO_CLIP_HIGH)
+    lo, hi = clip_bounds(config)
     ratio = torch.exp(logp - inputs["logprobs"])
     advantages = inputs["advantages"]
     return -torch.minimum(ratio * advantages, torch.clamp(ratio, lo, hi) * advantages)
 
 
 def cispo(logp: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
-    lo = config.get("clip_low_threshold", PPO_CLIP_LOW)
-    hi = config.get("clip_high_threshold", PPO_CLIP_HIGH)
+    lo, hi = clip_bounds(config)
     weight = torch.clamp(torch.exp(logp - inputs["logprobs"]), lo, hi).detach()
     return -weight * logp * inputs["advantages"]
 

@@ -28,7 +28,7 @@ from grail.core.records import (
     train_metrics_path,
     write_metrics,
 )
-from grail.tinker.losses import CLIPPED, PPO_CLIP_HIGH, PPO_CLIP_LOW
+from grail.tinker.losses import CLIPPED, clip_bounds
 from grail.tinker.wire import Datum
 
 
@@ -64,8 +64,7 @@ class StepStats:
             self.mismatch_tokens += count
             if loss_fn in CLIPPED:
                 ratio = torch.exp(logp.float() - q)[weighed]
-                lo = config.get("clip_low_threshold", PPO_CLIP_LOW)
-                hi = config.get("clip_high_threshold", PPO_CLIP_HIGH)
+                lo, hi = clip_bounds(config)
                 self.clipped_low += int((ratio < lo).sum())
                 self.clipped_high += int((ratio > hi).sum())
 

@@ -45,14 +45,6 @@ MAX_SAMPLES = 128
 _PEFT_PREFIX = "base_model.model."
 
 
-class Sampled(Protocol):
-    """One finished sample, as an engine gives it."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
 class SampleEngine(Protocol):
     """What the Sampler needs of an engine: the model to merge snapshots into (the engine's own,
     or a server sampler's staging copy), copying weights into what samples, and sampling."""
@@ -270,8 +262,9 @@ class Sampler:
                 )
             deltas = snapshot.deltas()
         model = self.engine.model
-        if "lm_head" in deltas and getattr(model.config, "tie_word_embeddings", False):
-            self._untie()
+        if "lm_head" in deltas:
+            # the engine is idle: nothing is queued while the sampler thread waits
+            untie_output_layer(model)
         tensors = {}
         for module in set(self._base) | set(deltas):
             name = f"{module}.weight"
@@ -285,14 +278,6 @@ class Sampler:
             self.engine.copy_weights(tensors, key or "base", "merged LoRA snapshot")
         self._loaded = key
 
-    def _untie(self) -> None:
-        """Give the output layer its own weights, so that a LoRA on it leaves the input
-        embeddings alone (the engine is idle: nothing is queued while the sampler thread waits)."""
-        model = self.engine.model
-        head = model.get_output_embeddings()
-        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        model.config.tie_word_embeddings = False
-
     def _prompt_logprobs(self, job: SampleJob) -> list[float]:
         """log p(prompt[t] | prompt[:t]) for t >= 1 (NaN at 0, and before the last n)."""
         ids = torch.tensor([job.prompt], device=self.engine.device)
@@ -304,6 +289,16 @@ class Sampler:
             cut = len(values) - job.last_n
             values[:cut] = [math.nan] * cut
         return values
+
+
+def untie_output_layer(model: Any) -> None:
+    """Give a tied output layer its own copy of the embedding, so that a LoRA on it leaves the
+    input embeddings alone (a no-op for an untied model)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
 
 
 def sampling_params(raw: dict[str, Any]) -> SamplingParams:

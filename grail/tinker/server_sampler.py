@@ -42,8 +42,8 @@ from grail.inference.process import ServerManager
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.route import resolve_route
 from grail.inference.weights.syncer import WeightSyncer
+from grail.tinker.sampler import untie_output_layer
 
-SERVER_SAMPLERS = tuple(BACKEND_CLASSES)  # builtin, vllm, sglang
 #: seconds one completion request may take (a whole non-streamed generation)
 REQUEST_TIMEOUT_S = 600.0
 
@@ -58,7 +58,6 @@ class ServerEngine:
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         config = model.config
         self.max_model_len = int(getattr(config, "max_position_embeddings", 0) or 2048)
-        self.syncs = 0  # weight syncs so far (for tests and logs)
         # The client lives on its own event loop: the Sampler calls from its thread.
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -83,7 +82,6 @@ class ServerEngine:
             for name, tensor in tensors.items():
                 self.model.get_parameter(name).copy_(tensor)
         self.syncer.sync(PolicyWeights(self.model), weight_version)
-        self.syncs += 1
 
     def submit(
         self, prompt: Sequence[int], params: SamplingParams, n: int = 1, seed: int | None = None
@@ -138,15 +136,6 @@ def client_params(params: SamplingParams) -> completions.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
     )
-
-
-def untie_output_layer(model: Any) -> None:
-    """Give a tied output layer its own copy of the embedding (module docstring)."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return
-    head = model.get_output_embeddings()
-    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    model.config.tie_word_embeddings = False
 
 
 def start_server_engine(
