@@ -278,6 +278,7 @@ class Outcome:
     rollouts_per_s: float
     ideal_rollouts_per_s: float
     utilisation: float
+    capacity: float  # the last iteration's mean server speed (1.0: all at full speed)
     vs_equal: float | None = None
     failure_cost_s: float | None = None
     resent: int = 0
@@ -336,6 +337,7 @@ def simulate(
         rollouts_per_s=rate,
         ideal_rollouts_per_s=ideal,
         utilisation=rate / ideal,
+        capacity=sum(speeds) / servers,
         resent=final.resent,
         slow_share=share,
     )
@@ -353,9 +355,10 @@ def fleet_table(sizes: Sequence[int], *, window: int, **kwargs: Any) -> list[Out
             else:
                 fail_at = equal.iteration_s / 2 if scenario.fails else None
                 outcome, _ = simulate(servers, scenario, window=window, fail_at=fail_at, **kwargs)
-            capacity = sum(scenario.speeds_at(servers, kwargs.get("iterations", 3) - 1)) / servers
             if not scenario.fails:
-                outcome.vs_equal = outcome.rollouts_per_s / (equal.rollouts_per_s * capacity)
+                outcome.vs_equal = outcome.rollouts_per_s / (
+                    equal.rollouts_per_s * outcome.capacity
+                )
             else:
                 outcome.failure_cost_s = outcome.iteration_s - equal.iteration_s
             outcomes.append(outcome)
