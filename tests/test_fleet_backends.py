@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls, info, plan
+from helpers.fake_gpu_server import (
+    RELOAD_ROUTES,
+    FakeSGLangServer,
+    FakeVLLMServer,
+    calls,
+    info,
+    plan,
+)
 
 from grail.core.config import Config, DataConfig, GenerationConfig, TrainConfig
 from grail.core.errors import ConfigError
@@ -177,8 +184,3 @@ def test_a_fleet_reloads_every_server_and_restarts_a_dead_one_in_the_background(
         loop.close()
         fleet.stop()
     assert not any(s.is_alive() for s in servers)
-
-
-# The reload route of each backend (docs/protocols.md): vLLM's collective_rpc reload_weights,
-# SGLang's update_weights_from_disk.
-RELOAD_ROUTES = {"/collective_rpc", "/update_weights_from_disk"}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ import numpy as np
 import pytest
 import tinker
 import torch
-from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls, info
+from helpers.fake_gpu_server import RELOAD_ROUTES, FakeSGLangServer, FakeVLLMServer, calls, info
+from helpers.grail_process import alive, servers_of, wait_for
 from helpers.tinker_server import API_KEY, TinkerServer
 from safetensors.torch import load_file
 from tinker import types
@@ -86,7 +86,7 @@ def test_a_sampler_server_samples_what_the_engine_samples_and_goes_with_its_serv
         TinkerServer(tmp_path / "engine", tmp_path / "engine.log") as engine_server,
         TinkerServer(tmp_path / "builtin", tmp_path / "ours.log", "--sampler", "builtin") as ours,
     ):
-        children = _processes_naming(sampler_dir / "model")
+        children = servers_of(sampler_dir / "model")
         assert children, "no sampler server process serves the run's sampler directory"
         engine = _samples(engine_server.url, tokenizer)
         builtin = _samples(ours.url, tokenizer)
@@ -107,10 +107,11 @@ def test_a_sampler_server_samples_what_the_engine_samples_and_goes_with_its_serv
         builtin["prompt logprobs"][1:], engine["prompt logprobs"][1:], atol=1e-5
     )
     # the sampler server stopped with grail-tinker, and left its log
-    deadline = time.monotonic() + 15
-    while any(_alive(pid) for pid in children):
-        assert time.monotonic() < deadline, f"sampler server {children} outlived grail-tinker"
-        time.sleep(0.1)
+    wait_for(
+        lambda: not any(alive(pid) for pid in children),
+        15,
+        f"sampler server {children} to end with grail-tinker",
+    )
     assert (sampler_dir / "logs" / "builtin-tinker-sampler.log").is_file()
 
 
@@ -170,10 +171,7 @@ def test_a_snapshot_reaches_a_gpu_server_as_merged_weights_it_reloads(
         dead = engine.server.pid
         assert dead is not None
         os.kill(dead, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while engine.server.is_alive():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: not engine.server.is_alive(), 10, "the killed server to be gone")
         (answer,) = sampler.run([job])
         assert isinstance(answer, bytes), answer
         assert engine.server.recoveries == 1 and engine.server.pid != dead
@@ -181,27 +179,3 @@ def test_a_snapshot_reaches_a_gpu_server_as_merged_weights_it_reloads(
     finally:
         engine.stop()
     assert not engine.server.is_alive()
-
-
-RELOAD_ROUTES = {"/collective_rpc", "/update_weights_from_disk"}
-
-
-def _processes_naming(path: Path) -> list[int]:
-    """Pids of the processes whose command line names `path`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
-            try:
-                if str(path) in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except OSError:
-        return False
-    return state != "Z"

@@ -34,6 +34,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 FAKE_GPU_SERVER = Path(__file__).resolve()
 FIXTURES = FAKE_GPU_SERVER.parents[1] / "fixtures"
+# The reload route of each backend (docs/protocols.md): vLLM's collective_rpc reload_weights,
+# SGLang's update_weights_from_disk.
+RELOAD_ROUTES = frozenset({"/collective_rpc", "/update_weights_from_disk"})
 ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
     "VLLM_SERVER_DEV_MODE",
