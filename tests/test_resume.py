@@ -54,7 +54,27 @@ def test_a_resume_without_overrides_runs_with_the_saved_config(tmp_path: Path) -
     # The same overrides as the start are no change either (a sweep's rerun).
     same = _plan(run_dir, "train.iterations=3", "train.lr=0.01", "model.lora.enabled=true")
     assert same is not None and same.changes == {}
-    assert _plan(tmp_path / "fresh", "resume=true") is None  # nothing saved: a fresh start
+    assert _plan(tmp_path / "fresh", "resume=true") is None  # a sweep's job not started yet
+
+
+def test_resume_true_in_a_directory_without_a_run_is_refused_naming_it(tmp_path: Path) -> None:
+    # In-process: a single run's resume needs a run; a sweep with runs below is named.
+    sweep = tmp_path / "sweep"
+    _saved_run(sweep / "0")
+    with pytest.raises(ConfigError) as err:
+        plan_resume(_compose("resume=true"), sweep, ["resume=true"], CHOICES, require_run=True)
+    message = str(err.value)
+    assert f"{sweep} holds no run to resume" in message and "\n" not in message
+    assert f"hydra.run.dir={sweep}/0" in message  # the sweep's run it could have meant
+    # Through grail-train: one line, exit 2, nothing started, and the directory stays runless.
+    empty = tmp_path / "empty"
+    result = grail_train(f"hydra.run.dir={empty}", "resume=true", timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if "holds no run to resume" in line]
+    assert len(errors) == 1 and str(empty) in errors[0], out[-3000:]
+    assert "Traceback" not in out
+    assert not (empty / ".hydra").exists() and not (empty / "summary.json").exists()
 
 
 def test_a_resume_refuses_every_change_that_alters_the_run_in_one_message(tmp_path: Path) -> None:

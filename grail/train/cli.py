@@ -22,7 +22,7 @@ included, reported by `main` as one line), 1 for another known user error (a ful
 one line naming the file, and the resume command) or an exception (with its traceback; either way
 a run that got its directory writes summary.json with the error), 130 after Ctrl-C, 143 after
 SIGTERM. With `resume=true` a run takes its saved config and refuses changes outside a short list
-(grail/train/resume.py).
+(grail/train/resume.py), and a directory that holds no run to continue (exit 2, naming it).
 """
 
 from __future__ import annotations
@@ -182,7 +182,9 @@ def train_job(cfg: DictConfig) -> None:
         return
     try:
         with run_lock(run_dir):
-            resume = _plan_resume(cfg, run_dir, hydra_cfg, multirun)
+            # A sweep's job may find its run not started yet (a fresh start); another node
+            # (_other_node) leaves the directory to node 0.
+            resume = _plan_resume(cfg, run_dir, hydra_cfg, multirun, require_run=not multirun)
             if resume is None:
                 save_hydra_files(run_dir, cfg, hydra_cfg)
             else:
@@ -223,15 +225,21 @@ def train_job(cfg: DictConfig) -> None:
         sys.exit(interrupt_exit_code(exc))
 
 
-def _plan_resume(cfg: DictConfig, run_dir: Path, hydra_cfg: Any, multirun: bool) -> Resume | None:
+def _plan_resume(
+    cfg: DictConfig, run_dir: Path, hydra_cfg: Any, multirun: bool, *, require_run: bool = False
+) -> Resume | None:
     """With resume=true in a directory that holds a run's config: that config, with the allowed
     changes of this command line (grail/train/resume.py). A refused change ends a single run with
-    one line (exit 2) and stops a sweep (`main` reports it), before anything is written."""
+    one line (exit 2) and stops a sweep (`main` reports it), before anything is written; so does
+    a directory without a run when `require_run` (a single run's node 0: it would start afresh
+    where the user meant to continue)."""
     if not cfg.resume:
         return None
     overrides = [str(o) for o in hydra_cfg.overrides.task]
     try:
-        return plan_resume(cfg, run_dir, overrides, hydra_cfg.runtime.choices)
+        return plan_resume(
+            cfg, run_dir, overrides, hydra_cfg.runtime.choices, require_run=require_run
+        )
     except ConfigError as exc:
         if multirun:
             raise ConfigError(f"sweep job {int(hydra_cfg.job.num)}: {exc}") from exc

@@ -114,6 +114,25 @@ def saved_config(run_dir: Path) -> DictConfig | None:
     return merged
 
 
+def no_run_message(run_dir: Path) -> str:
+    """Why `resume=true` in `run_dir` has nothing to continue, and what to do instead."""
+    where = run_dir.absolute()
+    runs = sorted(p.parent.parent.name for p in where.glob(f"*/{HYDRA_DIR}/{CONFIG_FILE}"))
+    hint = ""
+    if runs:  # a sweep's directory, named where one of its runs was meant
+        named = ", ".join(runs[:5]) + (", ..." if len(runs) > 5 else "")
+        hint = (
+            f"; it holds the runs of a sweep ({named}): resume one with "
+            f"hydra.run.dir={where}/{runs[0]}, or the sweep with -m, its overrides and "
+            f"hydra.sweep.dir={where}"
+        )
+    return (
+        f"resume=true: {where} holds no run to resume (no {HYDRA_DIR}/{CONFIG_FILE} there){hint}; "
+        "name the run's directory with hydra.run.dir=RUN_DIR, or drop resume=true to start a new "
+        "run"
+    )
+
+
 def saved_choices(run_dir: Path) -> dict[str, Any]:
     """The config group choices the run was started with (`env`, `model`, ...), from
     `.hydra/hydra.yaml`; {} when unreadable."""
@@ -145,13 +164,20 @@ def plan_resume(
     run_dir: Path,
     overrides: Sequence[str],
     choices: Mapping[str, Any],
+    *,
+    require_run: bool = False,
 ) -> Resume | None:
     """What a `resume=true` run in `run_dir` runs with: its saved config with the allowed changes
     of `overrides` (the command line's, composed into `cfg`; `choices`: the config group choices
-    they made). None when nothing is saved there (a fresh start). Raises ConfigError listing every
-    refused change as `key: old -> new`."""
+    they made). None when nothing is saved there: a fresh start, which a sweep's job whose run
+    never started makes; with `require_run` (a single run: `resume=true` names a run to continue,
+    and a fresh one in a mistyped or default `hydra.run.dir` would pass for it) a ConfigError
+    naming the directory instead. Raises ConfigError listing every refused change as
+    `key: old -> new`."""
     saved = saved_config(run_dir)
     if saved is None:
+        if require_run:
+            raise ConfigError(no_run_message(run_dir))
         return None
     before_choices = saved_choices(run_dir)
     changes: dict[str, tuple[Any, Any]] = {}
