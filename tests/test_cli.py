@@ -20,6 +20,7 @@ import pytest
 from helpers.grail_process import servers_of
 from helpers.run_dirs import grail_train
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from grail.core.errors import UserError
@@ -91,6 +92,47 @@ def test_a_key_added_with_plus_is_rejected_naming_it_and_the_closest_key(
     assert f"did you mean {hint}?" in out, out[-3000:]
     assert "Traceback" not in out
     assert _nothing_started(tmp_path)
+
+
+def test_a_mistyped_key_without_plus_names_the_key_it_resembles_at_once(tmp_path: Path) -> None:
+    """Hydra's own answer to `train.lrr=1e-3` is to add the key with `+`, which is then refused:
+    the first answer names the key meant, in one line."""
+    result = grail_train(*SMALL, "train.lrr=1e-3", f"hydra.run.dir={tmp_path}")
+    out = _output(result)
+    assert result.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("invalid configuration")]
+    assert errors == [
+        "invalid configuration: unknown config key train.lrr (did you mean train.lr?)"
+    ]
+    assert "+train.lrr" not in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "generation.temprature=0.5",
+            "generation.temprature (did you mean generation.temperature?)",
+        ),
+        ("modl=tiny", "modl (did you mean model?)"),
+        ("train.lora.r=4", "train.lora.r (did you mean model.lora.r?)"),  # another section's
+        ("temperature=0.5", "temperature (did you mean generation.temperature?)"),
+        ("lrr=3", "lrr (the top level has: seed, reproducible, "),
+    ],
+)
+def test_hydra_unknown_key_errors_name_the_closest_schema_key(override: str, line: str) -> None:
+    with pytest.raises(HydraException) as err:
+        _compose(override)
+    assert cli.hydra_error_line(err.value).startswith(f"unknown config key {line}")
+
+
+@pytest.mark.parametrize("override", ["data.env_kwargs.pth=1", "hydra.foo=1"])
+def test_keys_outside_the_schemas_sections_keep_hydras_advice(override: str) -> None:
+    """data.env_kwargs takes the environment's arguments with `+` (checked against them then);
+    hydra.* is Hydra's own config."""
+    with pytest.raises(HydraException) as err:
+        _compose(override)
+    assert cli.hydra_error_line(err.value).startswith(f"Could not override '{override[:-2]}'")
 
 
 # --- 10: environment arguments ---------------------------------------------------------------

@@ -8,6 +8,7 @@ import difflib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, is_dataclass
+from typing import get_type_hints
 
 from grail.core.choices import (
     Backend,
@@ -68,21 +69,64 @@ def unknown_keys(node: object, prefix: str = "") -> list[tuple[str, list[str]]]:
     return found
 
 
+def _unknown_key_hint(key: str, known: Sequence[str]) -> str:
+    """'did you mean train.lr?' for `key` (train.lrr) outside its section, whose keys are
+    `known`; the section's keys when none is close."""
+    section, _, name = key.rpartition(".")
+    close = closest(name, known)
+    if close:
+        return f"did you mean {section + '.' if section else ''}{close}?"
+    return f"{section or 'the top level'} has: {', '.join(known)}"
+
+
 def check_known_keys(cfg: Config) -> None:
     """Refuse a key outside the schema (see `unknown_keys`), naming it and the closest valid one."""
     for key, known in unknown_keys(cfg):
-        section, _, name = key.rpartition(".")
-        where = f"{section}." if section else ""
-        close = closest(name, known)
-        hint = (
-            f"did you mean {where}{close}?"
-            if close
-            else f"{section or 'the top level'} has: {', '.join(known)}"
-        )
         raise ConfigError(
-            f"unknown config key {key} ({hint}); a key added with + or ++ must still be one of "
-            "the schema's (grail/core/config.py)"
+            f"unknown config key {key} ({_unknown_key_hint(key, known)}); a key added with + or "
+            "++ must still be one of the schema's (grail/core/config.py)"
         )
+
+
+def unknown_key_message(key: str, schema: type = Config) -> str | None:
+    """What to say of an override of `key` that the composed config lacks (Hydra's "Could not
+    override 'train.lrr'", with its advice to add the key with `+`, which `check_known_keys`
+    would then refuse): "unknown config key train.lrr (did you mean train.lr?)", from the first
+    part of the key the schema's sections do not define. None when the key leads out of the
+    schema's sections (a free-form field such as data.env_kwargs, whose keys the environment
+    checks once added with `+`; hydra.*): Hydra's own message says it better there."""
+    if key == "hydra" or key.startswith("hydra."):
+        return None
+    node: type = schema
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        known = [f.name for f in fields(node)]
+        if part not in known:
+            unknown = ".".join(parts[: i + 1])
+            # A key put in another section (train.lora.r for model.lora.r, temperature for
+            # generation.temperature) is that section's key with the same tail.
+            tail = "." + ".".join(parts[i:])
+            elsewhere = [k for k in schema_keys(schema) if k.endswith(tail)]
+            if elsewhere:
+                return f"unknown config key {key} (did you mean {' or '.join(elsewhere[:3])}?)"
+            return f"unknown config key {unknown} ({_unknown_key_hint(unknown, known)})"
+        child = get_type_hints(node)[part]
+        if not (is_dataclass(child) and isinstance(child, type)):
+            return None
+        node = child
+    return None
+
+
+def schema_keys(node: type, prefix: str = "") -> list[str]:
+    """Every key of the schema `node` (a config dataclass), sections and their keys, dotted."""
+    keys = []
+    hints = get_type_hints(node)
+    for f in fields(node):
+        keys.append(prefix + f.name)
+        child = hints[f.name]
+        if is_dataclass(child) and isinstance(child, type):
+            keys.extend(schema_keys(child, f"{prefix}{f.name}."))
+    return keys
 
 
 def float_values(node: object, prefix: str = "") -> Iterator[tuple[str, float]]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -42,7 +43,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from grail.core.config import Config
 from grail.core.errors import ConfigError, DiskFullError, UserError
@@ -50,6 +51,7 @@ from grail.core.nodes import NodePlan, node_plan
 from grail.core.placement import prefer_passive_openmp
 from grail.core.records import RunDirLocked, atomic_write_text, run_lock
 from grail.core.reproducible import apply_reproducible_env
+from grail.core.validate import unknown_key_message
 from grail.study.sweep import SweepError
 from grail.train import launch, sweep_job
 from grail.train.reporting import (
@@ -272,6 +274,10 @@ def end_within(grace_s: float, code: int) -> None:
     threading.Thread(target=end, name="grail-exit", daemon=True).start()
 
 
+# Hydra's message for an override of a key the config lacks (hydra/_internal/config_loader_impl.py)
+_NOT_OVERRIDDEN = re.compile(r"Could not override '([^']+)'\.")
+
+
 def hydra_error_line(exc: BaseException) -> str:
     """One line for an error Hydra raises while composing the config (a bad override, a value of
     the wrong type, a config group option that does not exist, a key missing its `+`)."""
@@ -283,9 +289,17 @@ def hydra_error_line(exc: BaseException) -> str:
         if line.strip():
             lines.append(line.strip().removeprefix("In 'offline_grpo': "))
     message = " ".join(lines) or type(exc).__name__
+    cause = exc.__cause__
+    # "Could not override 'train.lrr'. To append to your config use +train.lrr=1e-3": advice
+    # that preflight would then refuse (the key is not the schema's). Name the key it resembles.
+    if (
+        isinstance(cause, ConfigAttributeError | ConfigKeyError)
+        and (override := _NOT_OVERRIDDEN.match(message))
+        and (unknown := unknown_key_message(override[1])) is not None
+    ):
+        return unknown
     if isinstance(exc, OverrideParseException):  # the grammar's complaint alone names nothing
         message = f"cannot parse the override {exc.override!r}: {lines[0] if lines else message}"
-    cause = exc.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause):
         message += f" ({str(cause).splitlines()[0]})"
     if options:
