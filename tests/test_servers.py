@@ -59,6 +59,19 @@ def wait_dead(pid: int, timeout: float = 5.0) -> bool:
     return wait_until(lambda: not process_alive(pid), timeout)
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in "ZX":
+            found.append(int(stat.parent.name))
+    return found
+
+
 def debug_info(server: BuiltinServer) -> dict:
     return httpx.get(f"{server.root_url}/debug/info", timeout=5).json()
 
@@ -113,8 +126,9 @@ def test_start_ready_stop_leaves_no_process(make_server, model_dir: Path) -> Non
     assert argv[argv.index("--model") + 1] == str(model_dir.absolute())
     assert argv[argv.index("--threads") + 1] == "1"
     assert argv[argv.index("--device") + 1] == "cpu"
-    # own session, so a terminal Ctrl-C reaches only the harness
-    assert os.getsid(pid) == pid and os.getpgid(pid) == pid
+    # own process group, so a terminal Ctrl-C reaches only the harness; its watchdog there too
+    assert os.getpgid(pid) == pid != os.getpgid(0)
+    assert len(group_members(pid)) == 2
 
     server.stop()
     assert not process_alive(pid)
@@ -317,17 +331,24 @@ sys.path.insert(0, {tests_dir!r})
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even if launched with SIGINT ignored
 from helpers.fake_server import FakeBuiltinServer
 server = FakeBuiltinServer({model!r}, "tiny", log_dir={log_dir!r}, start_timeout=20,
-                           extra_args={extra!r})
+                           extra_args={extra!r}, stop_timeout={stop_timeout!r})
 {body}
 """
 
 
-def run_parent(tmp_path: Path, model_dir: Path, body: str, extra: tuple[str, ...] = ()):
+def run_parent(
+    tmp_path: Path,
+    model_dir: Path,
+    body: str,
+    extra: tuple[str, ...] = (),
+    stop_timeout: float = 15.0,
+):
     code = PARENT_SCRIPT.format(
         tests_dir=str(TESTS_DIR),
         model=str(model_dir),
         log_dir=str(tmp_path / "parent-logs"),
         extra=list(extra),
+        stop_timeout=stop_timeout,
         body=textwrap.dedent(body),
     )
     return subprocess.Popen(
@@ -352,18 +373,33 @@ def kill_quietly(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def test_sigkilled_parent_leaves_no_orphan(tmp_path: Path, model_dir: Path) -> None:
-    parent = run_parent(
-        tmp_path, model_dir, "server.launch()\nprint(server.pid, flush=True)\ntime.sleep(60)"
-    )
+# A server started from a worker thread whose thread has ended: PR_SET_PDEATHSIG, tied to the
+# thread that forked, would have killed it then, or (not asked for) never.
+STARTERS = {
+    "main thread": "server.launch()",
+    "worker thread": "import threading\n"
+    "starter = threading.Thread(target=server.launch)\nstarter.start()\nstarter.join()",
+}
+
+
+@pytest.mark.parametrize("starter", STARTERS)
+def test_sigkilled_parent_leaves_no_orphan(tmp_path: Path, model_dir: Path, starter: str) -> None:
+    body = f"{STARTERS[starter]}\nprint(server.pid, flush=True)\ntime.sleep(60)"
+    parent = run_parent(tmp_path, model_dir, body, stop_timeout=2.0)
     child = int(read_line(parent))
     try:
         assert process_alive(child)
+        assert len(group_members(child)) == 2  # the server and its watchdog
         parent.send_signal(signal.SIGKILL)  # no finally, no atexit: only the kernel can help
         parent.wait(timeout=10)
-        assert wait_dead(child, 5.0), "server survived its SIGKILLed parent"
+        assert wait_until(lambda: not group_members(child), 5.0), (
+            f"server group survived its SIGKILLed parent: {group_members(child)}"
+        )
+        log = (tmp_path / "parent-logs" / "builtin-tiny.log").read_text()
+        assert "is gone; stopping it" in log
     finally:
-        kill_quietly(child)
+        with contextlib.suppress(OSError):
+            os.killpg(child, signal.SIGKILL)
         parent.kill()
         parent.wait()
 

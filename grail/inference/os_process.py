@@ -3,15 +3,15 @@ visibility. Nothing here knows about HTTP, logs or weights: `grail.inference.pro
 builds on these, and the test suite's leak check reads `started_process_groups`.
 
 The leak-proofing mechanisms that live here:
+- `spawn_server` starts a server in its own process group with a watchdog beside it in that group
+  (grail/inference/lifeline.py): the watchdog holds the read end of a pipe whose write end only
+  this process holds, and stops the group when the kernel closes that end, which covers the case
+  no Python code can handle: this process being SIGKILLed (or OOM-killed), whichever thread
+  started the server. (PR_SET_PDEATHSIG, used before, is tied to the *thread* that forked the
+  child: a server started from a worker thread went without it.)
 - `terminate_group` sends SIGTERM to a whole process group, waits, then SIGKILL, so a server's own
-  workers go too (they stay in its group after the leader exits); a second Ctrl-C while waiting
-  skips straight to SIGKILL;
-- on Linux, `make_preexec` has the child ask the kernel for SIGKILL when its parent dies
-  (`PR_SET_PDEATHSIG`), which covers the one case no Python code can handle: the harness itself
-  being SIGKILLed (or OOM-killed). The kernel ties that signal to the *thread* that forked the
-  child, so it is only requested when a server is started from the main thread; a server started
-  from a worker thread relies on the other mechanisms, since the worker thread ending would
-  otherwise kill a healthy server;
+  workers and its watchdog go too (they stay in its group after the leader exits); a second
+  Ctrl-C while waiting skips straight to SIGKILL;
 - `STARTED_GROUPS` records every server process group this interpreter started, so leak checks
   can find workers that outlive a killed leader.
 """
@@ -19,16 +19,15 @@ The leak-proofing mechanisms that live here:
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO
 
 # Process-group ids of every server this interpreter started, for leak checks: a server's workers
 # outlive a killed leader in its group, where a walk over our own children no longer finds them.
@@ -40,43 +39,59 @@ def started_process_groups() -> frozenset[int]:
     return frozenset(STARTED_GROUPS)
 
 
-_PR_SET_PDEATHSIG = 1
+LIFELINE = str(Path(__file__).with_name("lifeline.py"))
 
 
-def _load_prctl():  # pragma: no cover - depends on the platform
-    if not sys.platform.startswith("linux"):
-        return None
+class Leashed(subprocess.Popen[bytes]):
+    """A server started by `spawn_server`, with the watchdog that stops its process group when
+    this process dies (`terminate_group` reaps it with the server)."""
+
+    watchdog: subprocess.Popen[bytes] | None = None
+
+
+def _lifeline(*args: str) -> list[str]:
+    # -I -S: the script needs the standard library only; it then starts in a few milliseconds.
+    return [sys.executable, "-I", "-S", LIFELINE, *args]
+
+
+def spawn_server(
+    command: Sequence[str], *, stdout: IO[bytes], env: Mapping[str, str], grace: float
+) -> Leashed:
+    """Start `command` in a new process group (its pid is the group's id), writing to `stdout`,
+    with its watchdog (grail/inference/lifeline.py): if this process dies, the watchdog sends the
+    group SIGTERM, waits up to `grace` seconds, then SIGKILL. The server runs only once the
+    watchdog is in place. A new process group, not a new session: the watchdog must join the
+    server's group, which no process of another session can; a terminal's Ctrl-C reaches only
+    the foreground group, this process's, either way."""
+    server = Leashed(
+        _lifeline("run", "--", *command),
+        bufsize=0,  # the go is written at once, and a server already gone cannot fail a flush
+        stdin=subprocess.PIPE,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        env=env,
+        process_group=0,
+        close_fds=True,
+    )
+    STARTED_GROUPS.add(server.pid)
+    assert server.stdin is not None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
-
-
-# Resolved once in the parent: the pre-exec hook runs between fork and exec, where loading a
-# library (which takes locks another thread may hold) is not safe.
-_PRCTL = _load_prctl()
-
-
-def make_preexec(parent_pid: int):
-    """Return a pre-exec hook that asks for SIGKILL when the parent dies, or None if unsupported.
-
-    If the parent already died between fork and prctl, the child would be orphaned without the
-    signal ever firing; comparing getppid() with the parent's pid closes that window.
-    """
-    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
-        return None
-    prctl = _PRCTL
-
-    def preexec() -> None:  # runs in the child
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
+        server.watchdog = subprocess.Popen(
+            _lifeline("watch", str(server.pid), f"{grace:g}"),
+            stdin=subprocess.PIPE,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            process_group=server.pid,
+            close_fds=True,
+        )
+    except BaseException:
+        server.stdin.close()  # end-of-file instead of the go: the server runs nothing
+        terminate_group(server, server.pid, grace=1.0)
+        raise
+    with contextlib.suppress(BrokenPipeError):  # it died already: wait_ready says how
+        server.stdin.write(b"\n")
+    server.stdin.close()
+    return server
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -85,25 +100,36 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def terminate_group(proc: subprocess.Popen, pgid: int, grace: float) -> None:
-    """SIGTERM the process group, wait up to `grace` seconds, then SIGKILL it; reap the child.
+    """SIGTERM the process group, wait up to `grace` seconds, then SIGKILL it; reap the child (and
+    its watchdog, for a server `spawn_server` started).
 
     The final SIGKILL to the group is sent even when the leader exited on SIGTERM: a server's worker
     processes stay in its group after the leader is gone, and the group id cannot be reused while
     any member lives. A second Ctrl-C while waiting skips straight to SIGKILL.
     """
-    if proc.poll() is None:
-        _signal_group(pgid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-        except KeyboardInterrupt:
-            _signal_group(pgid, signal.SIGKILL)
-            proc.wait()
-            raise
-    _signal_group(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5.0)
+    try:
+        if proc.poll() is None:
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+            except KeyboardInterrupt:
+                _signal_group(pgid, signal.SIGKILL)
+                proc.wait()
+                raise
+        _signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+    finally:
+        watchdog = proc.watchdog if isinstance(proc, Leashed) else None
+        if watchdog is not None:
+            # Killed with its group above; closing its pipe before it is gone would set it off.
+            watchdog.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                watchdog.wait(timeout=5.0)
+            if watchdog.stdin is not None:
+                watchdog.stdin.close()
 
 
 def describe_exit(returncode: int | None) -> str:

@@ -9,18 +9,18 @@ default start timeout (`default_start_timeout_s`) and its in-place weight update
 detection, restart fallback, shutdown) lives here once.
 
 How a server never outlives the harness:
-- it runs in its own session and process group (`start_new_session=True`), so `stop()` can signal
-  the whole group (a server's own workers included) and a Ctrl-C in the terminal reaches only the
-  harness, which then stops the server in an orderly way;
+- it runs in its own process group, so `stop()` can signal the whole group (a server's own
+  workers included) and a Ctrl-C in the terminal reaches only the harness, which then stops the
+  server in an orderly way;
 - `stop()` sends SIGTERM to the group, waits, then SIGKILL; it is idempotent and never raises for a
   process that is already gone;
 - the context manager stops the server on any exit, KeyboardInterrupt included, and also when
   start-up itself is interrupted;
 - a `weakref.finalize` per started process stops it when its manager is garbage collected and at
   interpreter exit (finalize registers itself with `atexit`);
-- on Linux the child asks the kernel for SIGKILL when the harness dies (`PR_SET_PDEATHSIG`), even
-  by SIGKILL; servers started from a worker thread go without it (see `grail.inference.os_process`,
-  which holds these OS-level mechanisms).
+- a watchdog in the server's group stops it when the harness dies, even by SIGKILL, whichever
+  thread started it: it waits for end-of-file on a pipe only the harness writes to (see
+  `grail.inference.os_process` and `grail.inference.lifeline`, which hold these mechanisms).
 """
 
 from __future__ import annotations
@@ -327,22 +327,12 @@ class ServerManager(ABC):
             )
             log.write(header.encode())
             log.flush()
-            proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=os_process.make_preexec(os.getpid()),
-                close_fds=True,
-            )
+            proc = os_process.spawn_server(command, stdout=log, env=env, grace=self.stop_timeout)
         self._proc = proc
         self._ready = False
-        os_process.STARTED_GROUPS.add(proc.pid)
         self._started_at = time.monotonic()
         self._stopped_by_us = False
-        # The server's session id is its pid; the finalizer holds the Popen, never `self`.
+        # The server's process group id is its pid; the finalizer holds the Popen, never `self`.
         self._finalizer = weakref.finalize(
             self, os_process.terminate_group, proc, proc.pid, self.stop_timeout
         )
