@@ -183,8 +183,27 @@ def test_bad_options_name_the_key(options: dict[str, Any], message: str) -> None
 
 
 def test_a_race_needs_two_settings() -> None:
-    with pytest.raises(SweepError, match="at least two settings"):
+    with pytest.raises(SweepError, match=r"at least two settings to compare, got 1 \(a\)"):
         race(["a"])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "one"),
+    [
+        # a plain value is one setting, as one value listed is: both counted 1, and named
+        (["train.lr=5e-3", "resume=true"], "train.lr=5e-3"),
+        (["train.lr=choice(5e-3)", "train.iterations=50"], "train.lr=0.005"),
+        ([], "the config as composed"),
+    ],
+)
+def test_a_race_of_one_setting_is_refused_counting_and_naming_it(
+    arguments: list[str], one: str
+) -> None:
+    with pytest.raises(SweepError) as err:
+        parse_settings({}, arguments, OverridesParser.create())
+    assert str(err.value).startswith(
+        f"a race needs at least two settings to compare, got 1 ({one}): sweep a key over"
+    )
 
 
 # ---- settings from the command line -------------------------------------------------------------

@@ -100,9 +100,10 @@ class Race:
 
     def __post_init__(self) -> None:
         if len(self.settings) < 2:
+            named = f" ({self.settings[0]})" if self.settings else ""
             raise SweepError(
-                f"a race needs at least two settings to compare, got {len(self.settings)}: sweep "
-                "a key over several values, e.g. train.lr=1e-3,5e-3,2e-2"
+                f"a race needs at least two settings to compare, got {len(self.settings)}{named}: "
+                "sweep a key over several values, e.g. train.lr=1e-3,5e-3,2e-2"
             )
         if len(set(self.settings)) != len(self.settings):
             raise SweepError(f"a setting is listed twice: {self.settings}")

@@ -81,7 +81,8 @@ def parse_settings(
     params: Mapping[str, Any], arguments: Sequence[str], parser: OverridesParser
 ) -> tuple[list[Setting], list[str]]:
     """The settings (the cartesian product of the swept values, in Hydra's grid order) and the
-    overrides every run gets. Raises SweepError naming a bad entry."""
+    overrides every run gets. Raises SweepError naming a bad entry, or the one setting when there
+    are fewer than two to race."""
     swept: dict[str, list[str]] = {}
     fixed: dict[str, str] = {}
     seed = "the race chooses itself (seeds 0, 1, ... up to hydra.sweeper.max_seeds)"
@@ -100,8 +101,15 @@ def parse_settings(
             swept[key] = [f"{key}={v}" for v in values]
         else:
             fixed[key] = override.input_line or f"{key}={override.get_value_element_as_str()}"
-    product = list(itertools.product(*swept.values())) if swept else []
-    settings = [Setting(i, list(p)) for i, p in enumerate(product)]
+    # No key swept is one setting (the product of no lists): every run the same config.
+    settings = [Setting(i, list(p)) for i, p in enumerate(itertools.product(*swept.values()))]
+    if len(settings) < 2:
+        same = [o for o in fixed.values() if override_key(o) not in LAUNCH_KEYS]
+        one = settings[0].label if swept else " ".join(same) or "the config as composed"
+        raise SweepError(
+            f"a race needs at least two settings to compare, got 1 ({one}): sweep a key over "
+            "several values, e.g. train.lr=1e-3,5e-3,2e-2"
+        )
     return settings, list(fixed.values())
 
 
