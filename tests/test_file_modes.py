@@ -1,17 +1,22 @@
 """Files a run writes follow the umask, like every other program's: mkstemp and safetensors'
 writer made the weights, manifests, metrics and .hydra/*.yaml 0600 while their siblings were
-0644, so a group that could read the run directory could not read its results."""
+0644, so a group that could read the run directory could not read its results. A file that holds
+a key is the exception: owner-only (0600) whatever the umask."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from helpers.run_dirs import REPO, TINY_RUN
 
-from grail.core.records import follow_umask
+from grail.core.records import FILE_MODE, SECRET_FILE_MODE, atomic_write_text, follow_umask
+from grail.service.source import write_endpoint
 
 
 def test_every_file_of_a_run_follows_the_umask(tmp_path: Path) -> None:
@@ -45,3 +50,30 @@ def test_follow_umask_gives_a_directory_s_files_the_umask_mode(tmp_path: Path) -
     assert {oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()} == {
         oct(0o666 & ~mask)
     }
+
+
+@pytest.fixture(params=[0o022, 0o077, 0o000], ids=lambda mask: f"umask{mask:03o}")
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The process's umask set to each value a user may have, restored afterwards."""
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)
+
+
+def test_a_file_that_holds_a_key_is_owner_only_whatever_the_umask(
+    tmp_path: Path, umask: int
+) -> None:
+    """Following the umask made RUN_DIR/service/endpoint.json 0644 (umask 022) or 0666 (000),
+    its key readable by every user of the machine."""
+    path = write_endpoint(tmp_path / "service", "http://127.0.0.1:1234", "sk-secret")
+    assert json.loads(path.read_text()) == {"url": "http://127.0.0.1:1234", "api_key": "sk-secret"}
+    assert oct(path.stat().st_mode & 0o777) == oct(SECRET_FILE_MODE) == "0o600"
+    # Rewritten over a file that others could read, it is owner-only again.
+    os.chmod(path, 0o644)
+    write_endpoint(tmp_path / "service", "http://127.0.0.1:1235", "sk-other")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    # Any other output still follows the umask (what the umask gave this process at start).
+    atomic_write_text(tmp_path / "metrics.json", "{}\n")
+    assert oct((tmp_path / "metrics.json").stat().st_mode & 0o777) == oct(FILE_MODE)

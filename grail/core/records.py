@@ -214,6 +214,9 @@ def _file_mode() -> int:
 # be the user's own doing). mkstemp and safetensors' writer make files 0600 whatever the umask,
 # which left a run's weights, manifest and metrics unreadable to the group beside 0644 siblings.
 FILE_MODE = _file_mode()
+# A file that holds a key (the service's endpoint.json, a config with a key in it): owner-only
+# whatever the umask, which would otherwise let the group or everyone read it.
+SECRET_FILE_MODE = 0o600
 
 
 def follow_umask(path: Path) -> None:
@@ -224,15 +227,20 @@ def follow_umask(path: Path) -> None:
             os.chmod(file, FILE_MODE)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:
     """Write `text` to `path` through a temporary file, fsynced and renamed over it: `path`
     holds the old text or the new, never part of either. A full disk raises a `DiskFullError`
-    naming `path`, the old file intact."""
+    naming `path`, the old file intact.
+
+    `mode`: the file's permission bits whatever the umask (`SECRET_FILE_MODE` for a file that
+    holds a key); None: what the umask gives new files (`FILE_MODE`), as for any other output."""
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        # mkstemp makes the file 0600: the mode is set before the text is in it, so a key is
+        # never readable by others, not even for a moment.
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            os.fchmod(fd, FILE_MODE)
+            os.fchmod(fd, FILE_MODE if mode is None else mode)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
                 f.flush()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import uvicorn
 
 from grail.core.errors import UserError
-from grail.core.records import atomic_write_text
+from grail.core.records import SECRET_FILE_MODE, atomic_write_text
 from grail.envs.base import Problem
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
 from grail.rollouts.fleet import FleetClient
@@ -152,9 +152,7 @@ class ServiceRollouts:
             time.sleep(0.01)
         host, port = self._server.servers[0].sockets[0].getsockname()[:2]
         url = f"http://{host}:{port}"
-        atomic_write_text(  # mkstemp's file mode (0600) is kept by the rename: owner-only
-            self.dir / ENDPOINT, json.dumps({"url": url, "api_key": api_key}) + "\n"
-        )
+        write_endpoint(self.dir, url, api_key)
         log.info(
             "service listening on %s (key in %s); %d groups queued",
             url,
@@ -276,6 +274,15 @@ class ServiceRollouts:
             coroutine, self._loop
         )
         return wait(future)
+
+
+def write_endpoint(directory: Path, url: str, api_key: str) -> Path:
+    """Write `directory`/endpoint.json, the service's URL and key, owner-only (0600) whatever
+    the umask; return its path."""
+    path = directory / ENDPOINT
+    text = json.dumps({"url": url, "api_key": api_key}) + "\n"
+    atomic_write_text(path, text, mode=SECRET_FILE_MODE)
+    return path
 
 
 def to_group(group: ServiceGroup) -> Group:
