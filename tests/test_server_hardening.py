@@ -27,6 +27,7 @@ import pytest
 from helpers.builtin_server import (
     API_KEY,
     AUTH,
+    NAME,
     ServerProcess,
     require_batch_invariance,
     side_by_side,
@@ -115,7 +116,9 @@ def test_the_harness_starts_its_builtin_server_with_a_random_key_and_sends_it(
 ) -> None:
     """grail-train's server (server_manager_from_config) gets a key of its own, different every
     run; the manager's control calls send it, requests without it are refused, and it is in no
-    log. (The rollout client sends it too: tests/test_server_rollouts.py runs on such servers.)"""
+    log and not on the server's command line, which `ps` shows every user of the machine (it
+    was, as --api-key): it goes by the environment. (The rollout client sends it too:
+    tests/test_server_rollouts.py runs on such servers.)"""
     cfg = Config(generation=GenerationConfig(server_threads=1))
     weights = tmp_path / "weights"
     shutil.copytree(tiny_model_dir, weights)
@@ -124,6 +127,9 @@ def test_the_harness_starts_its_builtin_server_with_a_random_key_and_sends_it(
     key = server.api_key
     assert key and len(key) >= 32 and key != other.api_key
     with server:
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().decode()
+        assert "grail.inference.builtin.server" in cmdline
+        assert key not in cmdline and "--api-key" not in cmdline
         update = f"{server.root_url}/update_weights_from_disk"
         assert httpx.post(update, json={"model_path": str(weights)}).status_code == 401
         assert httpx.get(f"{server.base_url}/models").status_code == 401
@@ -134,7 +140,74 @@ def test_the_harness_starts_its_builtin_server_with_a_random_key_and_sends_it(
         resp = httpx.post(f"{server.base_url}/completions", json=body, headers=headers)
         assert resp.status_code == 200, resp.text
     log = server.log_path.read_text()
-    assert "--api-key" in log and key not in log
+    assert "# command:" in log and key not in log
+
+
+def test_without_a_key_grail_serve_refuses_a_network_address(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The finding: `grail-serve --host 0.0.0.0` without a key served every route to the network,
+    and one POST /update_weights_from_disk replaced the weights with zeros. Now it refuses to
+    start, in one line, before loading anything; a key (--api-key or $GRAIL_API_KEY), a loopback
+    address or --insecure-no-api-key lets it start."""
+    from grail.inference.builtin import server as serve
+
+    monkeypatch.delenv("GRAIL_API_KEY", raising=False)
+    for host in ("0.0.0.0", "::", "192.168.1.7", "myhost.example"):
+        assert serve.main(["--model", "/no/such/model", "--host", host]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"refusing to serve on --host {host} without an API key" in err
+        assert "GRAIL_API_KEY" in err and "--insecure-no-api-key" in err
+
+    def refused(*argv: str) -> str | None:
+        args = serve.parse_args(["--model", "tiny", *argv])
+        return serve.check_exposure(args.host, serve.api_key(args), args.insecure_no_api_key)
+
+    assert refused("--host", "0.0.0.0") is not None
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "::ffff:127.0.0.1"):
+        assert refused("--host", host) is None, host
+    assert refused("--host", "0.0.0.0", "--api-key", "k") is None
+    assert refused("--host", "0.0.0.0", "--insecure-no-api-key") is None
+    monkeypatch.setenv("GRAIL_API_KEY", "from-env")
+    assert serve.api_key(serve.parse_args(["--model", "tiny"])) == "from-env"
+    assert serve.api_key(serve.parse_args(["--model", "tiny", "--api-key", "k"])) == "k"
+    assert refused("--host", "0.0.0.0") is None
+    monkeypatch.setenv("GRAIL_API_KEY", "")  # set but empty: no key
+    assert refused("--host", "0.0.0.0") is not None
+    assert serve.main(["--model", "/no/such/model", "--api-key", " "]) == 2
+    assert capsys.readouterr().err == "grail-serve: --api-key must not be blank\n"
+
+
+def test_without_a_key_the_weight_routes_answer_this_machine_only(
+    tiny_model_dir: Path,
+) -> None:
+    """Whatever address a server without a key listens on (--insecure-no-api-key), a request
+    from another machine to a weight route gets 403 and the weights stay; generation is open,
+    and the same request from loopback, or from anywhere with a key, goes through."""
+    from fastapi.testclient import TestClient
+
+    from grail.inference.builtin.app import STATE_ROUTES, create_app
+    from grail.inference.builtin.engine import Engine
+
+    engine = Engine(tiny_model_dir)
+    reload = {"model_path": str(tiny_model_dir), "weight_version": "new"}
+    completion = {"prompt": [5, 6, 7], "max_tokens": 2}
+    keyless, keyed = create_app(engine, NAME), create_app(engine, NAME, API_KEY)
+    with TestClient(keyless, client=("10.1.2.3", 50000)) as remote:  # starts the engine
+        for route in STATE_ROUTES:
+            resp = remote.post(route, json=reload)
+            assert resp.status_code == 403, resp.text
+            assert "no API key" in resp.json()["error"]["message"]
+        assert engine.weight_version != "new"
+        assert remote.post("/v1/completions", json=completion).status_code == 200
+        with_key = TestClient(keyed, client=("10.1.2.3", 50000))
+        assert with_key.post(STATE_ROUTES[0], json=reload).status_code == 401
+        resp = with_key.post(STATE_ROUTES[0], json=reload, headers=AUTH)
+        assert resp.status_code == 200 and engine.weight_version == "new", resp.text
+        local = TestClient(keyless, client=("127.0.0.1", 50000))
+        resp = local.post(STATE_ROUTES[0], json={**reload, "weight_version": "local"})
+        assert resp.status_code == 200 and engine.weight_version == "local", resp.text
 
 
 # --------------------------------------------------------------------------- 2: body size, loop

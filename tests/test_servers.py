@@ -193,14 +193,20 @@ def test_port_taken_during_startup_is_retried_on_a_new_port(make_server, monkeyp
         foreign.server_close()
 
 
-def test_api_key_is_passed_but_never_logged(make_server) -> None:
+def test_api_key_is_passed_by_the_environment_never_argv_nor_logged(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the command line (--api-key) the key was in `ps` for every user of the machine."""
+    monkeypatch.setenv("GRAIL_API_KEY", "sk-inherited")  # not the server's key: replaced
     server = make_server(api_key="sk-secret-123")
     server.launch()
-    argv = debug_info(server)["argv"]
-    assert argv[argv.index("--api-key") + 1] == "sk-secret-123"
-    log = server.log_path.read_text()
-    assert "--api-key '***'" in log or "--api-key ***" in log
-    assert "sk-secret-123" not in log
+    info = debug_info(server)
+    assert info["key"] == "sk-secret-123"
+    assert "--api-key" not in info["argv"] and "sk-secret-123" not in " ".join(info["argv"])
+    assert "sk-secret-123" not in server.log_path.read_text()
+    keyless = make_server()  # a GRAIL_API_KEY of the harness's own environment is not passed on
+    keyless.launch()
+    assert debug_info(keyless)["key"] is None
 
 
 # ---- failures during start-up ------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """What grail's two HTTP APIs share (the built-in inference server in
 grail/inference/builtin/app.py, the trainer as a service in grail/service/app.py): errors in
 the OpenAI shape ``{"error": {"message", "type", "param", "code"}}`` and the gate in front of
-every route (Bearer key, body size)."""
+every route (Bearer key, loopback-only routes, body size)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ class APIError(Exception):
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     409: "ConflictError",
@@ -60,11 +62,31 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
     return message, where(first) or None
 
 
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` is this machine's loopback: 'localhost' or a loopback address (127.0.0.0/8,
+    ::1, ::ffff:127.x). Any other name, a wildcard (0.0.0.0, ::) and None are not: a name may
+    resolve to anything, and a wildcard listens on every interface."""
+    if host is None:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
 class Gate:
     """ASGI middleware in front of every route: the API key, then the body size.
 
     - With a key, every route but ``open_paths`` needs ``Authorization: Bearer <key>``: 401 before
       anything else happens (unknown routes included, so they reveal nothing).
+    - Without a key, ``local_only_paths`` (the routes that change the server's state, e.g. its
+      weights) answer 403 to any client not on this machine's loopback, whatever address the
+      server listens on: without a key, nothing tells a caller from the network from the owner.
     - A body over ``max_body_bytes`` gets 413 without being kept: decided at once from its
       Content-Length, or, for a chunked body (no length), as soon as the bytes received pass the
       limit; the rest is read and dropped (up to ``DRAIN_MAX_BYTES``, ``DRAIN_TIMEOUT_S``) before
@@ -81,6 +103,7 @@ class Gate:
         open_paths: tuple[str, ...] = ("/health",),
         limit_name: str = "(--max-request-bytes)",
         key_header: str | None = None,
+        local_only_paths: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
@@ -89,6 +112,7 @@ class Gate:
         self.bare_key = None if api_key is None else api_key.encode()
         self.max_body_bytes = max_body_bytes
         self.open_paths, self.limit_name = open_paths, limit_name
+        self.local_only_paths = local_only_paths
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # lifespan (and websockets, which no route accepts)
@@ -104,6 +128,15 @@ class Gate:
                 also = f" or '{self.key_header.decode()}: <key>'" if self.key_header else ""
                 message = f"invalid or missing API key: send 'Authorization: Bearer <key>'{also}"
                 await error_response(message, 401)(scope, receive, send)
+                return
+        if self.expected is None and scope["path"] in self.local_only_paths:
+            client = scope.get("client")
+            if not is_loopback(client[0] if client else None):
+                message = (
+                    f"{scope['path']} answers only this machine's loopback when the server has "
+                    "no API key: start it with an API key to call it from elsewhere"
+                )
+                await error_response(message, 403)(scope, receive, send)
                 return
         length = headers.get(b"content-length")
         if length is not None:  # h11 has checked that it is a number

@@ -13,7 +13,8 @@ misbehave the ways real servers do. Standard library only, so it starts in a fra
 
 Markers in the model directory: FAIL_START makes start-up fail (exit 3, after printing an error);
 FAIL_UPDATE in a checkpoint directory makes /update_weights_from_disk refuse it with HTTP 400.
-GET /debug/info returns pid, worker pid, argv, model, weight version and the thread/device env.
+GET /debug/info returns pid, worker pid, argv, model, weight version, the thread/device env and
+the key the server got in GRAIL_API_KEY.
 
 `FakeBuiltinServer` is `BuiltinServer` with this script in place of the real module.
 """
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> None:
                     k: os.environ.get(k)
                     for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
                 }
-                self._send(200, {"pid": os.getpid(), "argv": sys.argv[1:], "env": env, **state})
+                key = os.environ.get("GRAIL_API_KEY")  # how the harness passes grail-serve's key
+                body = {"pid": os.getpid(), "argv": sys.argv[1:], "env": env, "key": key}
+                self._send(200, {**body, **state})
             else:
                 self._send(404, {"detail": "not found"})
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grail.inference.builtin import API_KEY_ENV
 from grail.inference.errors import ServerError, WeightSyncError
 from grail.inference.process import ServerManager
 
@@ -21,8 +22,9 @@ class BuiltinServer(ServerManager):
     """The harness's own FastAPI server (`grail.inference.builtin.server`), CPU or one GPU.
 
     With `api_key` the server needs it on every route but `/health`; `make_server_manager` (and
-    so `grail-train`) always gives it a random one. The key goes on the command line, which the
-    server log shows redacted (`ServerManager._redacted`)."""
+    so `grail-train`) always gives it a random one. The key goes to the server in its environment
+    (`GRAIL_API_KEY`, readable by this user and root only), never on its command line, which
+    `ps` shows every user of the machine."""
 
     kind = "builtin"
     server_module = "grail.inference.builtin.server"
@@ -50,14 +52,20 @@ class BuiltinServer(ServerManager):
             args += ["--dtype", self.dtype]
         if self.threads is not None:
             args += ["--threads", str(self.threads)]
-        if self.api_key:
-            args += ["--api-key", self.api_key]
         if self.lora_dir is not None:
             args += ["--lora-dir", str(self.lora_dir)]
         return args + self.extra_args
 
     def build_command(self) -> list[str]:
         return [sys.executable, "-m", self.server_module, *self.server_args()]
+
+    def child_env(self) -> dict[str, str]:
+        env = super().child_env()
+        # Ours only: a GRAIL_API_KEY this process inherited is not the key the manager sends.
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        return env
 
     def served_dtype(self) -> str:
         """`dtype`, or what the engine picks without one: float32 on CPU, bfloat16 on CUDA

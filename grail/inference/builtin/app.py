@@ -25,12 +25,15 @@ client path serves the built-in server, vLLM and SGLang:
   "device_uuid"?}`` (SGLang's shape): the same, from the trainer's tensors in shared memory or
   CUDA IPC rather than from disk (``tensor_update.py``).
 
-Security and availability (``Limits``, docs/protocols.md): with ``--api-key`` every route but
-``GET /health`` needs ``Authorization: Bearer <key>`` (401 otherwise), the weight reload included;
-there is no ``/docs``, ``/redoc`` or ``/openapi.json``. A body over ``--max-request-bytes`` gets
-413 before it is read; ``n``, the tokens one request may generate and the sequences waiting in the
-engine are bounded (400 naming the flag, 503 while the engine's queue is full). Tokenizer work and
-the building of large answers run off the event loop, so ``/health`` keeps answering.
+Security and availability (``Limits``, docs/protocols.md): with a key (``--api-key`` or
+``GRAIL_API_KEY``) every route but ``GET /health`` needs ``Authorization: Bearer <key>`` (401
+otherwise), the weight reload included; without one, the routes that replace the weights
+(``STATE_ROUTES``) answer 403 to any client not on this machine's loopback, whatever the server
+listens on. There is no ``/docs``, ``/redoc`` or ``/openapi.json``. A body over
+``--max-request-bytes`` gets 413 before it is read; ``n``, the tokens one request may generate and
+the sequences waiting in the engine are bounded (400 naming the flag, 503 while the engine's queue
+is full). Tokenizer work and the building of large answers run off the event loop, so ``/health``
+keeps answering.
 
 Logprobs are log-softmax(logits / T) before top-k/top-p (see ``engine``'s docstring); ``-inf``
 is sent as -9999.0 as vLLM does. Errors use the OpenAI shape
@@ -74,6 +77,7 @@ from grail.inference.builtin.schema import (
     CompletionRequest,
     UpdateWeightsRequest,
 )
+from grail.inference.builtin.tensor_update import ROUTE as TENSOR_ROUTE
 from grail.inference.builtin.tensor_update import add_tensor_route
 from grail.inference.builtin.validation import (
     check_context,
@@ -89,6 +93,8 @@ logger = logging.getLogger("grail.serve")
 
 # Answers of more generated tokens than this are built off the event loop (tens of ms inline).
 INLINE_ANSWER_TOKENS = 16384
+#: the routes that change what the server serves (its weights): without a key, loopback only
+STATE_ROUTES = ("/update_weights_from_disk", TENSOR_ROUTE)
 
 
 @dataclass
@@ -117,7 +123,8 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app; it starts the engine's worker on startup and stops it on shutdown.
 
-    ``api_key``: every route but ``/health`` needs it as a Bearer token (None: no key).
+    ``api_key``: every route but ``/health`` needs it as a Bearer token (None: no key, and then
+    ``STATE_ROUTES`` answer this machine's loopback only).
     ``limits``: see `Limits` (None: the defaults for this engine)."""
     limits = limits or Limits.for_engine(engine.max_batch_size, engine.max_model_len)
     # No /docs, /redoc or /openapi.json: the protocol is documented in docs/protocols.md, and a
@@ -137,7 +144,12 @@ def create_app(
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
-    app.add_middleware(Gate, api_key=api_key, max_body_bytes=limits.max_request_bytes)
+    app.add_middleware(
+        Gate,
+        api_key=api_key,
+        max_body_bytes=limits.max_request_bytes,
+        local_only_paths=STATE_ROUTES,
+    )
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])

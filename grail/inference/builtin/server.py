@@ -3,6 +3,11 @@ built-in generation engine (`engine`) and serves its OpenAI-compatible app (`app
 routes and the protocol are described) with uvicorn. Flags: `parse_args`; the limits flags are
 `admission.Limits`'s fields.
 
+The key: ``--api-key``, else ``$GRAIL_API_KEY`` (how grail starts it: a command line is visible to
+every local user in ``ps``). Without a key, it serves on a loopback address only, unless
+``--insecure-no-api-key`` says otherwise (`check_exposure`); even then the weight routes answer
+this machine's loopback only (`app.STATE_ROUTES`).
+
 The server's parts: `app` (the FastAPI app and its routes), `schema` (request bodies),
 `validation` (a request's fields checked and turned into engine inputs), `admission` (limits and
 the engine's queue), `answers` (response bodies), `tensor_update` (the zero-copy weight route).
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from contextlib import suppress
@@ -22,6 +28,8 @@ from typing import Any
 import torch
 import uvicorn
 
+from grail.core.http_api import is_loopback
+from grail.inference.builtin import API_KEY_ENV
 from grail.inference.builtin.admission import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -73,7 +81,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument(
-        "--api-key", help="Bearer key every route but GET /health requires (default: none)"
+        "--api-key",
+        help=f"Bearer key every route but GET /health requires (default: ${API_KEY_ENV}, else "
+        f"none; prefer ${API_KEY_ENV}: a command line is visible to every user in ps)",
+    )
+    parser.add_argument(
+        "--insecure-no-api-key",
+        action="store_true",
+        help="serve on a non-loopback --host without a key: generation is open to the network "
+        "(the weight routes still answer this machine's loopback only)",
     )
     parser.add_argument(
         "--max-batch-size", type=int, default=256, help="sequences decoded together at most"
@@ -122,14 +138,52 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The server's key: ``--api-key``, else ``$GRAIL_API_KEY`` (unset or empty: none).
+    Raises ValueError for a blank key (an empty ``--api-key``, spaces), which anyone could send."""
+    if args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    else:
+        key, where = os.environ.get(API_KEY_ENV) or None, f"${API_KEY_ENV}"
+    if key is not None and not key.strip():
+        raise ValueError(f"{where} must not be blank")
+    return key
+
+
+def check_exposure(host: str, key: str | None, insecure: bool) -> str | None:
+    """Why serving on `host` without a key is refused (one line), or None when it is not."""
+    if key is not None or is_loopback(host) or insecure:
+        return None
+    return (
+        f"refusing to serve on --host {host} without an API key: every route would be open to "
+        f"the network. Set ${API_KEY_ENV} (or --api-key), serve on 127.0.0.1, or pass "
+        "--insecure-no-api-key to open generation only (the weight routes stay loopback-only)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        key = api_key(args)
+    except ValueError as exc:
+        print(f"grail-serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    refused = check_exposure(args.host, key, args.insecure_no_api_key)
+    if refused is not None:
+        print(f"grail-serve: {refused}", file=sys.stderr, flush=True)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    if key is None and not is_loopback(args.host):
+        logging.getLogger("grail.serve").warning(
+            "serving on %s without an API key (--insecure-no-api-key): anyone who reaches the "
+            "port can generate; the weight routes answer this machine's loopback only",
+            args.host,
+        )
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
@@ -164,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_request_tokens=args.max_request_tokens,
         max_queued_seqs=args.max_queued_seqs,
     )
-    app = create_app(engine, name, args.api_key, limits)
+    app = create_app(engine, name, key, limits)
     config = uvicorn.Config(
         app,
         host=args.host,
