@@ -26,6 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers.fake_gpu_server import FakeSGLangServer, FakeVLLMServer, calls, flag, info, plan
 from helpers.real_packages import BACKEND_ARGV_CHECK, python_with, run_check
 
@@ -164,8 +165,39 @@ def test_sglang_command_line_is_built_from_the_config(model_dir: Path, tmp_path:
     assert flag(argv, "--max-running-requests") == "64"
     assert flag(argv, "--random-seed") == "3"
     assert flag(argv, "--tp-size") == "2"  # both GPUs of the device
-    assert flag(argv, "--api-key") == "sekret"
+    assert flag(argv, "--config") == str(server.key_file)  # the key, off the command line
     assert argv[-1] == "--disable-radix-cache"
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_key_never_goes_on_a_gpu_server_s_command_line(
+    kind: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command line is in `ps` for every user of the machine. vLLM reads its key from
+    VLLM_API_KEY; SGLang reads no variable, but merges a --config YAML file into its arguments
+    in its own process: the key goes there, in a file only this user can read."""
+    monkeypatch.setenv("VLLM_API_KEY", "inherited")
+    cls = VLLMServer if kind == "vllm" else SGLangServer
+    server = cls(model_dir, "policy", log_dir=tmp_path, device="cuda:0", port=1, api_key="sekret")
+    argv = server.build_command()
+    assert "--api-key" not in argv and not any("sekret" in arg for arg in argv)
+    if kind == "vllm":
+        assert server.child_env()["VLLM_API_KEY"] == "sekret"
+        keyless = VLLMServer(model_dir, "policy", log_dir=tmp_path, device="cuda:0", port=1)
+        assert "VLLM_API_KEY" not in keyless.child_env()  # the server's key is the harness's
+        return
+    assert isinstance(server, SGLangServer)
+    key_file = Path(flag(argv, "--config"))
+    assert key_file == server.key_file and key_file.suffix == ".yaml"  # SGLang wants .yaml
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    assert yaml.safe_load(key_file.read_text()) == {"api-key": "sekret"}
+    server.stop()
+    assert not key_file.exists()
+    with pytest.raises(ValueError, match="must not set --config with an api_key"):
+        SGLangServer(
+            model_dir, "policy", log_dir=tmp_path, device="cuda:0", api_key="k",
+            extra_args=["--config", "mine.yaml"],
+        )  # fmt: skip
 
 
 def test_unset_sizes_are_left_to_the_server(model_dir: Path, tmp_path: Path) -> None:
@@ -721,7 +753,8 @@ def test_command_line_is_accepted_by_the_packages_own_parser(
     assert parsed["model"] == str(model_dir)
     assert (parsed["host"], parsed["port"]) == ("127.0.0.1", 8123)
     assert parsed["dtype"] == "bfloat16"
-    assert parsed["api_key"] in ("sekret", ["sekret"])
+    # vLLM's key comes from VLLM_API_KEY (child_env), SGLang's from the --config file
+    assert parsed["api_key"] in ((None, []) if kind == "vllm" else ("sekret",))
     if kind == "vllm":
         assert parsed["served_model_name"] == ["policy"]
         assert parsed["gpu_memory_utilization"] == 0.3

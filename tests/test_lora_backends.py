@@ -127,7 +127,7 @@ def test_without_an_adapter_command_lines_and_environment_are_unchanged(
         "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "policy",
         "--gpu-memory-utilization", "0.3", "--generation-config", "vllm",
         "--logprobs-mode", "processed_logprobs", "--dtype", "bfloat16",
-        "--max-model-len", "2048", "--seed", "7", "--api-key", "k",
+        "--max-model-len", "2048", "--seed", "7",
     ]  # fmt: skip
     assert vllm.extra_env() == {"VLLM_SERVER_DEV_MODE": "1"}
     sglang = SGLangServer(model_dir, "policy", **common(tmp_path, **options))
@@ -135,7 +135,7 @@ def test_without_an_adapter_command_lines_and_environment_are_unchanged(
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
         "--host", "127.0.0.1", "--port", "8123", "--served-model-name", "policy",
         "--mem-fraction-static", "0.3", "--dtype", "bfloat16", "--context-length", "2048",
-        "--random-seed", "7", "--api-key", "k",
+        "--random-seed", "7", "--config", str(sglang.key_file),
     ]  # fmt: skip
     for server in (vllm, sglang):
         assert server.model_name == "policy" and server.lora_name is None

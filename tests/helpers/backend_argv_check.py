@@ -11,13 +11,13 @@ vLLM: the same parser `vllm serve` builds (its `serve` subcommand on a FlexibleA
 then its own post-parse validation and the mapping into engine arguments. On a machine without a
 GPU vLLM cannot infer its platform; like `vllm bench`, we fall back to its CPU platform, which
 only matters for defaults, not for what the parser accepts.
-SGLang: `ServerArgs.add_cli_args` on a plain ArgumentParser (what `prepare_server_args` does),
+SGLang: `prepare_server_args`, what `sglang.launch_server` runs: `ServerArgs.add_cli_args` on a
+plain ArgumentParser, a `--config` file's entries merged in (the harness passes the key that way),
 then `ServerArgs.from_cli_args`, which runs its own checks.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -64,16 +64,13 @@ def check_vllm(argv: list[str]) -> dict:
 
 
 def check_sglang(argv: list[str]) -> dict:
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args import prepare_server_args
     from sglang.version import __version__
 
-    parser = argparse.ArgumentParser(prog="sglang serve")
-    ServerArgs.add_cli_args(parser)
-    raw = parser.parse_args(argv)
-    server_args = ServerArgs.from_cli_args(raw)
+    server_args = prepare_server_args(argv)
     return {
         "version": __version__,
-        "parser": "sglang.srt.server_args.ServerArgs.add_cli_args",
+        "parser": "sglang.srt.server_args.prepare_server_args",
         "model": server_args.model_path,
         "host": server_args.host,
         "port": server_args.port,

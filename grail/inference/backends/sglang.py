@@ -4,6 +4,11 @@ SGLang returns log softmax(logits / T) by default, what the trainer computes;
 `SGLANG_RETURN_ORIGINAL_LOGPROB` (which would return log softmax(logits)) is removed from the
 server's environment.
 
+The key (`api_key`) goes in a YAML file that only this user can read (`key_file`, 0600), named by
+`--config`, never on the command line, which `ps` shows every user: SGLang reads no environment
+variable for it, and `prepare_server_args` merges a `--config` file's entries into the arguments
+in its own process (sglang/srt/server_args.py, server_args_config_parser.py).
+
 LoRA (`lora_dir` set), from SGLang 0.5.23's source (details and line numbers in
 docs/protocols.md):
 - `--lora-paths '{"lora_name", "lora_path", "pinned"}' --enable-lora --max-lora-rank R
@@ -26,9 +31,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from grail.inference.backends.gpu import GpuServer, server_error
+from grail.core.records import SECRET_FILE_MODE, atomic_write_text
+from grail.inference.backends.gpu import GpuServer, _flag_name, server_error
 from grail.inference.backends.nccl import SGLANG_GROUP_NAME, SGLangSender, dtype_name
 from grail.inference.errors import WeightSyncError
 from grail.inference.weights.shared import FlatWeights
@@ -61,7 +68,7 @@ class SGLangServer(GpuServer):
         "--max-running-requests": "generation.max_num_seqs",
         "--random-seed": "seed",
         "--tp-size": "the number of GPUs in the server's device",
-        "--api-key": "the api_key argument",
+        "--api-key": "the api_key argument, in the --config file (off the command line)",
     }
     lora_flags = {
         "--enable-lora": "model.lora.enabled",
@@ -83,6 +90,16 @@ class SGLangServer(GpuServer):
                 f"served_model_name must not contain ':' for SGLang, got {served_model_name!r}"
             )
         super().__init__(model_path, served_model_name, **kwargs)
+        if self.api_key and any(_flag_name(arg) == "--config" for arg in self.extra_args):
+            raise ValueError(
+                "extra_args must not set --config with an api_key: the harness passes the key "
+                "in a --config file of its own (SGLang takes one)"
+            )
+
+    @property
+    def key_file(self) -> Path:
+        """The 0600 file that carries `api_key` to the server (`--config`), beside its log."""
+        return self.log_path.with_name(f"{self.log_path.stem}.key.yaml")
 
     @property
     def model_name(self) -> str:
@@ -124,7 +141,11 @@ class SGLangServer(GpuServer):
         if len(self.gpu_ids) > 1:
             args += ["--tp-size", str(len(self.gpu_ids))]
         if self.api_key:
-            args += ["--api-key", self.api_key]
+            # Written at each start (a restart too), removed by stop(). JSON is YAML; quoted, so
+            # a key like "yes" or "123" stays a string.
+            text = json.dumps({"api-key": self.api_key}) + "\n"
+            atomic_write_text(self.key_file, text, mode=SECRET_FILE_MODE)
+            args += ["--config", str(self.key_file)]
         return args + self.lora_args() + self.extra_args
 
     def build_command(self) -> list[str]:
@@ -135,6 +156,10 @@ class SGLangServer(GpuServer):
         # It would make the returned log-probabilities ignore the temperature.
         env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
         return env
+
+    def stop(self, timeout: float | None = None) -> None:
+        super().stop(timeout)
+        self.key_file.unlink(missing_ok=True)
 
     def update_weights(
         self, checkpoint_dir: str | os.PathLike[str], weight_version: str | None = None

@@ -86,7 +86,7 @@ class VLLMServer(GpuServer):
         "--generation-config": "always 'vllm': the model's defaults must not fill sampling fields",
         "--logprobs-mode": "always processed_logprobs, what the trainer computes",
         "--tensor-parallel-size": "the number of GPUs in the server's device",
-        "--api-key": "the api_key argument",
+        "--api-key": "the api_key argument, passed as VLLM_API_KEY (off the command line)",
         "--weight-transfer-config": "generation.weight_transfer (nccl)",
     }
     lora_flags = {
@@ -153,8 +153,6 @@ class VLLMServer(GpuServer):
             args += ["--seed", str(self.seed)]
         if len(self.gpu_ids) > 1:
             args += ["--tensor-parallel-size", str(len(self.gpu_ids))]
-        if self.api_key:
-            args += ["--api-key", self.api_key]
         if self.weight_transfer == "nccl":
             # registers the NCCL weight-transfer engine behind /init_weight_transfer_engine
             args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
@@ -168,6 +166,17 @@ class VLLMServer(GpuServer):
         if self.lora_dir is not None:
             # registers /v1/load_lora_adapter (vllm/envs.py reads "1" or "true", any case)
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        return env
+
+    def child_env(self) -> dict[str, str]:
+        env = super().child_env()
+        # vLLM takes its key from VLLM_API_KEY when --api-key is absent (api_server.py: `args.
+        # api_key or envs.VLLM_API_KEY`): the key stays off the command line, which `ps` shows
+        # every user. One this process inherited is dropped: the server's key is the one the
+        # harness sends.
+        env.pop("VLLM_API_KEY", None)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         return env
 
     def update_weights(
