@@ -1,10 +1,12 @@
 """The default job's first iterations, sync and pipelined, against the committed fingerprint
 (tests/data/fingerprint.json; scripts/fingerprint.py writes it and says when to renew it).
 
-Exact: the default job runs with `reproducible=true` added, so its numbers depend on the code,
-the config and the fingerprint's key (torch version, CPU capability, MKL branch, thread counts),
-not on the machine. A key with no committed fingerprint (another torch version, a CPU without
-AVX2) skips with the reason: the test never fails on a CPU whose numbers were never recorded.
+Exact: the default job runs with `reproducible=true` (its default), so its numbers depend on the
+code, the config and the fingerprint's key (torch version, CPU capability, CPU vendor, MKL branch,
+thread counts), not on the machine. The key is read in a child process, as the runs see it (this
+process's own kernels are not the runs'). A key with no committed fingerprint (another torch
+version, a CPU without AVX2, a vendor never recorded) skips with the reason: the test never fails
+on a CPU whose numbers were never recorded.
 """
 
 from __future__ import annotations

@@ -32,14 +32,19 @@ def test_the_builtin_server_gets_them_on_cpu(tmp_path: Path, reproducible: bool)
 
 
 @pytest.mark.parametrize(
-    ("capability", "fails"), [("AVX2", False), ("AVX512", True), ("DEFAULT", False)]
+    ("capability", "avx2", "fails"),
+    [
+        ("AVX2", True, False),
+        ("AVX512", True, True),  # torch ran an operation before the variable was set
+        ("DEFAULT", True, True),  # ATEN_CPU_CAPABILITY=default won over the pin: plain kernels
+        ("DEFAULT", False, False),  # Arm, old x86: nothing to pin; the key names the capability
+    ],
 )
 def test_torch_on_other_kernels_is_an_error_naming_the_fix(
-    monkeypatch: pytest.MonkeyPatch, capability: str, fails: bool
+    monkeypatch: pytest.MonkeyPatch, capability: str, avx2: bool, fails: bool
 ) -> None:
-    # AVX512: torch ran an operation before the variable was set. DEFAULT (Arm, no AVX2): nothing
-    # to pin; the run goes on and its fingerprint key names the capability.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: avx2)
     if fails:
         with pytest.raises(ConfigError, match="ATEN_CPU_CAPABILITY=avx2"):
             check_torch_honours()

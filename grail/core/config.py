@@ -259,10 +259,12 @@ class ServiceConfig:
 @dataclass
 class Config:
     seed: int = 0
-    # Same config and seed -> same metrics on any x86-64 CPU with AVX2, not only on this machine:
-    # pins torch's CPU kernels, MKL's and the CPU thread counts (grail/core/reproducible.py; off by
-    # default: 1.2x-2.3x per iteration on 2 cores). CPU runs only: GPUs are not made to agree.
-    reproducible: bool = False
+    # Same config and seed -> same metrics on any x86-64 CPU with AVX2 of one vendor, not only on
+    # this machine: pins torch's CPU kernels, MKL's and the CPU thread counts
+    # (grail/core/reproducible.py). On by default: the default job then learns alike on AVX2 and
+    # AVX-512 CPUs, at no measured cost on 2 cores (docs/benchmarks.md); false lets a CPU run use
+    # every core and the CPU's own kernels. CPU runs only: GPUs are not made to agree.
+    reproducible: bool = True
     mode: Mode = Mode.train  # train | service (see Mode)
     resume: bool = False
     # Where the runs of one study share state: the pruner's Optuna storage, rollouts reused between

@@ -51,8 +51,10 @@ def check_torch_honours() -> str:
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability == "AVX2" or not capability.startswith("AVX"):
+    if capability == "AVX2" or not torch.cpu._is_avx2_supported():
         return capability
+    # AVX512: torch ran an operation before the variable was set; DEFAULT on a CPU with AVX2:
+    # something set ATEN_CPU_CAPABILITY=default after grail pinned it (both round differently).
     raise ConfigError(
         f"reproducible=true needs torch's AVX2 CPU kernels, but this process already runs "
         f"{capability} ones: torch ran a tensor operation before grail could set "
@@ -61,9 +63,24 @@ def check_torch_honours() -> str:
     )
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as the kernel names it (`GenuineIntel`, `AuthenticAMD`; "unknown" where
+    /proc/cpuinfo has none): with the kernels pinned, Intel and AMD CPUs still round the default
+    job differently from its second iteration on (docs/benchmarks.md), so the key names it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def fingerprint_key(trainer_threads: int, server_threads: int) -> dict[str, Any]:
     """What decides a CPU run's numbers besides the config and the code: torch's version (its
-    kernels and the MKL it bundles), its CPU capability, MKL's branch and the thread counts.
+    kernels and the MKL it bundles), its CPU capability, the CPU's vendor, MKL's branch and the
+    thread counts.
     Call after the first tensor operation of the process (torch reads its capability then)."""
     import os
 
@@ -72,6 +89,7 @@ def fingerprint_key(trainer_threads: int, server_threads: int) -> dict[str, Any]
     return {
         "torch": torch.__version__.split("+")[0],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_vendor": cpu_vendor(),
         "mkl_cbwr": os.environ.get("MKL_CBWR", "off"),
         "trainer_threads": trainer_threads,
         "server_threads": server_threads,

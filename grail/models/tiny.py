@@ -304,10 +304,11 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     torch draws normal weights with AVX2 code only where it runs its AVX2 kernels; with AVX-512
     ones (or plain ones) it runs other code, and the weights differ in their last bits (measured:
     a different model.safetensors under ATEN_CPU_CAPABILITY=default), so every run on such a CPU
-    would start from another model. On an AVX-512 CPU the build therefore runs in a child process
-    pinned to the AVX2 kernels (the variable is read at torch's first operation, so it cannot be
-    changed in this one)."""
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    would start from another model. On a CPU with AVX2 whose process runs other kernels (AVX-512
+    ones, or plain ones under ATEN_CPU_CAPABILITY=default) the build therefore runs in a child
+    process pinned to the AVX2 kernels (the variable is read at torch's first operation, so it
+    cannot be changed in this one)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2" and torch.cpu._is_avx2_supported():
         return _build_in_avx2_child(Path(out_dir), seed)
     return build_random_qwen2(Path(out_dir), seed=seed, **TINY_PRESET)
 
