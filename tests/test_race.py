@@ -389,7 +389,8 @@ def test_one_run_at_a_time_with_the_basic_launcher_and_verdict_json(tmp_path: Pa
     ]
 
     verdict = json.loads((tmp_path / VERDICT).read_text())
-    assert set(verdict) == {"best", "decided", "runs", "settings"}
+    assert set(verdict) == {"best", "decided", "nothing_learnt", "runs", "settings"}
+    assert verdict["nothing_learnt"] is False
     assert verdict["best"] == {"train.lr": "0.005"} and verdict["runs"] == len(runs)
     keys = {"overrides", "outcome", "n_seeds", "mean", "ci", "p", "seeds_to_separate"}
     assert all(set(entry) == keys for entry in verdict["settings"])
@@ -401,6 +402,28 @@ def test_one_run_at_a_time_with_the_basic_launcher_and_verdict_json(tmp_path: Pa
     assert by_lr["0.005"]["mean"] == pytest.approx(0.95)
     record = json.loads((tmp_path / RACE_RECORD).read_text())
     assert record["settings"] == [["train.lr=0.001"], ["train.lr=0.005"], ["train.lr=0.02"]]
+
+
+def test_a_race_where_nothing_learnt_says_so_and_adds_no_seeds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every run 0.000 (the real judge): no best is named and none is called equivalent, and the
+    race stops after its first round instead of running every setting to max_seeds."""
+    launcher = FakeLauncher(tmp_path, lambda kv: 0.0)
+    sweeper = make_sweeper(launcher, initial_seeds=4, max_seeds=8)
+    del sweeper._judge  # grail/study/verdicts.py's, not the fake
+    with caplog.at_level("INFO", logger="grail.study.race"):
+        sweeper.sweep(LRS)
+    assert len(launcher.runs()) == 3 * 4  # the first round only
+    assert sweeper.race is not None and sweeper.race.nothing_learnt()
+    assert sweeper.race.next_run() is None and not sweeper.race.is_decided()
+    verdict = json.loads((tmp_path / VERDICT).read_text())
+    assert verdict["nothing_learnt"] is True and verdict["decided"] is False
+    assert verdict["best"] is None
+    assert {e["outcome"] for e in verdict["settings"]} == {"nothing_learnt"}
+    assert all(e["mean"] == 0.0 and e["p"] is None for e in verdict["settings"])
+    said = [r.getMessage() for r in caplog.records if "nothing learnt" in r.getMessage()]
+    assert len(said) == 1 and "no setting is best and none is equivalent" in said[0]
 
 
 def test_free_slots_are_refilled_at_once_with_job_numbers_that_name_the_slot(

@@ -214,6 +214,26 @@ def test_report_over_seeds_with_failed_and_incomplete_runs(
     assert float(first["best"]) == pytest.approx(0.3)
 
 
+def test_a_study_where_nothing_learnt_says_so_with_no_best(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every run 0.000 on every eval: the table said "best" and "equivalent"; now every verdict
+    and the caption say that nothing was learnt, and no setting is ranked."""
+    sweep = tmp_path / "sweep"
+    for job, (lr, seed) in enumerate((lr, seed) for lr in ("1e-3", "5e-3") for seed in range(4)):
+        overrides = [f"train.lr={lr}", f"seed={seed}"]
+        make_run(
+            sweep / str(job), overrides, iterations=4, done=4, success=lambda i: 0.0, completed=True
+        )
+    assert main([str(sweep), "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "NOTHING LEARNT: every run of every setting has auc 0" in text
+    assert text.count("nothing learnt: 0 on every seed") == 2
+    assert "│ best" not in text and "equivalent within" not in text
+    rows = _read_csv(tmp_path / "stats.csv")
+    assert [(r["outcome"], r["rank"], r["p"]) for r in rows] == [("nothing_learnt", "", "")] * 2
+
+
 def test_six_seeds_separate_a_worse_setting_and_equal_ones_are_equivalent(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,6 +20,7 @@ from grail.study.verdicts import (
     kl_interval,
     mean_interval,
     min_seeds_to_decide,
+    nothing_learnt,
     paired_t_p,
     t_interval,
     tost_p,
@@ -180,6 +181,33 @@ def test_equal_settings_are_equivalent_and_saturated_ones_too() -> None:
     short = judge({"x": {"0": 1.0, "1": 1.0}, "y": {"0": 0.0, "1": 0.0}})
     assert short[1].outcome is Outcome.NOT_SEPARATED and short[1].p == 0.0
     assert short[1].seeds_to_separate == 3  # the minimum for 2 settings
+
+
+def test_nothing_learnt_when_every_run_of_every_setting_is_at_zero() -> None:
+    """Every run 0.000: the judge once named a best (the first label) and called the others
+    equivalent, a race decided. Now every setting says nothing was learnt, and nothing is
+    decided."""
+    zeros = {label: {str(s): 0.0 for s in range(4)} for label in ("lr=2e-2", "lr=1e-3", "lr=5e-3")}
+    assert nothing_learnt(zeros)
+    verdicts = judge(zeros)
+    assert [v.label for v in verdicts] == ["lr=1e-3", "lr=2e-2", "lr=5e-3"]  # no ranking
+    for v in verdicts:
+        assert v.outcome is Outcome.NOTHING_LEARNT and v.mean == 0.0
+        assert (v.p, v.effect, v.seeds_to_separate, v.n_seeds) == (None, None, None, 4)
+        assert v.ci == pytest.approx((0.0, 1 - 0.025 ** (1 / 4)))  # 4 seeds say no more than this
+    assert not decided(verdicts)
+    # One seed of one setting that solved something (1 problem in 64): an ordinary study again.
+    one = {**zeros, "lr=5e-3": {"0": 0.0, "1": 1 / 64, "2": 0.0, "3": 0.0}}
+    assert not nothing_learnt(one)
+    assert judge(one)[0].outcome is Outcome.BEST and judge(one)[0].label == "lr=5e-3"
+    # Every run at the top instead: they all do equally well at something (equivalent).
+    ones = {label: {s: 1.0 for s in by_seed} for label, by_seed in zeros.items()}
+    assert not nothing_learnt(ones) and decided(judge(ones))
+    # The floor of another range, and no floor at all for an unbounded metric.
+    assert nothing_learnt({"a": {"0": -1.0}, "b": {"0": -1.0}}, VerdictSettings(bounds=(-1, 1)))
+    unbounded = VerdictSettings(bounds=None)
+    assert not nothing_learnt(zeros, unbounded)
+    assert judge(zeros, unbounded)[0].outcome is Outcome.BEST
 
 
 def test_near_zero_difference_suggests_equivalence_instead() -> None:

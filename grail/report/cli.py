@@ -8,7 +8,8 @@ reward's trend, time), and writes `summary.csv` (the same table, full precision)
 
 When the runs have seeds (or a statistics option is given), it adds the statistics over seeds:
 per setting (overrides minus seed) n, mean, an interval inside [0, 1] and a verdict against the
-best (best / worse / not separated yet / equivalent, grail/study/verdicts.py), written to
+best (best / worse / not separated yet / equivalent; nothing learnt, for every setting, when
+every run is at 0: grail/study/verdicts.py), written to
 `stats.csv` beside summary.csv (or `--csv PATH`).
 
 It reads only what runs write (`.hydra/overrides.yaml`, `metrics/*.json`, `summary.json`), each

@@ -95,6 +95,7 @@ SHORT_OUTCOME = {
     Outcome.WORSE: "worse",
     Outcome.NOT_SEPARATED: "not separated",
     Outcome.EQUIVALENT: "equivalent",
+    Outcome.NOTHING_LEARNT: "nothing learnt",
 }
 
 

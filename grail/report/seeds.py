@@ -61,6 +61,8 @@ def verdict_text(s: SettingStats, settings: VerdictSettings = REPORT_SETTINGS) -
     v = s.verdict
     if v is None:
         return "–"
+    if v.outcome is Outcome.NOTHING_LEARNT:
+        return "nothing learnt: 0 on every seed"
     if v.outcome is Outcome.BEST:
         return "best"
     if v.outcome is Outcome.WORSE:
@@ -98,6 +100,14 @@ def stats_captions(
         f"settings; not separated yet: estimated seeds more to separate it, at "
         f"{settings.power:.0%} power.",
     ]
+    if any(s.verdict and s.verdict.outcome is Outcome.NOTHING_LEARNT for s in stats):
+        lines.insert(
+            0,
+            f"NOTHING LEARNT: every run of every setting has {metric} 0 (no held-out problem "
+            "solved after training started), so no setting is best and none is equivalent: the "
+            "runs cannot tell the settings apart. Train longer (train.iterations) or try other "
+            "values.",
+        )
     if any(s.repeated for s in stats):
         lines.append(
             "repeated: runs of a seed their setting already had (the same experiment again, not "

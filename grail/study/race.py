@@ -23,6 +23,10 @@ The schedule, for settings X1..XS and k = initial_seeds:
 3. No new run starts once the verdicts are decided (`decided`), the settings in the race have
    max_seeds seeds, or max_runs runs started. Runs still going then end, and the verdicts over all
    results are the race's answer; should those runs undo the decision, racing goes on.
+4. Nor once they say that nothing was learnt (`nothing_learnt`: every run of every setting at 0,
+   grail/study/verdicts.py): there is no best to race for, and seeds up to max_seeds for every
+   setting would be the most expensive way to learn that the settings need changing (more
+   iterations, other values). A run still going that learns something undoes it, as in 3.
 
 A run that failed ends without a value (its seed is missing from that setting's pairs); a pruned
 run ends with its censored value (grail.study.stats.censored_value, as the report counts it).
@@ -41,7 +45,7 @@ if TYPE_CHECKING:
 
 # The verdict outcomes (grail.study.verdicts.Outcome's values, compared as text so that this
 # module loads without numpy and scipy) that keep a setting in the race.
-BEST, NOT_SEPARATED = "best", "not_separated"
+BEST, NOT_SEPARATED, NOTHING_LEARNT = "best", "not_separated", "nothing_learnt"
 IN_RACE = (BEST, NOT_SEPARATED)
 
 
@@ -161,6 +165,11 @@ class Race:
         verdicts = self.verdicts()
         return bool(verdicts) and self.decided(verdicts) and all(self.values.values())
 
+    def nothing_learnt(self) -> bool:
+        """The verdicts say that no run of any setting learnt anything (module doc, step 4)."""
+        verdicts = self.verdicts()
+        return bool(verdicts) and all(v.outcome == NOTHING_LEARNT for v in verdicts)
+
     # -- what to do next --
 
     def next_run(self) -> Run | None:
@@ -174,7 +183,7 @@ class Race:
                 if seed not in self.started[label]:
                     return label, seed
         verdicts = self.verdicts()
-        if not verdicts or self.decided(verdicts):
+        if not verdicts or self.decided(verdicts) or self.nothing_learnt():
             return None
         in_race = {v.label for v in verdicts if v.outcome in IN_RACE}
         contenders = [label for label in self.settings if label in in_race]

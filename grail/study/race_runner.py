@@ -134,6 +134,8 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
     return {
         "best": best,
         "decided": race.is_decided(),
+        # every run of every setting at 0: no best, and the race adds no seeds (race.py, step 4)
+        "nothing_learnt": race.nothing_learnt(),
         "runs": race.ended,
         "settings": entries,
     }
@@ -312,14 +314,24 @@ class RaceRunner:
 
     def _finish(self) -> None:
         record = verdict_record(self.race, list(self.settings.values()))
-        state = "decided" if record["decided"] else "not decided"
-        log.info(
-            "race %s after %d runs: best %s; verdicts in %s",
-            state,
-            record["runs"],
-            record["best"],
-            self.sweep_dir / VERDICT,
-        )
+        if record["nothing_learnt"]:
+            log.warning(
+                "race over after %d runs: nothing learnt: every run of every setting has %s 0 "
+                "(no held-out problem solved), so no setting is best and none is equivalent; "
+                "train longer (train.iterations) or race other values. Verdicts in %s",
+                record["runs"],
+                self.metric,
+                self.sweep_dir / VERDICT,
+            )
+        else:
+            state = "decided" if record["decided"] else "not decided"
+            log.info(
+                "race %s after %d runs: best %s; verdicts in %s",
+                state,
+                record["runs"],
+                record["best"],
+                self.sweep_dir / VERDICT,
+            )
         for entry in record["settings"]:
             log.info(
                 "  %s: %s, %s %s over %d seeds, CI %s, p %s",

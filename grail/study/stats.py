@@ -7,7 +7,8 @@ Pure functions over lists and dicts (no file I/O), so they are tested on hand-ma
   rate of an eval after training started) or `auc` (mean success rate over those evals: the area
   under the eval curve per eval point). The baseline eval (iteration -1) never counts.
 - `summarize(groups, metric, settings)`: each setting's values by seed, judged against the best
-  by `grail.study.verdicts.judge` (best / worse / not separated / equivalent, with an interval
+  by `grail.study.verdicts.judge` (best / worse / not separated / equivalent, or nothing learnt
+  for every setting when every run is at 0, with an interval
   that stays inside [0, 1]). Completed runs count with their value; a pruned run counts too,
   censored: with its value where the pruner stopped it, at most its success rate at that eval
   (`censored_value`), so a setting is never scored on the seeds that survived alone.
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 from grail.core.records import LAUNCH_KEYS, override_key
 from grail.study.runs import distinguishing_overrides
-from grail.study.verdicts import Verdict, VerdictSettings, judge, mean_interval
+from grail.study.verdicts import Outcome, Verdict, VerdictSettings, judge, mean_interval
 
 METRICS = ("final", "best", "auc")
 SEED_KEY = "seed"
@@ -215,7 +216,7 @@ class SettingStats:
     # runs with a value whose seed an earlier run of this setting has: the same setting and seed
     # again is the same experiment again, not another replicate, so the seed counts once
     repeated: int = 0
-    rank: int = 0  # 1 = best mean; 0 = no value
+    rank: int = 0  # 1 = best mean; 0 = no value, or nothing learnt (no setting ranks above another)
     verdict: Verdict | None = None  # None for settings without values
 
     @property
@@ -282,7 +283,7 @@ def summarize(
     ranked = []
     for rank, v in enumerate(verdicts, start=1):
         s = have[v.label]
-        s.rank, s.verdict = rank, v
+        s.rank, s.verdict = (0 if v.outcome is Outcome.NOTHING_LEARNT else rank), v
         s.interval = Interval(v.n_seeds, v.mean, v.ci[0], v.ci[1])
         ranked.append(s)
     return ranked + missing

@@ -63,6 +63,14 @@ tests/test_verdicts.py:
 
 Settings with different seed sets are paired on the seeds they share; a setting sharing fewer than
 2 seeds with the best has no test (p None) and is NOT_SEPARATED.
+
+5. NOTHING_LEARNT, every setting's verdict when no run learnt anything: every value of every
+   setting lies at the metric's lower bound (`bounds[0]`: for the success rates grail-report and
+   the race compare, 0: no run solved a single held-out problem in any evaluation the metric
+   counts). Then there is no best, and "equivalent" would claim the settings do equally well at
+   something; the runs say nothing about which setting is better, only that none learnt (train
+   longer, or try other values). See `nothing_learnt` for why the definition is the floor, not an
+   interval or the baseline.
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ class Outcome(StrEnum):
     WORSE = "worse"
     NOT_SEPARATED = "not_separated"
     EQUIVALENT = "equivalent"
+    NOTHING_LEARNT = "nothing_learnt"  # every setting's, when no run learnt (`nothing_learnt`)
 
 
 @dataclass(frozen=True)
@@ -307,13 +316,51 @@ def _check(values: Mapping[str, Mapping[str, float]], settings: VerdictSettings)
                 )
 
 
+def nothing_learnt(
+    values: Mapping[str, Mapping[str, float]], settings: VerdictSettings = VerdictSettings()
+) -> bool:
+    """True when every value of every setting lies at the metric's lower bound (within rounding):
+    for a success rate, no run solved one held-out problem in any evaluation it counts. False for
+    an unbounded metric, which has no floor to be at.
+
+    Why the floor, and not the alternatives:
+    - the interval's upper bound below a small epsilon: 3 seeds at 0 give the KL interval
+      [0, 0.71] (3 draws of a coin that lands heads 30% of the time all land tails in 34% of
+      studies); an upper bound below 0.05 takes 72 seeds, so the rule would never fire where it
+      matters, after the race's first round;
+    - every run's final success equal to its baseline: the verdicts see one number per run, not
+      its baseline; and runs that stayed at a baseline above 0 solve problems, so the settings
+      are compared on something, and equal there is what EQUIVALENT means.
+    """
+    if settings.bounds is None:
+        return False
+    lo, hi = settings.bounds
+    floor = lo + _NO_SPREAD * (hi - lo)
+    return all(v <= floor for by_seed in values.values() for v in by_seed.values())
+
+
 def judge(
     values: Mapping[str, Mapping[str, float]], settings: VerdictSettings = VerdictSettings()
 ) -> list[Verdict]:
     """One Verdict per setting: `values` maps a setting's label to {seed: value}; the best is the
     highest mean (ties: the first label in sorted order), listed first, then the others by mean
-    (highest first) and label. See the module doc for the methods."""
+    (highest first) and label. When `nothing_learnt`, every setting is NOTHING_LEARNT instead, in
+    label order (no best, no test). See the module doc for the methods."""
     _check(values, settings)
+    if nothing_learnt(values, settings):
+        return [
+            Verdict(
+                label=label,
+                outcome=Outcome.NOTHING_LEARNT,
+                n_seeds=len(values[label]),
+                mean=float(np.mean(list(values[label].values()))),
+                ci=mean_interval(list(values[label].values()), settings),
+                p=None,
+                effect=None,
+                seeds_to_separate=None,
+            )
+            for label in sorted(values)
+        ]
     means = {label: float(np.mean(list(v.values()))) for label, v in values.items()}
     order = sorted(values, key=lambda label: (-means[label], label))
     best, others = order[0], order[1:]
@@ -391,5 +438,6 @@ def judge(
 
 
 def decided(verdicts: Sequence[Verdict]) -> bool:
-    """True when every non-best verdict is WORSE or EQUIVALENT (nothing left to race)."""
+    """True when every non-best verdict is WORSE or EQUIVALENT (nothing left to race); never when
+    nothing was learnt (no best to decide)."""
     return all(v.outcome in (Outcome.BEST, Outcome.WORSE, Outcome.EQUIVALENT) for v in verdicts)
