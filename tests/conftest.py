@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from grail.core.reproducible import apply_reproducible_env
+from grail.core.reproducible import pin_this_process
 
 # Runs are reproducible=true by default, the runs tests make in this process included: pin this
-# process's kernels as grail-train pins its own, before torch's first operation, so a test's
-# numbers are the same on every x86-64 CPU with AVX2 (AVX-512 ones too) and in-process runs pass
-# their check (grail/core/reproducible.py). An exported ATEN_CPU_CAPABILITY=default loses here as
-# it does in grail-train: .ci/run's second pass of the learning tests under it checks just that.
-apply_reproducible_env(os.environ)
+# process's kernels as grail-train pins its own, so a test's numbers are the same on every x86-64
+# CPU with AVX2 (AVX-512 ones too) and in-process runs pass their check. The environment children
+# inherit is left as it was: each run they start must pin its own kernels, which .ci/run checks by
+# running the learning tests again under an exported ATEN_CPU_CAPABILITY=default.
+pin_this_process()
 
 # A test session started in the background of a non-interactive shell (`cmd &`) inherits SIGINT
 # ignored, and so would every grail-train it starts (an ignored signal stays ignored across exec):

@@ -23,6 +23,7 @@ sys.path.insert(0, str(SCRIPTS))
 import fingerprint  # noqa: E402
 
 
+@pytest.mark.learning
 def test_default_job_matches_the_committed_fingerprint(tmp_path: Path) -> None:
     key = fingerprint.current_key(reproducible=True)
     committed = fingerprint.committed_for(key)

@@ -327,6 +327,7 @@ def test_modules_trained_in_full_sync_with_the_adapter(
     assert base_state_dict(trainer_model).keys() == original.state_dict().keys()
 
 
+@pytest.mark.learning
 def test_a_lora_run_learns_the_default_task_from_a_base_that_knows_its_tokens(
     tmp_path: Path, warm_base: Path
 ) -> None:

@@ -72,6 +72,7 @@ def test_build_is_offline_deterministic_and_seeded(tmp_path: Path, no_network: N
     assert ha["tokenizer.json"] == hc["tokenizer.json"]
 
 
+@pytest.mark.learning
 @pytest.mark.skipif(not torch.cpu._is_avx2_supported(), reason="needs a CPU with AVX2")
 def test_the_avx2_child_builds_the_same_weights(tmp_path: Path) -> None:
     # What a CPU whose process runs other kernels builds (in a child pinned to the AVX2 kernels)

@@ -462,6 +462,7 @@ def held_out(run_dir: Path, iteration: int) -> tuple[float, float]:
     return record["success_rate"], record["reward_mean"]
 
 
+@pytest.mark.learning
 def test_a_client_in_another_process_teaches_the_default_task(
     tmp_path: Path, trainers: list[ServiceRun], warm_base: Path
 ) -> None:

@@ -44,6 +44,28 @@ def apply_reproducible_env(env: MutableMapping[str, str]) -> None:
     env.update(REPRODUCIBLE_ENV)
 
 
+def pin_this_process() -> None:
+    """Make this process run the kernels a reproducible run pins, leaving its environment (what
+    its children inherit) as it was: for a process that runs reproducible work in-process beside
+    children that pin their own (the test session). Must run before torch's first operation."""
+    import os
+
+    saved = {name: os.environ.get(name) for name in REPRODUCIBLE_ENV}
+    apply_reproducible_env(os.environ)
+    try:
+        import torch
+
+        # ATen reads its variable at the first dispatch, MKL its own at the first GEMM.
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    check_torch_honours()
+
+
 def check_torch_honours() -> str:
     """Raise if torch, in this process, runs other kernels than a reproducible run pins; return
     torch's CPU capability. Where the CPU has no AVX2, the run goes on (matching only machines of
