@@ -14,9 +14,19 @@ from pathlib import Path
 
 import pytest
 from helpers.run_dirs import REPO, TINY_RUN
+from omegaconf import OmegaConf
 
-from grail.core.records import FILE_MODE, SECRET_FILE_MODE, atomic_write_text, follow_umask
+from grail.core.config import Config
+from grail.core.records import (
+    FILE_MODE,
+    SECRET_FILE_MODE,
+    atomic_write_text,
+    follow_umask,
+    holds_secrets,
+)
 from grail.service.source import write_endpoint
+from grail.train.cli import save_hydra_files
+from grail.train.resume import Resume
 
 
 def test_every_file_of_a_run_follows_the_umask(tmp_path: Path) -> None:
@@ -77,3 +87,24 @@ def test_a_file_that_holds_a_key_is_owner_only_whatever_the_umask(
     # Any other output still follows the umask (what the umask gave this process at start).
     atomic_write_text(tmp_path / "metrics.json", "{}\n")
     assert oct((tmp_path / "metrics.json").stat().st_mode & 0o777) == oct(FILE_MODE)
+
+
+def test_a_run_s_config_that_holds_a_key_is_owner_only(tmp_path: Path, umask: int) -> None:
+    """`.hydra/` records the config as given: `service.api_key=...` on the command line stands in
+    config.yaml, overrides.yaml and hydra.yaml; so do a remote scorer's headers."""
+    cfg = OmegaConf.structured(Config)
+    cfg.service.api_key = "sk-mine"
+    hydra = OmegaConf.create({"overrides": {"task": ["service.api_key=sk-mine"]}})
+    save_hydra_files(tmp_path / "keyed", cfg, hydra)
+    resume = Resume(cfg, cfg, {"train.iterations": (1, 2)}, [], OmegaConf.to_yaml(cfg))
+    resume.record(tmp_path / "keyed")  # a resume rewrites config.yaml
+    keyed = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "keyed").rglob("*.yaml")}
+    assert "sk-mine" in (tmp_path / "keyed/.hydra/overrides.yaml").read_text()
+    assert keyed == dict.fromkeys(("config.yaml", "hydra.yaml", "overrides.yaml"), "0o600")
+    cfg.service.api_key = None
+    save_hydra_files(tmp_path / "plain", cfg, OmegaConf.create({"overrides": {"task": []}}))
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "plain").rglob("*.yaml")} == {
+        oct(FILE_MODE)
+    }
+    headers = {"data": {"rewards": [{"url": "http://scorer", "headers": {"X-Key": "k"}}]}}
+    assert holds_secrets(headers) and not holds_secrets({"data": {"rewards": [{"url": "u"}]}})

@@ -422,6 +422,12 @@ def without_secrets(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def holds_secrets(config: object) -> bool:
+    """Whether `config` (a run's config as a dict) holds a value `without_secrets` takes out: the
+    files that record it as written (`.hydra/`) are then owner-only (`SECRET_FILE_MODE`)."""
+    return isinstance(config, dict) and without_secrets(config) != config
+
+
 def write_summary(
     run_dir: Path,
     wall_time_s: float,

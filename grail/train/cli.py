@@ -49,7 +49,13 @@ from grail.core.config import Config
 from grail.core.errors import ConfigError, DiskFullError, UserError
 from grail.core.nodes import NodePlan, node_plan
 from grail.core.placement import prefer_passive_openmp
-from grail.core.records import RunDirLocked, atomic_write_text, run_lock
+from grail.core.records import (
+    SECRET_FILE_MODE,
+    RunDirLocked,
+    atomic_write_text,
+    holds_secrets,
+    run_lock,
+)
 from grail.core.reproducible import apply_reproducible_env
 from grail.core.validate import unknown_key_message
 from grail.study.sweep import SweepError
@@ -155,8 +161,11 @@ def save_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: Any) -> None:
     written by us under the run's lock (`hydra.output_subdir: null` in conf/offline_grpo.yaml turns
     Hydra's own write off) and atomically: a second grail-train into a running run's directory
     must fail without touching the files that say how that run was configured. Only when a run
-    starts: a resume keeps them (its own overrides and changes go into parts.json)."""
+    starts: a resume keeps them (its own overrides and changes go into parts.json). Owner-only
+    when the config holds a key (`service.api_key`, a scorer's headers), which then stands in
+    all three (the overrides, as given on the command line, are in hydra.yaml too)."""
     hydra_dir = run_dir / ".hydra"
+    mode = SECRET_FILE_MODE if holds_secrets(OmegaConf.to_container(cfg)) else None
     hydra_dir.mkdir(parents=True, exist_ok=True)
     files = {
         "config.yaml": cfg,
@@ -164,7 +173,7 @@ def save_hydra_files(run_dir: Path, cfg: DictConfig, hydra_cfg: Any) -> None:
         "overrides.yaml": hydra_cfg.overrides.task,
     }
     for name, node in files.items():
-        atomic_write_text(hydra_dir / name, OmegaConf.to_yaml(node))
+        atomic_write_text(hydra_dir / name, OmegaConf.to_yaml(node), mode=mode)
 
 
 def train_job(cfg: DictConfig) -> None:

@@ -33,7 +33,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grail.core.config import Config
 from grail.core.errors import ConfigError
-from grail.core.records import LAUNCH_KEYS, atomic_write_text, override_key
+from grail.core.records import (
+    LAUNCH_KEYS,
+    SECRET_FILE_MODE,
+    atomic_write_text,
+    holds_secrets,
+    override_key,
+)
 
 HYDRA_DIR = ".hydra"
 CONFIG_FILE = "config.yaml"
@@ -86,7 +92,8 @@ class Resume:
         """Write the config this resume trains with into `.hydra/config.yaml` (when it changed):
         the next resume continues from it. Called when the resume starts training."""
         if self.changes:
-            atomic_write_text(run_dir / HYDRA_DIR / CONFIG_FILE, self.config_yaml)
+            mode = SECRET_FILE_MODE if holds_secrets(OmegaConf.to_container(self.config)) else None
+            atomic_write_text(run_dir / HYDRA_DIR / CONFIG_FILE, self.config_yaml, mode=mode)
 
     def part(self) -> dict[str, Any]:
         """What parts.json records of this resume beside its times."""
