@@ -21,10 +21,23 @@ class WeightSyncError(ServerError):
     """New weights could not be loaded into the server."""
 
 
+class ServerTimeoutError(WeightSyncError):
+    """A call to a server (a weight sync's request, an NCCL join or broadcast) got no answer in
+    time: the server is hung (stopped, deadlocked) or far slower than it should be. A fleet
+    server that misses its deadline (`ServerManager.call_deadline_s`) is set aside at once, no
+    fallback trying it again (grail/rollouts/fleet.py)."""
+
+
 class ExternalServerError(ServerStartError, UserError):
     """A server the user runs (`generation.urls`) failed a start-up check: unreachable, another
     model, no log-probabilities, or the run's weights cannot reach it. One line naming the URL
     (`grail-train` exits 1 without a traceback): the user fixes the server, not grail."""
+
+
+class FleetGone(ServerDiedError, UserError):
+    """Every server of a fleet failed (at start, in a weight sync, or in generation after the
+    fleet's restarts) and none is left to serve: the run ends with this one line, each server's
+    reason in it (their logs under `logs/server-<i>/` say more)."""
 
 
 class ExternalServerGone(ServerDiedError, UserError):

@@ -110,6 +110,9 @@ def terminate_group(proc: subprocess.Popen, pgid: int, grace: float) -> None:
     try:
         if proc.poll() is None:
             _signal_group(pgid, signal.SIGTERM)
+            # A stopped server (SIGSTOP, a debugger's, a job's) acts on SIGTERM only once
+            # continued: else a hung fleet server's restart waited out the whole grace.
+            _signal_group(pgid, signal.SIGCONT)
             try:
                 proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:

@@ -45,7 +45,13 @@ import httpx
 from grail.core.choices import WeightSyncMode
 from grail.core.placement import prefer_passive_openmp
 from grail.inference import os_process
-from grail.inference.errors import ServerDiedError, ServerError, ServerStartError, WeightSyncError
+from grail.inference.errors import (
+    ServerDiedError,
+    ServerError,
+    ServerStartError,
+    ServerTimeoutError,
+    WeightSyncError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +171,13 @@ class ServerManager(ABC):
         self._command: list[str] = []
         #: restarts done by `recover()` (a dead server brought back), for metrics
         self.recoveries = 0
+        #: The deadline of each call to the server (seconds), set by the fleet it serves in
+        #: (grail/rollouts/fleet.py: generation.request_timeout_s): a call that misses it
+        #: raises `ServerTimeoutError`, and no fallback (disk after a fast route, a restart
+        #: after an in-place reload) calls the server again: the fleet sets it aside, restarts
+        #: it in the background and goes on with the others. None (a lone server): each call
+        #: waits up to `weight_sync_timeout`, and a timeout falls back as any failure does.
+        self.call_deadline_s: float | None = None
 
     # -- what a backend supplies -------------------------------------------------------------
 
@@ -239,6 +252,24 @@ class ServerManager(ABC):
             )
         return self._control_client
 
+    def call_timeout(self, most: float) -> float:
+        """Seconds one call to the server may wait: `most`, or the fleet's deadline when
+        shorter (`call_deadline_s`)."""
+        return most if self.call_deadline_s is None else min(most, self.call_deadline_s)
+
+    def missed_deadline(self, exc: BaseException | None) -> bool:
+        """Whether `exc` is this server missing its fleet's deadline: then nothing calls it
+        again (no fallback, no clean-up request), as each call would wait out the deadline
+        again; the fleet sets it aside and restarts it."""
+        return self.call_deadline_s is not None and isinstance(exc, ServerTimeoutError)
+
+    def missed(self, what: str, seconds: float) -> ServerTimeoutError:
+        """The error of a call (`what`) that got no answer within the fleet's deadline."""
+        return ServerTimeoutError(
+            f"{what} got no answer within {seconds:g} s, the deadline of each call to a server "
+            "of the fleet (generation.request_timeout_s): the server is hung or far too slow"
+        )
+
     def _control(
         self,
         path: str,
@@ -247,13 +278,17 @@ class ServerManager(ABC):
         params: Mapping[str, Any] | None = None,
     ) -> tuple[int, Any]:
         """POST a control route; return (status, decoded JSON or None). A transport failure is
-        a `WeightSyncError` that says whether the server died meanwhile."""
+        a `WeightSyncError` that says whether the server died meanwhile; no answer within
+        `call_timeout` under a fleet's deadline, a `ServerTimeoutError`."""
         url = f"{self.root_url}{path}"
+        seconds = self.call_timeout(self.weight_sync_timeout)
+        timeout = httpx.Timeout(seconds, connect=min(5.0, seconds))
         try:
-            response = self.control_http().post(url, json=body, params=params)
+            response = self.control_http().post(url, json=body, params=params, timeout=timeout)
         except httpx.HTTPError as exc:
             detail = f"{type(exc).__name__}: {exc}"
-            if self._proc is not None:
+            timed_out = isinstance(exc, httpx.TimeoutException)
+            if self._proc is not None and not timed_out:
                 # A crashing server drops its connections a moment before its process is gone;
                 # wait a little so that a death is reported as one rather than as a network error.
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -264,6 +299,8 @@ class ServerManager(ABC):
                 raise WeightSyncError(f"POST {path} failed ({detail}); {died}") from died
             except ServerError:
                 pass
+            if timed_out and self.call_deadline_s is not None:
+                raise self.missed(f"POST {url}", seconds) from exc
             raise WeightSyncError(f"POST {url} failed: {detail}") from exc
         try:
             decoded = response.json() if response.content else None
@@ -552,7 +589,8 @@ class ServerManager(ABC):
 
         mode="in_place" reloads weights in the running server; if that fails and `fallback` is
         set, it logs a warning and restarts the server on the checkpoint instead (slow but sure).
-        mode="restart" always restarts. Raises `WeightSyncError` when nothing worked.
+        mode="restart" always restarts. Raises `WeightSyncError` when nothing worked, and at
+        once when the server missed its fleet's deadline (`missed_deadline`).
         """
         if mode not in tuple(WeightSyncMode):
             raise ValueError(f"weight sync mode must be 'in_place' or 'restart', got {mode!r}")
@@ -565,7 +603,7 @@ class ServerManager(ABC):
                     time.perf_counter() - t0, WeightSyncMode.in_place, fell_back=False
                 )
             except WeightSyncError as exc:
-                if not fallback:
+                if not fallback or self.missed_deadline(exc):
                     raise
                 reason = str(exc)
                 logger.warning(

@@ -163,8 +163,12 @@ class GpuServer(ServerManager):
         # server process (`_sender_pid`): a restarted server has left the old one.
         self._sender: NcclSender | None = None
         self._sender_pid: int | None = None
-        #: how long a join, a broadcast or the server's side of either may take
-        self.nccl_timeout_s = min(self.weight_sync_timeout, DEFAULT_NCCL_TIMEOUT_S)
+
+    @property
+    def nccl_timeout_s(self) -> float:
+        """How long a join, a broadcast or the server's side of either may take: at most
+        `weight_sync_timeout`, and a fleet's deadline (`call_deadline_s`)."""
+        return self.call_timeout(min(self.weight_sync_timeout, DEFAULT_NCCL_TIMEOUT_S))
 
     # -- LoRA ---------------------------------------------------------------------------------
 
@@ -252,12 +256,16 @@ class GpuServer(ServerManager):
     def _post_elsewhere(self, route: str, body: Mapping[str, Any]) -> Any:
         """POST `route` from a thread other than the control client's (the NCCL requests run
         beside the trainer's side of the same collective), with its own bounded client. Raises
-        `WeightSyncError` unless the answer is 200 (and, with a `success` field, true)."""
-        timeout = httpx.Timeout(self.nccl_timeout_s, connect=5.0)
+        `WeightSyncError` unless the answer is 200 (and, with a `success` field, true); no answer
+        within a fleet's deadline, a `ServerTimeoutError`."""
+        seconds = self.nccl_timeout_s
+        timeout = httpx.Timeout(seconds, connect=min(5.0, seconds))
         try:
             with httpx.Client(timeout=timeout, headers=self._headers()) as http:
                 response = http.post(f"{self.root_url}{route}", json=dict(body))
         except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TimeoutException) and self.call_deadline_s is not None:
+                raise self.missed(f"POST {route}", seconds) from exc
             raise WeightSyncError(f"POST {route} failed: {type(exc).__name__}: {exc}") from exc
         try:
             answer = response.json() if response.content else None

@@ -20,9 +20,11 @@ importable here whenever that backend is in use):
 Both rendezvous block until every rank arrives, so the server's HTTP call runs in a thread while
 this process joins. Nothing here may hang a run: the joins run in daemon threads waited for
 `timeout_s`; the broadcasts run on their own CUDA stream (a stuck one does not stall training)
-and are waited for `timeout_s`. A group that timed out is given up (`broken`), and the run syncs
-from disk from then on (grail/inference/weights/syncer.py). GPU only: the CPU tests cover the
-requests (tests/test_weight_transfer_backends.py); tests/gpu/ runs it for real.
+and are waited for `timeout_s` (else a `ServerTimeoutError`). A group that timed out is given
+up (`broken`), and a lone server syncs from disk from then on (grail/inference/weights/syncer.py);
+a fleet's server, whose `timeout_s` is at most the fleet's deadline, is set aside instead. GPU
+only: the CPU tests cover the requests (tests/test_weight_transfer_backends.py); tests/gpu/ runs
+it for real.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from grail.inference import os_process
-from grail.inference.errors import WeightSyncError
+from grail.inference.errors import ServerTimeoutError, WeightSyncError
 
 DEFAULT_TIMEOUT_S = 120.0
 SGLANG_GROUP_NAME = "grail_weight_sync"
@@ -66,7 +68,7 @@ def _wait(future: concurrent.futures.Future[Any], timeout_s: float, what: str) -
     try:
         return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
-        raise WeightSyncError(f"{what} did not finish within {timeout_s:g} s") from None
+        raise ServerTimeoutError(f"{what} did not finish within {timeout_s:g} s") from None
 
 
 class NcclSender:
@@ -132,7 +134,7 @@ class NcclSender:
             deadline = time.monotonic() + self.timeout_s
             while not done.query():
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(
+                    raise ServerTimeoutError(
                         f"the NCCL broadcast did not complete within {self.timeout_s:g} s"
                     )
                 time.sleep(0.001)

@@ -261,11 +261,12 @@ class SGLangServer(GpuServer):
             failure = exc
             raise
         finally:
-            try:
-                self._session("end", "/end_weight_update", {})
-            except WeightSyncError:
-                if failure is None:
-                    raise
+            if not self.missed_deadline(failure):  # a hung fleet server restarts: no more calls
+                try:
+                    self._session("end", "/end_weight_update", {})
+                except WeightSyncError:
+                    if failure is None:
+                        raise
         self.weight_version = weight_version
         seconds = time.perf_counter() - t0
         self.last_sync_timings["total"] = seconds

@@ -232,9 +232,9 @@ class VLLMServer(GpuServer):
 
     def _paused(self, load: Callable[[], None]) -> None:
         """pause?mode=wait → `load()` → reset_prefix_cache (retried while requests hold blocks)
-        → resume, the last whatever happened after the pause: in-flight requests finish on the
-        old weights, none starts until the new ones are in, and no cached block of the old
-        weights is reused."""
+        → resume, the last whatever happened after the pause (unless the server missed its
+        fleet's deadline: it is restarted): in-flight requests finish on the old weights, none
+        starts until the new ones are in, and no cached block of the old weights is reused."""
         self.last_sync_timings = {}
         self._step("pause", "/pause", params={"mode": "wait"})
         failure: BaseException | None = None
@@ -254,12 +254,13 @@ class VLLMServer(GpuServer):
             failure = exc
             raise
         finally:
-            try:
-                self._step("resume", "/resume")
-            except WeightSyncError as exc:
-                if failure is None:
-                    raise
-                logger.error("could not resume vLLM after a failed reload: %s", exc)
+            if not self.missed_deadline(failure):  # a hung fleet server restarts: no more calls
+                try:
+                    self._step("resume", "/resume")
+                except WeightSyncError as exc:
+                    if failure is None:
+                        raise
+                    logger.error("could not resume vLLM after a failed reload: %s", exc)
 
     # -- NCCL (weight_transfer=nccl, grail/inference/backends/nccl.py) ---------------------------
 

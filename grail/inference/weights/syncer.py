@@ -5,7 +5,9 @@ restart it.
 Disk is the fallback of every fast route: any failure (a refusal, a timeout, a server that
 died) is logged with its reason and counted (`SyncResult.transfer_fallbacks`, the iteration
 record's `weight_sync`), and the sync goes on from disk. After `MAX_FAILURES_IN_A_ROW` failures in
-a row the run stops trying the fast route.
+a row the run stops trying the fast route. The exception: a fleet's server that missed the
+fleet's deadline (`ServerManager.missed_deadline`) is hung, and the disk route would wait for it
+again; the failure is raised, and the fleet sets the server aside (grail/rollouts/fleet.py).
 
 A fast route leaves the server's directory older than what it serves, so a restart (recovery
 from a crash, or the disk route's own restart fallback) would bring back old weights: before a
@@ -92,6 +94,8 @@ class WeightSyncer:
             try:
                 result = fast.send(weights, weight_version)
             except Exception as exc:  # any failure: the disk route still works
+                if self.server.missed_deadline(exc):
+                    raise  # a hung fleet server: its fleet sets it aside, not the disk route
                 reason = f"{type(exc).__name__}: {exc}"
                 self._failed(fast.name, reason)
             else:
