@@ -143,12 +143,15 @@ def test_a_fleet_whose_servers_are_all_gone_fails_naming_the_fleet(
 
 class _FakeServer:
     """A `CompletionClient` stand-in: answers after `seconds_per_token` x tokens; records what
-    it drew; `dead` makes it fail as a dead server does."""
+    it drew; `dead` makes it fail as a dead server does, `hung` never answer. `timeout` is the
+    deadline of one request, as the client's."""
 
-    def __init__(self, seconds_per_token: float) -> None:
+    def __init__(self, seconds_per_token: float, timeout: float = 60.0) -> None:
         self.seconds_per_token = seconds_per_token
+        self.timeout = timeout
         self.prompts: list[int] = []
-        self.dead = False
+        self.dead = self.hung = False
+        self.called_back = 0  # requests it held when the fleet took them away
 
     def prompts_per_request(self, n: int) -> int:
         return max(1, 256 // n)
@@ -161,7 +164,13 @@ class _FakeServer:
         seeds: Sequence[int],
         on_done: Any = None,
     ) -> list[list[Completion]]:
-        await asyncio.sleep(self.seconds_per_token * len(prompts) * n * sampling.max_tokens)
+        try:
+            await asyncio.sleep(self.seconds_per_token * len(prompts) * n * sampling.max_tokens)
+            if self.hung:  # a stopped process: the connection stays open, nothing comes back
+                await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.called_back += 1
+            raise
         if self.dead:
             raise ServerDiedError("the server died")
         self.prompts += [p[0] for p in prompts]
@@ -220,6 +229,48 @@ def test_a_dead_servers_requests_go_to_the_others() -> None:
             await _ask_async(client, 8)
 
     asyncio.run(scenario())
+
+
+def test_a_hung_servers_requests_go_to_the_others_after_one_request_timeout() -> None:
+    # Server 1 takes its requests and never answers (SIGSTOP): at the first request's deadline
+    # (its client's timeout, one attempt) it is set aside, and every request it holds goes to
+    # server 0, which draws each with the same seeds: the answers are those of a healthy fleet.
+    alive, hung = _FakeServer(0.0002, timeout=0.5), _FakeServer(0.0002, timeout=0.5)
+    hung.hung = True
+    aside: list[int] = []
+    client = FleetClient([alive, hung], window=2, on_set_aside=aside.append)  # type: ignore[list-item]
+
+    async def scenario() -> float:
+        t0 = time.perf_counter()
+        assert await asyncio.wait_for(_ask_async(client, 32), 10) == _expected(32)
+        return time.perf_counter() - t0
+
+    seconds = asyncio.run(scenario())
+    assert seconds < 3.0, seconds  # one deadline (0.5 s); without it, never
+    assert aside == [1] and sorted(alive.prompts) == list(range(32)) and hung.prompts == []
+    assert hung.called_back == 2  # its window: both requests it held were taken back
+    assert client.server_records()[1]["failures"] == 2
+
+
+def test_a_server_set_aside_from_another_thread_hands_its_requests_over_at_once() -> None:
+    # The fleet sets a server aside from the trainer's thread (its weight sync failed) while a
+    # batch runs on the generation thread: the requests it holds go to the other server now,
+    # not when it would have answered (30 s here).
+    fast, slow = _FakeServer(0.0002), _FakeServer(1.0)  # 30 s for one request
+    client = FleetClient([fast, slow], window=2)  # type: ignore[list-item]
+
+    async def scenario() -> float:
+        t0 = time.perf_counter()
+        timer = threading.Timer(0.2, client.set_aside, [1])
+        timer.start()
+        try:
+            assert await asyncio.wait_for(_ask_async(client, 16), 10) == _expected(16)
+        finally:
+            timer.cancel()
+        return time.perf_counter() - t0
+
+    assert asyncio.run(scenario()) < 5.0  # not the 30 s server 1 takes
+    assert slow.called_back == 2 and slow.prompts == [] and client.aside() == [1]
 
 
 def test_a_request_any_server_would_refuse_is_not_retried_elsewhere() -> None:

@@ -5,42 +5,55 @@ Data plane. `FleetClient` is the completion client of the fleet. A batch's promp
 of whole groups (a problem's n samples never part, so its prompt is prefilled once); each request
 goes to the server the `Balancer` (grail/rollouts/balance.py) picks: the one whose queue would
 finish first, at most a window of requests in flight per server, so a slow server, answering
-later, gets fewer. A request whose server died (`ServerDiedError`, or no answer after the
-client's retries) is counted as that server's failure, the server is set aside, and the request
-goes to another; the batch ends with no group lost or sent twice. With every server set aside the
-request fails with `ServerDiedError`, which the run's recovery handles as for one server.
+later, gets fewer. A request has one request timeout (`generation.request_timeout_s`, one of the
+client's attempts) to come back. One whose server died (`ServerDiedError`, or no answer after the
+client's retries) or that missed that deadline (the server is hung: stopped, deadlocked; its
+retries would hold the batch for several timeouts while the others idle) is counted as that
+server's failure, the server is set aside, and the requests it holds, this one and the others,
+go to the servers that answer at once; the batch ends with no group lost or sent twice. With
+every server set aside the request fails with `ServerDiedError`, which the run's recovery
+handles as for one server.
 
 Control plane. `Fleet.sync` gives every server the same weights, in parallel, and returns only
-when all have them: no request of the next batch reaches an older version. Under the disk route
-the weights are written once into the directory the servers share and every server reloads it;
-fast routes (shared tensors, NCCL) send to each server on its own. A server set aside restarts
-at once, in the background, from the newest weights its directory holds, while the others serve;
-the next sync waits for it, gives it the new weights, and it rejoins. A server the user runs
-(`generation.urls`, grail/inference/external.py) cannot be restarted: at each sync it is asked
-whether it answers again (then it gets the newest weights and rejoins); until then it stays
-aside with a warning, and the others serve.
+when each has them or is set aside: no request of the next batch reaches an older version. Under
+the disk route the weights are written once into the directory the servers share and every server
+reloads it; fast routes (shared tensors, NCCL) send to each server on its own. Every call to a
+server has the same deadline as a request (`ServerManager.call_deadline_s`): one that misses it
+raises `ServerTimeoutError`, and no fallback calls that server again. A server that fails at any
+moment (it did not start, its sync failed or missed the deadline, its restart failed, a request
+failed) is set aside, with a warning, and restarts at once, in the background, from the newest
+weights its directory holds, while the others serve (one failed in a sync restarts once the sync
+has written the directory); the next sync waits for it, gives it the new weights, and it rejoins.
+A server the user runs (`generation.urls`, grail/inference/external.py) cannot be restarted: at
+each sync it is asked whether it answers again (then it gets the newest weights and rejoins);
+until then it stays aside with a warning, and the others serve. Only when no server is left does
+the run fail, with `FleetGone`: one line, each server's reason in it.
 
 Determinism: every prompt carries its own seed and the built-in server's batches are
 batch-invariant on CPU, so a sample does not depend on which server drew it or what else was in
 its batch: `generation.servers=2` gives the metrics of `servers=1`, bitwise, when each server has
-the same thread count (tests/test_fleet.py).
+the same thread count (tests/test_fleet.py); a request moved off a hung server is drawn again, with
+the same seeds, by another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from grail.core.errors import UserError
 from grail.inference.client import CompletionClient, in_requests
 from grail.inference.completions import Completion, GenerationError, SamplingParams
-from grail.inference.errors import ExternalServerGone, ServerDiedError, ServerError
+from grail.inference.errors import FleetGone, ServerDiedError, ServerError
 from grail.inference.external import ExternalServer
 from grail.inference.process import ServerManager, SyncResult
 from grail.inference.weights.policy import Weights
@@ -85,12 +98,35 @@ def is_server_fault(exc: BaseException) -> bool:
     return False
 
 
+class _Moved(Exception):
+    """A request called back from a server set aside while it waited: it goes to another."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _seen(call: asyncio.Future[Any]) -> None:
+    """Take the outcome of a request nobody waits for any more (a timeout called it back), so
+    that asyncio does not log it as never retrieved."""
+    if not call.cancelled():
+        call.exception()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class FleetClient:
     """`CompletionClient`'s `complete_many` / `complete` / `aclose` over the clients of a fleet.
 
-    `clients[i]` is server i's client; `window` is how many requests one server may have in
-    flight (`Balancer`). `on_set_aside(i)` is called once when server i is set aside. Use it from
-    one event loop, as its clients."""
+    `clients[i]` is server i's client, whose `timeout` is the deadline of each request to that
+    server; `window` is how many requests one server may have in flight (`Balancer`).
+    `on_set_aside(i)` is called once when server i is set aside. Use it from one event loop, as
+    its clients (`set_aside` and `restore` from any thread)."""
 
     def __init__(
         self,
@@ -105,6 +141,11 @@ class FleetClient:
         self.balancer = Balancer(len(self.clients), window)
         self._on_set_aside = on_set_aside
         self._changed: asyncio.Condition | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The requests each server holds now, so that setting it aside calls them back at once.
+        self._calls: list[set[asyncio.Future[list[list[Completion]]]]] = [
+            set() for _ in self.clients
+        ]
 
     def prompts_per_request(self, n: int, prompts: int) -> int:
         """Prompts of n samples in one request of a batch of `prompts` (`request_size`)."""
@@ -130,6 +171,8 @@ class FleetClient:
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
         if not prompts:
             return []
+        if self._loop is None:  # where `set_aside` from another thread calls requests back
+            self._loop = asyncio.get_running_loop()
         # Expected tokens of one prompt's group: what the balancer weighs requests by.
         group_cost = n * (sampling.max_tokens or 1)
         per_request = self.prompts_per_request(n, len(prompts))
@@ -152,13 +195,18 @@ class FleetClient:
         seeds: Sequence[int],
         group_cost: float,
     ) -> list[list[Completion]]:
-        """One request on the server the balancer picks; on a server fault, on another."""
+        """One request on the server the balancer picks; on another when that server fails,
+        misses the request's deadline, or is set aside meanwhile."""
         cost = group_cost * len(prompts)
         while True:
             server = await self._acquire(cost)
             t0 = time.perf_counter()
             try:
-                groups = await self.clients[server].complete_many(prompts, n, sampling, seeds)
+                groups = await self._call(server, prompts, n, sampling, seeds)
+            except _Moved:
+                self.balancer.failed(server, cost)
+                await self._notify()
+                continue
             except Exception as exc:
                 if not is_server_fault(exc):  # any server would refuse it: the batch fails
                     self.balancer.withdrawn(server, cost)
@@ -175,6 +223,39 @@ class FleetClient:
             self.balancer.finished(server, cost, tokens=tokens, seconds=time.perf_counter() - t0)
             await self._notify()
             return groups
+
+    async def _call(
+        self,
+        server: int,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int],
+    ) -> list[list[Completion]]:
+        """`clients[server].complete_many`, given one request timeout (the client's `timeout`,
+        one of its attempts) to answer: a server that has not by then is hung or far too slow,
+        and waiting through the client's retries held a batch for 4 x 120 s while the other
+        server idled. A `GenerationError` (a server fault) when it misses it; `_Moved` when the
+        server is set aside meanwhile (`set_aside`)."""
+        client = self.clients[server]
+        call = asyncio.ensure_future(client.complete_many(prompts, n, sampling, seeds))
+        call.add_done_callback(_seen)
+        self._calls[server].add(call)
+        try:
+            done, _ = await asyncio.wait({call}, timeout=client.timeout)
+        finally:
+            self._calls[server].discard(call)
+            call.cancel()  # a no-op once it ended; else (its deadline, our cancellation) it ends
+        if not done:
+            raise GenerationError(
+                f"a request to server {server} of the fleet got no answer within "
+                f"{client.timeout:g} s (generation.request_timeout_s): the server is hung or far "
+                "too slow",
+                attempts=1,
+            )
+        if call.cancelled():
+            raise _Moved
+        return call.result()
 
     async def _acquire(self, cost: float) -> int:
         changed = self._condition()
@@ -204,11 +285,12 @@ class FleetClient:
     def _set_aside(self, server: int, exc: BaseException) -> None:
         if server not in self.balancer.usable():
             return
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         logger.warning(
-            "server %d of the fleet set aside (%s); its requests go to the others", server, first
+            "server %d of the fleet set aside (%s); its requests go to the others",
+            server,
+            _first_line(exc),
         )
-        self.balancer.set_aside(server)
+        self.set_aside(server)
         self._on_set_aside(server)
 
     def aside(self) -> list[int]:
@@ -217,8 +299,21 @@ class FleetClient:
         return [i for i in range(len(self.clients)) if i not in usable]
 
     def set_aside(self, server: int) -> None:
-        """Server `server` takes no requests until `restore`d (the fleet says so)."""
+        """Server `server` takes no requests until `restore`d, and those it holds go to the
+        others at once (the fleet says so, from any thread)."""
         self.balancer.set_aside(server)
+        loop = self._loop
+        if loop is None:  # no request made yet: none to call back
+            return
+        if _running_loop() is loop:
+            self._call_back(server)
+        else:
+            with contextlib.suppress(RuntimeError):  # its loop closed: nothing runs there
+                loop.call_soon_threadsafe(self._call_back, server)
+
+    def _call_back(self, server: int) -> None:
+        for call in list(self._calls[server]):
+            call.cancel()  # its `_send` sends it to another server (`_Moved`)
 
     def restore(self, server: int) -> None:
         """Server `server` is back (restarted, synced): it takes requests again."""
@@ -249,19 +344,36 @@ class Fleet:
 
     `members[i]` is server i and the `WeightSyncer` that gives it the trainer's weights; all
     serve from one directory (`model_path`, or `lora_dir`), which the first server synced writes.
-    `clients` are the `FleetClient`s that route to these servers (`connect`: the run's, and the
-    service's on its own event loop); a server one of them sets aside is set aside in all."""
+    `deadline_s` (generation.request_timeout_s) bounds every call to a server: each request
+    (the clients' own timeout) and each call of a weight sync (`call_deadline_s`, set here on
+    every server). `clients` are the `FleetClient`s that route to these servers (`connect`: the
+    run's, and the service's on its own event loop); a server one of them sets aside is set
+    aside in all."""
 
-    def __init__(self, members: Sequence[tuple[ServerManager, WeightSyncer]]) -> None:
+    def __init__(
+        self, members: Sequence[tuple[ServerManager, WeightSyncer]], *, deadline_s: float
+    ) -> None:
         if not members:
             raise ValueError("a fleet needs at least one server")
+        if not deadline_s > 0:
+            raise ValueError(f"a fleet's deadline_s must be > 0 seconds, got {deadline_s!r}")
         self.servers = [server for server, _ in members]
         self.syncers = [syncer for _, syncer in members]
         self.clients: list[FleetClient] = []
-        # Servers on their way back: a managed one restarts as soon as it is set aside, while
-        # the others serve; the next sync waits for it (it must not read a directory being
-        # rewritten) and then gives it the new weights. Each result: None, or why it failed.
+        self.deadline_s = float(deadline_s)
+        for server in self.servers:
+            server.call_deadline_s = self.deadline_s
+        # Servers set aside, and those on their way back: a managed one restarts as soon as it
+        # is set aside, while the others serve; the next sync waits for it (it must not read a
+        # directory being rewritten) and then gives it the new weights. Each result: None, or
+        # why it failed. Both change from the generation thread (a request failed) and the
+        # trainer's (a sync), under `_lock`.
+        self._aside: set[int] = set()
         self._returning: dict[int, concurrent.futures.Future[str | None]] = {}
+        self._lock = threading.Lock()
+        # The servers read one directory, which a sync writes and a restart after a fast route
+        # writes first (`WeightSyncer.before_restart`): one writer at a time.
+        self._writing = threading.Lock()
         self._restarts = concurrent.futures.ThreadPoolExecutor(
             len(self.servers), thread_name_prefix="grail-fleet-restart"
         )
@@ -270,29 +382,46 @@ class Fleet:
         return len(self.servers)
 
     def launch(self) -> None:
-        """Start every server at once and wait until all answer; stop them all if one fails (or
-        on Ctrl-C: the others' waits then end as their processes do)."""
-        _all_at_once([server.launch for server in self.servers], on_failure=self.stop)
+        """Start every server at once and wait until each answers or fails. One that fails is
+        set aside (it restarts in the background and rejoins at a sync) while the others serve;
+        when none started, `FleetGone`. A failure the user fixes (a server of `generation.urls`
+        that fails its checks) or Ctrl-C stops them all and is raised (the others' waits then
+        end as their processes do)."""
+        failures = _all_at_once(
+            [functools.partial(_failure, server.launch) for server in self.servers],
+            on_failure=self.stop,
+        )
+        failed = {i: exc for i, exc in enumerate(failures) if exc is not None}
+        if len(failed) == len(self):
+            self.stop()
+            raise FleetGone(
+                f"no server of the fleet ({len(self)}) started: {self._reasons(failed)}"
+            ) from failed[0]
+        for server, exc in failed.items():
+            logger.warning("%s did not start (%s)", self._name(server), _first_line(exc))
+            self.set_aside(server)
 
     def call_with_recovery(self, call: Callable[[], T], max_restarts: int) -> T:
         """Run `call` (a generation batch: safe to repeat, its seeds fixed); when it fails because
-        every server is gone, restart the fleet and run it again, at most `max_restarts` times.
-        A fleet with one server left serves on: only losing them all stops a batch."""
+        every server is gone, restart the fleet and run it again, at most `max_restarts` times,
+        then `FleetGone`. A fleet with one server left serves on: only losing them all stops a
+        batch."""
         restarts = 0
         while True:
             try:
                 return call()
             except ServerDiedError as exc:
                 if restarts >= max_restarts:
-                    raise ServerDiedError(
-                        f"generation failed: every server of the fleet ({len(self)}) died, and the "
-                        f"fleet was restarted {restarts} time(s) (max_restarts={max_restarts}); "
-                        f"giving up. Last failure: {exc}"
+                    raise FleetGone(
+                        f"generation failed: every server of the fleet ({len(self)}) died or "
+                        f"hung, and the fleet was restarted {restarts} time(s) "
+                        f"(max_restarts={max_restarts}); giving up. Last failure: "
+                        f"{_first_line(exc)}"
                     ) from exc
                 restarts += 1
                 logger.warning(
                     "every server of the fleet is gone (%s); restart %d/%d and retry",
-                    str(exc).splitlines()[0],
+                    _first_line(exc),
                     restarts,
                     max_restarts,
                 )
@@ -308,90 +437,153 @@ class Fleet:
 
     def aside(self) -> list[int]:
         """The servers set aside, in index order."""
-        return sorted({i for client in self.clients for i in client.aside()})
+        with self._lock:
+            aside = set(self._aside)
+        return sorted(aside.union(*(client.aside() for client in self.clients)))
 
     def set_aside(self, server: int) -> None:
-        """Server `server` stopped answering: every client sets it aside. A managed one
-        restarts now, in the background, from the newest weights its directory holds; it
-        rejoins at the next sync. A server the user runs is asked again at the next sync."""
+        """Server `server` stopped answering: every client sets it aside (and sends the
+        requests it holds elsewhere). A managed one restarts now, in the background, from the
+        newest weights its directory holds; it rejoins at the next sync. A server the user runs
+        is asked again at the next sync."""
+        self._exclude(server)
+        self._restart(server)
+
+    def _exclude(self, server: int) -> None:
+        with self._lock:
+            self._aside.add(server)
         for client in self.clients:
             client.set_aside(server)
-        if self._external(server) or server in self._returning:
+
+    def _restart(self, server: int) -> None:
+        """Begin the background restart of managed server `server`, unless one is under way."""
+        if self._external(server):
             return
+        with self._lock:
+            if server in self._returning:
+                return
+            try:
+                self._returning[server] = self._restarts.submit(self._try_recover, server)
+            except RuntimeError:  # the fleet is stopping: nothing restarts any more
+                return
         logger.warning(
             "%s restarts in the background; it rejoins at the next sync", self._name(server)
         )
-        self._returning[server] = self._restarts.submit(self._try_recover, server)
 
     def sync(self, weights: Weights, weight_version: str) -> SyncResult:
-        """Give every server `weights`; returns when all have them. Servers set aside are
-        brought back first (restarted from the newest weights the directory holds; a server the
-        user runs, asked whether it answers) and then synced too. One that does not come back,
-        or stops answering during the sync, stays aside (with a warning) while the others serve;
-        raises `ServerDiedError` when no server is left. The result is the first synced
+        """Give every server `weights`; returns when each has them or is set aside. Servers set
+        aside are brought back first (restarted from the newest weights the directory holds; a
+        server the user runs, asked whether it answers) and then synced too. One that fails now
+        (it died and its restart failed, or it missed the fleet's deadline: hung) is set aside
+        with a warning, and restarts once this sync has written the directory, while the others
+        serve. When none took the weights, those that failed are restarted and synced once
+        more, and if none takes them then, `FleetGone`. The result is the first synced
         server's, with the whole fan-out's seconds."""
         t0 = time.perf_counter()
-        self._bring_back()
         if not self.clients:
             raise RuntimeError("the fleet has no client yet: connect one first")
-        members = [i for i in range(len(self)) if i not in self.aside()]
-        first: SyncResult | None = None
-        while first is None and members:
-            first = self._try_sync(members.pop(0), weights, weight_version)
+        failed: dict[int, BaseException] = {}
+        for last in (False, True):
+            still_aside = self._bring_back()
+            failed = {}
+            first, results = self._sync_all(weights, weight_version, failed)
+            if first is not None or last or not failed:
+                break
+            logger.warning(
+                "no server of the fleet took weights %s; those that failed restart and are "
+                "given them once more",
+                weight_version,
+            )
+            for server in failed:
+                self._restart(server)
         if first is None:
-            raise ServerDiedError(
-                f"every server of the fleet ({len(self)}) is set aside: none answers to take "
-                "the new weights"
+            reasons: dict[int, BaseException | str] = {**still_aside, **failed}
+            raise FleetGone(
+                f"every server of the fleet ({len(self)}) is set aside: none took weights "
+                f"{weight_version} ({self._reasons(reasons)})"
             )
-        if first.transfer == "disk":
-            # The directory now holds the new weights: the others reload it, all at once.
-            results = _all_at_once(
-                [
-                    functools.partial(self._try_sync, i, _already_written, weight_version)
-                    for i in members
-                ]
-            )
-        else:
-            # A fast route sends from the trainer's GPU, to one server at a time: NCCL
-            # broadcasts (or CUDA IPC exports) from threads of one process at once were never
-            # measured safe. One broadcast to a group of every server is the step after.
-            results = [self._try_sync(i, weights, weight_version) for i in members]
+        for server in failed:
+            self._restart(server)
         synced = [r for r in (first, *results) if r is not None]
         fallbacks = sum(r.transfer_fallbacks for r in synced)
         return replace(first, seconds=time.perf_counter() - t0, transfer_fallbacks=fallbacks)
 
-    def _try_sync(self, server: int, weights: Weights, weight_version: str) -> SyncResult | None:
-        """`syncers[server].sync`; None when that server is one the user runs and it stopped
-        answering (it is then set aside). Any other failure is raised."""
+    def _sync_all(
+        self, weights: Weights, weight_version: str, failed: dict[int, BaseException]
+    ) -> tuple[SyncResult | None, list[SyncResult | None]]:
+        """`_try_sync` of every server not set aside: the first's result (None when none
+        took the weights) and the others'."""
+        members = [i for i in range(len(self)) if i not in self.aside()]
+        with self._writing:
+            first: SyncResult | None = None
+            while first is None and members:
+                first = self._try_sync(members.pop(0), weights, weight_version, failed)
+            if first is None:
+                return None, []
+            if first.transfer == "disk":
+                # The directory now holds the new weights: the others reload it, all at once.
+                return first, _all_at_once(
+                    [
+                        functools.partial(
+                            self._try_sync, i, _already_written, weight_version, failed
+                        )
+                        for i in members
+                    ]
+                )
+            # A fast route sends from the trainer's GPU, to one server at a time: NCCL
+            # broadcasts (or CUDA IPC exports) from threads of one process at once were never
+            # measured safe. One broadcast to a group of every server is the step after.
+            return first, [self._try_sync(i, weights, weight_version, failed) for i in members]
+
+    def _try_sync(
+        self,
+        server: int,
+        weights: Weights,
+        weight_version: str,
+        failed: dict[int, BaseException],
+    ) -> SyncResult | None:
+        """`syncers[server].sync`; None when that server failed (it died and its restart
+        fallback failed, it missed the fleet's deadline, or a server the user runs stopped
+        answering): it is then set aside at once, and its failure goes in `failed`."""
         try:
             return self.syncers[server].sync(weights, weight_version)
         except ServerError as exc:
-            if not self._external(server) or self.servers[server].is_alive():
-                raise
+            failed[server] = exc
+            self._exclude(server)
             logger.warning(
-                "%s stopped answering (%s); set aside, tried again at the next sync",
+                "%s did not take weights %s (%s); set aside, %s",
                 self._name(server),
-                str(exc).splitlines()[0],
+                weight_version,
+                _first_line(exc),
+                "tried again at the next sync"
+                if self._external(server)
+                else "it restarts after this sync and rejoins at the next one",
             )
-            self.set_aside(server)
             return None
 
-    def _bring_back(self) -> None:
+    def _bring_back(self) -> dict[int, str]:
         """Wait for the servers set aside to come back (restarts begun in the background, and
         the others begun now, all in parallel); they take requests again. One that does not
-        come back stays aside, with a warning, and is tried again at the next sync."""
+        come back stays aside, with a warning, and is tried again at the next sync; returns why
+        each such did not come back."""
         aside = self.aside()
-        for i in aside:
-            if i not in self._returning:
-                self._returning[i] = self._restarts.submit(self._try_recover, i)
-        try:
-            problems = [self._returning[i].result() for i in aside]
-        finally:
+        with self._lock:
             for i in aside:
-                if self._returning[i].done():
-                    del self._returning[i]
-        for i, problem in zip(aside, problems, strict=True):
+                if i not in self._returning:
+                    self._returning[i] = self._restarts.submit(self._try_recover, i)
+            returning = {i: self._returning[i] for i in aside}
+        try:
+            problems = {i: future.result() for i, future in returning.items()}
+        finally:
+            with self._lock:
+                for i, future in returning.items():
+                    if future.done() and self._returning.get(i) is future:
+                        del self._returning[i]
+        still_aside: dict[int, str] = {}
+        for i, problem in problems.items():
             if problem is None:
+                with self._lock:
+                    self._aside.discard(i)
                 for client in self.clients:
                     client.restore(i)
             else:
@@ -400,14 +592,19 @@ class Fleet:
                     self._name(i),
                     problem,
                 )
+                still_aside[i] = problem
+        return still_aside
 
     def _try_recover(self, server: int) -> str | None:
         """`syncers[server].recover`: None when the server is back, else why not (a managed
         server that did not restart, one the user runs that still does not answer)."""
+        syncer = self.syncers[server]
         try:
-            self.syncers[server].recover()
-        except (ExternalServerGone, ServerError) as exc:
-            return str(exc).splitlines()[0]
+            with self._writing:
+                syncer.before_restart()
+            self.servers[server].recover()
+        except ServerError as exc:
+            return _first_line(exc)
         return None
 
     def _external(self, server: int) -> bool:
@@ -418,6 +615,17 @@ class Fleet:
         return f"server {server} of the fleet" + (
             f" ({where.url})" if isinstance(where, ExternalServer) else ""
         )
+
+    def _reasons(self, failures: Mapping[int, BaseException | str]) -> str:
+        """Why each server failed, on one line: the first line of its error and, for a server
+        grail started, its log (which holds the rest)."""
+        parts = []
+        for i in sorted(failures):
+            why = failures[i]
+            text = why if isinstance(why, str) else _first_line(why)
+            log = "" if self._external(i) else f" (log {self.servers[i].log_path})"
+            parts.append(f"server {i}: {text.rstrip('.')}{log}")
+        return "; ".join(parts)
 
     def stop(self) -> None:
         """Stop every server, also those restarting in the background (stopping a server ends
@@ -434,6 +642,18 @@ class Fleet:
 
 def _already_written(_directory: object) -> None:
     """The `Weights` of a server whose directory the fleet's first sync already wrote."""
+
+
+def _failure(call: Callable[[], object]) -> ServerError | None:
+    """Run `call`; the `ServerError` it raised, None when it worked. A failure the user fixes
+    (`UserError`) and any other exception are raised."""
+    try:
+        call()
+    except ServerError as exc:
+        if isinstance(exc, UserError):
+            raise
+        return exc
+    return None
 
 
 def _all_at_once(

@@ -101,7 +101,11 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
         progress=display.task,
         state=trainer.source_state,
         shared=shared,
-        fleet=Fleet(members) if len(members) > 1 else None,
+        fleet=(
+            Fleet(members, deadline_s=cfg.generation.request_timeout_s)
+            if len(members) > 1
+            else None
+        ),
     )
     source: ServerRollouts | ServiceRollouts = server_rollouts
     if cfg.mode == "service":  # clients send the prompts and rewards (grail/service/)
