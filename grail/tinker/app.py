@@ -49,7 +49,7 @@ def create_app(core: TinkerCore, api_key: str, max_body_bytes: int) -> FastAPI:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     core: TinkerCore = app.state.core
-    core.jobs.start()
+    core.start()
     try:
         yield
     finally:
@@ -243,8 +243,10 @@ async def asample(request: Request, core: Core) -> dict[str, Any]:
 
 @router.post("/retrieve_future")
 async def retrieve_future(request: Request, core: Core) -> Response:
-    request_id = (await _body(request))["request_id"]
-    result = await core.jobs.retrieve(request_id)
+    body = await _body(request)
+    request_id = body["request_id"]
+    # The SDK sends the request_id alone; a client that names its model or session has it checked.
+    result = await core.jobs.retrieve(request_id, body.get("model_id"), body.get("session_id"))
     if result is None:
         body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
         return JSONResponse(body)

@@ -4,11 +4,17 @@ and each verb checked on arrival, then queued as a job (grail/tinker/jobs.py) ov
 
 Ids: a session is ``session-<hex>``; a training client is ``<session_id>:train:<model_seq_id>``,
 the id the SDK itself derives when it creates a client from saved state; a sampling session is
-``sampler-<n>``.
+``sampler-<start>-<n>`` and a request ``req-<start>-<n>``, ``<start>`` random per server start
+(grail/tinker/jobs.py).
+
+Sessions whose client died (no heartbeat for ``session_timeout_s``) are finished by a reaper
+thread every ``reap_interval_s``, so their runs end without waiting for another client.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import secrets
 import threading
 import time
@@ -22,10 +28,15 @@ from grail.tinker.jobs import Jobs, Result
 from grail.tinker.sampler import SampleJob, Sampler, Session, Snapshot, sampling_params
 from grail.tinker.trainer import LORA_ALPHA, AdamStep, LoraSpec, Trainer, new_seed, read_lora_spec
 
+log = logging.getLogger(__name__)
+
 MAX_RANK = 1024
 # A session whose heartbeats (every 10 s from the SDK) stopped this long ago is over: its client
-# died without closing. Its training clients are unloaded when a new one is made.
+# died without closing. Its training clients are unloaded (their runs end) by the reaper, which
+# looks every REAP_INTERVAL_S, so a dead client's run ends at most that much after the timeout.
 SESSION_TIMEOUT_S = 120.0
+REAP_INTERVAL_S = 10.0
+REAPER_STOP_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -46,14 +57,48 @@ class TinkerCore:
         checkpoints: Checkpoints,
         info: ModelInfo,
         max_pending: int,
+        session_timeout_s: float = SESSION_TIMEOUT_S,
+        reap_interval_s: float = REAP_INTERVAL_S,
     ) -> None:
         self.trainer, self.sampler, self.checkpoints, self.info = (
             trainer, sampler, checkpoints, info,
         )  # fmt: skip
         self.jobs = Jobs(sampler, max_pending)
+        self.session_timeout_s, self.reap_interval_s = session_timeout_s, reap_interval_s
         self.sessions: dict[str, float] = {}  # id -> last heartbeat (time.monotonic)
         self.finished: set[str] = set()
         self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    # ---- lifetime (the app's lifespan) ----------------------------------------------------------
+
+    def start(self) -> None:
+        self.jobs.start()
+        self.start_reaper()
+
+    def start_reaper(self) -> None:
+        self._reaper = threading.Thread(target=self._reap_loop, name="tinker-reaper", daemon=True)
+        self._reaper.start()
+
+    def stop_reaper(self) -> None:
+        self._stopping.set()
+        if self._reaper is not None:
+            self._reaper.join(REAPER_STOP_TIMEOUT_S)
+
+    def _reap_loop(self) -> None:
+        while not self._stopping.wait(self.reap_interval_s):
+            try:
+                self.reap_stale()
+            except Exception:  # never the reaper's end: the next round tries again
+                log.exception("reaping stale sessions failed")
+
+    def close(self) -> None:
+        """The server stops: the reaper stops, the queued work ends (bounded by the jobs' stop
+        timeout), then the runs of the training clients still loaded end too (summary.json)."""
+        self.stop_reaper()
+        self.jobs.stop()
+        self.trainer.end_runs("server stopped")
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -74,11 +119,12 @@ class TinkerCore:
         return True
 
     def finish_session(self, session_id: str) -> None:
-        """The client closed its ServiceClient: its training clients are unloaded (after the
-        work they queued), freeing their adapters; what they saved stays on disk."""
-        self._session(session_id)
-        with self._lock:
-            del self.sessions[session_id]
+        """The client closed its ServiceClient (or stopped its heartbeats): its training clients
+        are unloaded (after the work they queued), freeing their adapters; what they saved stays
+        on disk."""
+        with self._lock:  # one check-and-remove: the reaper and the route may race here
+            if self.sessions.pop(session_id, None) is None:
+                raise NotFound(f"unknown session {session_id!r} (create_session first)")
             self.finished.add(session_id)
 
         def unload() -> None:
@@ -89,19 +135,19 @@ class TinkerCore:
 
         self.jobs.run_later(unload)
 
-    def close(self) -> None:
-        """The server stops: the queued work ends (bounded by the jobs' stop timeout), then the
-        runs of the training clients still loaded end too (their summary.json)."""
-        self.jobs.stop()
-        self.trainer.end_runs("server stopped")
-
     def reap_stale(self) -> None:
-        """Finish the sessions whose heartbeats stopped SESSION_TIMEOUT_S ago."""
+        """Finish the sessions whose heartbeats stopped `session_timeout_s` ago."""
         now = time.monotonic()
         with self._lock:
-            stale = [k for k, seen in self.sessions.items() if now - seen > SESSION_TIMEOUT_S]
+            stale = [k for k, seen in self.sessions.items() if now - seen > self.session_timeout_s]
         for session_id in stale:
-            self.finish_session(session_id)
+            with contextlib.suppress(NotFound):  # its client closed it meanwhile
+                self.finish_session(session_id)
+                log.warning(
+                    "session %s sent no heartbeat for %g s: finished",
+                    session_id,
+                    self.session_timeout_s,
+                )
 
     def _session(self, session_id: str) -> None:
         with self._lock:
@@ -130,7 +176,6 @@ class TinkerCore:
     # ---- training clients ---------------------------------------------------------------------
 
     def create_model(self, req: dict[str, Any]) -> str:
-        self.reap_stale()
         self._session(req["session_id"])
         self.check_base_model(req["base_model"])
         lora = req.get("lora_config")
@@ -156,7 +201,7 @@ class TinkerCore:
             self.trainer.create(model_id, spec)
             return Result(json={"model_id": model_id, "type": "create_model"})
 
-        return self.jobs.submit(work)
+        return self.jobs.submit(work, model_id, req["session_id"])
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         run = self.trainer.known(model_id)
@@ -209,7 +254,7 @@ class TinkerCore:
             self.trainer.unload(model_id, ended="unloaded (unload_model)")
             return Result(json={"model_id": model_id, "type": "unload_model"})
 
-        return self.jobs.submit(work)
+        return self.jobs.submit(work, model_id, session_of(model_id))
 
     def forward_backward(self, req: wire.ForwardBackwardRequest) -> str:
         self.trainer.known(req.model_id)
@@ -221,7 +266,7 @@ class TinkerCore:
             )
             return Result(proto=wire.write_forward_backward_output(outputs, metrics))
 
-        return self.jobs.submit(work)
+        return self.jobs.submit(work, req.model_id, session_of(req.model_id))
 
     def optim_step(self, req: dict[str, Any]) -> str:
         model_id = req["model_id"]
@@ -244,7 +289,7 @@ class TinkerCore:
         def work() -> Result:
             return Result(json={"metrics": self.trainer.optim_step(model_id, adam)})
 
-        return self.jobs.submit(work)
+        return self.jobs.submit(work, model_id, session_of(model_id))
 
     # ---- state ----------------------------------------------------------------------------------
 
@@ -261,13 +306,12 @@ class TinkerCore:
             self.trainer.save_state(model_id, directory)
             return Result(json={"path": path, "type": "save_weights"})
 
-        return self.jobs.submit(work)
+        return self.jobs.submit(work, model_id, session_of(model_id))
 
     def load_state(self, req: dict[str, Any]) -> str:
         directory = self.checkpoints.resolve(req["path"], "weights")
         optimizer = bool(req.get("optimizer", False))
         if req.get("session_id") is not None:  # a new client, made from the state
-            self.reap_stale()
             self._session(req["session_id"])
             self.check_base_model(req.get("base_model"))
             model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
@@ -281,7 +325,7 @@ class TinkerCore:
             self.trainer.load_state(model_id, directory, optimizer=optimizer, create=create)
             return Result(json={"path": req["path"], "model_id": model_id, "type": "load_weights"})
 
-        return self.jobs.submit(work)
+        return self.jobs.submit(work, model_id, session_of(model_id))
 
     def save_for_sampler(self, req: dict[str, Any]) -> str:
         """With a name: the adapter on disk, answered with its path. Without (what
@@ -298,7 +342,7 @@ class TinkerCore:
                 self.trainer.write_adapter(run, directory)
                 return Result(json={"path": path, "type": "save_weights_for_sampler"})
 
-            return self.jobs.submit(save)
+            return self.jobs.submit(save, model_id, session_of(model_id))
 
         def snapshot() -> Result:
             tensors = self.trainer.adapter_tensors(run)
@@ -308,7 +352,7 @@ class TinkerCore:
                 json={"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
             )
 
-        return self.jobs.submit(snapshot)
+        return self.jobs.submit(snapshot, model_id, session_of(model_id))
 
     # ---- sampling -------------------------------------------------------------------------------
 
@@ -332,6 +376,7 @@ class TinkerCore:
     def sample(self, req: dict[str, Any]) -> tuple[str, int]:
         # The SDK always names a sampling session; a request naming weights instead (a client of
         # its own) samples from them without making a session per request.
+        owner = req.get("sampling_session_id") or req.get("model_path") or self.info.name
         if req.get("sampling_session_id") is not None:
             session = self.sampler.session(req["sampling_session_id"])
         elif req.get("model_path") is not None:
@@ -363,4 +408,9 @@ class TinkerCore:
             last_n=req.get("prompt_logprobs_last_n"),
         )
         self.sampler.check(job)
-        return self.jobs.submit_sample(job), job.num_samples
+        return self.jobs.submit_sample(job, str(owner), None), job.num_samples
+
+
+def session_of(model_id: str) -> str:
+    """The session a training client's id names (``<session_id>:train:<n>``)."""
+    return model_id.partition(":train:")[0]

@@ -13,6 +13,11 @@ at once with a ``request_id``, and run on a worker thread; the client then polls
 - A result is kept until ``RETAIN_S`` after its first retrieval (a client whose connection broke
   may ask again), or ``UNCLAIMED_S`` after it is ready when nobody asks, then dropped; an
   unknown ``request_id`` is a 404.
+- A ``request_id`` is ``req-<start>-<n>``: ``<start>`` is random per server start, so a client
+  that outlived a restart polls an id this server never issued (a 404), never the result of
+  another client's request that happens to have the same number. Each request is bound to the
+  training client (model_id) or sampling session it was made for, and to that client's session;
+  a poll that names another one (``model_id`` / ``session_id`` in its body) is a 404 too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +56,8 @@ class Result:
 
 @dataclass
 class _Entry:
+    model: str  # the model_id or sampling session the request was made for
+    session: str | None  # the SDK session that owns it, where known
     done: asyncio.Event = field(default_factory=asyncio.Event)
     result: Result | None = None
     retrieved: bool = False
@@ -62,6 +70,7 @@ class Jobs:
     def __init__(self, sampler: Sampler, max_pending: int) -> None:
         self.sampler, self.max_pending = sampler, max_pending
         self.entries: dict[str, _Entry] = {}
+        self._start = secrets.token_hex(6)  # this server start's part of every request_id
         self._ids = itertools.count(1)
         self._pending = 0
         self._lock = threading.Lock()
@@ -90,7 +99,7 @@ class Jobs:
 
     # ---- submitting (event loop) ----------------------------------------------------------------
 
-    def _new(self) -> str:
+    def _new(self, model: str, session: str | None) -> str:
         with self._lock:
             if self._pending >= self.max_pending:
                 raise Busy(
@@ -98,13 +107,14 @@ class Jobs:
                     "(--max-pending); the client retries"
                 )
             self._pending += 1
-        request_id = f"req-{next(self._ids)}"
-        self.entries[request_id] = _Entry()
+        request_id = f"req-{self._start}-{next(self._ids)}"
+        self.entries[request_id] = _Entry(model, session)
         return request_id
 
-    def submit(self, work: Callable[[], Result]) -> str:
-        """Queue training work; its Result (or the UserFault it raises) answers the future."""
-        request_id = self._new()
+    def submit(self, work: Callable[[], Result], model: str, session: str | None) -> str:
+        """Queue training work for `model` (a model_id) of `session`; its Result (or the
+        UserFault it raises) answers the future."""
+        request_id = self._new(model, session)
         self._train.put((request_id, work))
         return request_id
 
@@ -112,18 +122,31 @@ class Jobs:
         """Queue training work nobody waits for (it still runs in order with the rest)."""
         self._train.put((None, work))
 
-    def submit_sample(self, job: SampleJob) -> str:
-        request_id = self._new()
+    def submit_sample(self, job: SampleJob, model: str, session: str | None) -> str:
+        request_id = self._new(model, session)
         self._sample.put((request_id, job))
         return request_id
 
     # ---- retrieving (event loop) ----------------------------------------------------------------
 
-    async def retrieve(self, request_id: str) -> Result | None:
-        """The result, or None when it is not ready within POLL_WAIT_S."""
+    async def retrieve(
+        self, request_id: str, model: str | None = None, session: str | None = None
+    ) -> Result | None:
+        """The result, or None when it is not ready within POLL_WAIT_S. A `model` or `session`
+        named by the poll must be the one the request was made for."""
         entry = self.entries.get(request_id)
         if entry is None:
-            raise NotFound(f"unknown request_id {request_id!r} (or its result was dropped)")
+            raise NotFound(
+                f"unknown request_id {request_id!r}: not issued by this server since it started, "
+                "or its result was dropped"
+            )
+        if (model is not None and model != entry.model) or (
+            session is not None and entry.session is not None and session != entry.session
+        ):
+            raise NotFound(
+                f"request_id {request_id!r} is not a request of model_id {model!r} / session "
+                f"{session!r}"
+            )
         try:
             await asyncio.wait_for(entry.done.wait(), POLL_WAIT_S)
         except TimeoutError:

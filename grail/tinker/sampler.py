@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -109,6 +110,9 @@ class Sampler:
         self.sessions: dict[str, Session] = {}
         self.snapshots: OrderedDict[str, Snapshot] = OrderedDict()
         self._ephemeral = 0
+        # Ids unique across restarts: a sampling client that outlived one gets a 404, never
+        # another client's session of the same number.
+        self._start = secrets.token_hex(6)
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
         self._loaded: str | None = None  # the snapshot in the engine; None: base weights
@@ -118,7 +122,7 @@ class Sampler:
     # ---- sessions (event loop and job thread) ---------------------------------------------------
 
     def add_session(self, snapshot: str | None, model_path: str | None) -> str:
-        session_id = f"sampler-{next(self._ids)}"
+        session_id = f"sampler-{self._start}-{next(self._ids)}"
         with self.lock:
             self.sessions[session_id] = Session(self.base_model, model_path, snapshot)
         return session_id
