@@ -89,6 +89,10 @@ class LoraSpec:
             bias="none", task_type="CAUSAL_LM",
         )  # fmt: skip
 
+    def shape(self) -> tuple[int, bool, bool, bool]:
+        """What decides the adapter's tensors (the seed only draws their first values)."""
+        return (self.rank, self.train_mlp, self.train_attn, self.train_unembed)
+
 
 @dataclass
 class AdamStep:
@@ -426,16 +430,29 @@ class Trainer:
 
     def load_state(self, model_id: str, directory: Path, *, optimizer: bool, create: bool) -> None:
         """Into client ``model_id`` (made here when ``create``, with the saved LoRA config):
-        the adapter, and with ``optimizer`` AdamW's state and the step count."""
+        the adapter, and with ``optimizer`` AdamW's state and the step count. An existing client
+        takes a checkpoint of its shape (rank, modules) and base model, whatever its seed: the
+        loaded weights replace the ones the seed drew."""
         saved = read_lora_spec(directory)
+        base = _saved_base_model(directory)
+        if base is not None and base != self.base_model:
+            raise UserFault(
+                f"checkpoint {directory.name} was trained on base model {base!r}; this server "
+                f"serves {self.base_model!r} (grail-tinker --model, or --name for the same model "
+                "under another name)"
+            )
         if create:
             run = self.create(model_id, saved)
         else:
             run = self.known(model_id)
-            if saved != run.spec:
+            if saved.shape() != run.spec.shape():
                 raise UserFault(
-                    f"the checkpoint's LoRA config ({saved}) differs from this client's "
-                    f"({run.spec}); load it into a new client (create_training_client_from_state)"
+                    f"the checkpoint's LoRA shape (rank {saved.rank}, train_mlp "
+                    f"{saved.train_mlp}, train_attn {saved.train_attn}, train_unembed "
+                    f"{saved.train_unembed}) differs from this client's (rank {run.spec.rank}, "
+                    f"train_mlp {run.spec.train_mlp}, train_attn {run.spec.train_attn}, "
+                    f"train_unembed {run.spec.train_unembed}); load it into a new client "
+                    "(create_training_client_from_state)"
                 )
         assert self.peft is not None
         tensors = load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
@@ -463,6 +480,18 @@ def read_lora_spec(directory: Path) -> LoraSpec:
         return LoraSpec(**json.loads(path.read_text()))
     except (TypeError, ValueError) as exc:
         raise UserFault(f"{path} is not a LoRA spec grail-tinker wrote: {exc}") from exc
+
+
+def _saved_base_model(directory: Path) -> str | None:
+    """The base model a checkpoint's adapter_config.json names (None: it names none)."""
+    try:
+        config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserFault(
+            f"checkpoint {directory.name}: unreadable {ADAPTER_CONFIG} ({exc})"
+        ) from exc
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return None if base is None else str(base)
 
 
 def new_seed() -> int:
