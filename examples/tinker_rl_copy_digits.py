@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default=None, help="a running grail-tinker (default: start one)")
     p.add_argument("--model", default="tiny", help="grail-tinker --model, when starting one")
-    p.add_argument("--api-key", default="tml-copy-digits")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TINKER_API_KEY"),
+        help="the key of the server at --base-url (default $TINKER_API_KEY); a server started "
+        "here gets a random one",
+    )
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--problems", type=int, default=32, help="problems per iteration")
     p.add_argument("--group", type=int, default=16, help="samples per problem")
@@ -113,7 +119,10 @@ def main() -> None:
     proc = None
     url = args.base_url
     if url is None:
+        args.api_key = f"tml-{secrets.token_hex(16)}"  # grail-tinker refuses guessable keys
         proc, url, run_dir = start_server(args.api_key, args.model)
+    elif not args.api_key:
+        sys.exit("give --api-key (or set TINKER_API_KEY) for the server at --base-url")
     try:
         run(args, url)
     finally:

@@ -1,14 +1,17 @@
 """``grail-tinker``: grail as a Tinker service the official ``tinker`` SDK drives (docs/tinker.md).
 
-    uv run grail-tinker --model tiny --port 8000 --api-key tml-local
+    export TINKER_API_KEY="tml-$(python -c 'import secrets; print(secrets.token_hex(16))')"
+    uv run grail-tinker --model tiny --port 8000
 
-then, in the client: ``tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")``
-and ``create_lora_training_client(base_model="tiny")``.
+then, in the client (which reads the same ``TINKER_API_KEY``):
+``tinker.ServiceClient(base_url="http://127.0.0.1:8000")`` and
+``create_lora_training_client(base_model="tiny")``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import shlex
@@ -27,6 +30,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("grail.tinker")
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 2**20
+KEY_PREFIX = "tml-"  # the SDK sends no key without it
+# Characters after the prefix: 16 random hex digits are 64 bits, beyond guessing over HTTP; a
+# shorter key is a placeholder (``tml-``, ``tml-local``), not a secret.
+MIN_KEY_CHARS = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--api-key",
         default=os.environ.get("TINKER_API_KEY"),
-        help="the key clients send (the SDK requires the 'tml-' prefix); default $TINKER_API_KEY",
+        help=f"the key clients send: '{KEY_PREFIX}' (the SDK requires it) and at least "
+        f"{MIN_KEY_CHARS} more characters; default $TINKER_API_KEY",
     )
     p.add_argument(
         "--run-dir",
@@ -122,14 +130,48 @@ class TinkerArgsError(UserError, ValueError):
     pass
 
 
-def serve(args: argparse.Namespace) -> None:
-    if not args.api_key:
-        raise TinkerArgsError("give --api-key (or set TINKER_API_KEY), e.g. --api-key tml-local")
-    if not args.api_key.startswith("tml-"):
+GENERATE_KEY = "tml-$(python -c 'import secrets; print(secrets.token_hex(16))')"
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse a key the SDK cannot send or anyone could guess; warn when the server is reachable
+    from other machines."""
+    key = args.api_key
+    if not key:
         raise TinkerArgsError(
-            f"--api-key {args.api_key[:4]}...: the tinker SDK only sends keys that start with "
-            "'tml-'; choose one that does"
+            f'give --api-key (or set TINKER_API_KEY), e.g. --api-key "{GENERATE_KEY}"'
         )
+    if not key.startswith(KEY_PREFIX):
+        raise TinkerArgsError(
+            f"--api-key {key[:4]}...: the tinker SDK only sends keys that start with "
+            f"'{KEY_PREFIX}'; choose one that does"
+        )
+    if len(key) - len(KEY_PREFIX) < MIN_KEY_CHARS:
+        raise TinkerArgsError(
+            f"--api-key: {len(key) - len(KEY_PREFIX)} characters after '{KEY_PREFIX}', too short "
+            f'to be secret; give at least {MIN_KEY_CHARS}, e.g. --api-key "{GENERATE_KEY}"'
+        )
+    if not is_loopback(args.host):
+        log.warning(
+            "--host %s: grail-tinker is reachable from other machines; anyone who can reach "
+            "port %d with the API key can train and sample (--host 127.0.0.1 keeps it local)",
+            args.host, args.port,
+        )  # fmt: skip
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches: 127.0.0.0/8, ::1, ``localhost``. A name
+    is not resolved here (it could be any interface): only ``localhost`` counts."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args: argparse.Namespace) -> None:
+    check_args(args)
     # Heavy imports after the argument checks, so that --help and bad flags answer at once.
     import torch
     import uvicorn
