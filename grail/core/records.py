@@ -55,7 +55,7 @@ SUMMARY = "summary.json"
 PARTS = "parts.json"
 PRUNE_TRIAL = "prune_trial.json"  # written by grail/study/prune.py
 LOCK_FILE = ".grail.lock"
-_CHECKPOINT_NAME = re.compile(r"^iter_(\d+)$")
+_CHECKPOINT_NAME = re.compile(r"iter_(\d+)")  # fullmatch: `$` lets a newline end it
 _MAX_MESSAGE = 4000  # characters of an error message kept in summary.json
 _TRACEBACK_LINES = 40
 
@@ -70,7 +70,7 @@ def iteration_name(iteration: int) -> str:
 
 def checkpoint_iteration(name: str) -> int | None:
     """The iteration of a checkpoint directory named `iter_XXX`; None for any other name."""
-    match = _CHECKPOINT_NAME.match(name)
+    match = _CHECKPOINT_NAME.fullmatch(name)
     return int(match.group(1)) if match else None
 
 

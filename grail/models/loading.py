@@ -27,7 +27,8 @@ from transformers import (
 from grail.core.errors import UserError
 
 # "org/name" with the characters the hub allows (a revision is not part of the id).
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# Checked with fullmatch: `$` in a match() also matches before a final newline.
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -78,7 +79,7 @@ TOKENIZER_FILES = (
 
 def is_hub_id(name: str) -> bool:
     """True when `name` has the shape of a hub repository id, `org/name`."""
-    return bool(_HUB_ID_RE.match(name))
+    return _HUB_ID_RE.fullmatch(name) is not None
 
 
 def resolve_source(name_or_path: str | Path) -> str:

@@ -19,8 +19,9 @@ from typing import Any
 from grail.tinker.errors import NotFound, UserFault
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,127}$")
+# Checked with fullmatch: `$` in a match() also matches before a final newline.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9:._-]{0,127}")
 
 
 def run_dir_of(run_dir: Path, model_id: str) -> Path:
@@ -32,9 +33,9 @@ class Checkpoints:
         self.run_dir = run_dir
 
     def directory(self, model_id: str, kind: str, name: str) -> Path:
-        if not _MODEL_ID.match(model_id):
+        if not _MODEL_ID.fullmatch(model_id):
             raise UserFault(f"model_id {model_id!r} is not one this server issues")
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise UserFault(
                 f"checkpoint name {name!r}: use letters, digits, '.', '_' or '-' (up to 128, "
                 "not starting with '.')"
