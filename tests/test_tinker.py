@@ -7,7 +7,8 @@ real `grail-tinker` process on the tiny model, on CPU: one server for the module
 - sampling: seeds, num_samples, max_tokens, stop; its logprobs are the trainer's;
 - checkpoints listed and deleted through the RestClient;
 - every bad input gets its clear exception at once (API key, model, model_id, context, NaN,
-  loss, body size).
+  loss, body size, a request_id this server start never issued);
+- every test closes the SDK sessions it opens (`no_session_left_open` checks).
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 import torch
-from helpers.tinker_server import API_KEY, TinkerServer
+from helpers.tinker_server import (
+    API_KEY,
+    TinkerServer,
+    close_service,
+    no_session_left_open,  # noqa: F401 (autouse: a test leaving an SDK session open fails)
+    sdk_service,
+)
 from tinker import types
 from transformers import AutoModelForCausalLM
 
@@ -51,7 +59,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinkerServer]:
 
 @pytest.fixture(scope="module")
 def service(server: TinkerServer) -> Iterator[tinker.ServiceClient]:
-    with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as client:
+    with sdk_service(server.url) as client:
+        # its session (and heartbeat) now, before the first test's no_session_left_open looks
+        client.create_sampling_client(base_model="tiny").result()
         yield client
 
 
@@ -271,15 +281,18 @@ def quick(call: Callable[[], object], error: type[Exception], match: str) -> Non
 def test_bad_inputs_get_clear_errors(
     service: tinker.ServiceClient, server: TinkerServer, tokenizer: Any
 ) -> None:
-    quick(
-        lambda: (
-            tinker.ServiceClient(base_url=server.url, api_key="tml-wrong")
-            .create_lora_training_client("tiny")
-            .result()
-        ),
-        tinker.AuthenticationError,
-        "invalid or missing API key",
-    )
+    with sdk_service(server.url, api_key="tml-wrong") as wrong:
+        quick(
+            lambda: wrong.create_lora_training_client("tiny").result(),
+            tinker.AuthenticationError,
+            "invalid or missing API key",
+        )
+    # ids restarted at req-1 on every start: an old client's future got a new client's result
+    polled = httpx.post(
+        f"{server.url}/api/v1/retrieve_future", json={"request_id": "req-1"},
+        headers={"X-API-Key": API_KEY}, timeout=10,
+    )  # fmt: skip
+    assert polled.status_code == 404 and "not issued by this server" in polled.text
     quick(
         lambda: service.create_lora_training_client(base_model="Qwen/Qwen3-8B").result(),
         tinker.NotFoundError,
@@ -369,13 +382,21 @@ def test_bad_inputs_get_clear_errors(
     )
 
 
-def test_the_docs_example_runs(server: TinkerServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_docs_example_runs(
+    server: TinkerServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """docs/tinker.md's quick start, as written but for the port and key of this server."""
     text = (Path(__file__).parents[1] / "docs" / "tinker.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
-    assert 'base_url="http://127.0.0.1:8000", api_key="tml-local"' in code
-    code = code.replace("http://127.0.0.1:8000", server.url).replace("tml-local", API_KEY)
-    exec(compile(code, "docs/tinker.md", "exec"), {"__name__": "docs_example"})
+    assert 'tinker.ServiceClient(base_url="http://127.0.0.1:8000")' in code
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)  # the key its shell exports
+    namespace: dict[str, Any] = {"__name__": "docs_example"}
+    try:
+        exec(compile(code.replace("http://127.0.0.1:8000", server.url), "docs/tinker.md", "exec"),
+             namespace)  # fmt: skip
+    finally:
+        if isinstance(namespace.get("service"), tinker.ServiceClient):
+            close_service(namespace["service"])  # a no-op after the example's own close
     lines = capsys.readouterr().out.splitlines()
     losses = [float(line.split()[1]) for line in lines[:5]]
     assert losses == sorted(losses, reverse=True), lines
@@ -467,6 +488,7 @@ def test_training_clients_do_not_touch_each_other(
     assert [step(alone, data_a) for _ in range(3)] == interleaved
 
 
+@pytest.mark.learning
 def test_an_rl_loop_through_the_sdk_improves_held_out_success(
     warm_base: Path, tmp_path: Path
 ) -> None:
@@ -496,27 +518,32 @@ def test_ended_runs_are_done_for_grail_report(tmp_path: Path, tokenizer: Any) ->
 
     datum = sft_datum(tokenizer, TEXTS[0])
     adam = types.AdamParams(learning_rate=1e-3)
-    with TinkerServer(tmp_path / "run", tmp_path / "server.log") as server:
-        ids, services = [], []
-        for steps in (2, 1):
-            service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
-            services.append(service)
-            client = service.create_lora_training_client(base_model="tiny", rank=4).result()
-            service.create_lora_training_client(base_model="tiny", rank=4).result()  # idle
-            for _ in range(steps):
-                client.forward_backward([datum], "cross_entropy")
-                client.optim_step(adam).result()
-            ids.append(client.model_id.replace(":", "-"))
-            if steps == 2:
-                service.close("success").result()  # the other session stays open
-        runs = server.run_dir / "runs"
-        closed = runs / ids[0] / "summary.json"
-        deadline = time.monotonic() + 30
-        while not closed.exists() and time.monotonic() < deadline:  # unloaded as a job
-            time.sleep(0.05)
-        assert not (runs / ids[1] / "summary.json").exists()  # still loaded
-    # the open session's heartbeats would go on failing against the stopped server
-    services[1].close("interrupted")
+    ids: list[str] = []
+    services: list[tinker.ServiceClient] = []
+    try:
+        with TinkerServer(tmp_path / "run", tmp_path / "server.log") as server:
+            for steps in (2, 1):
+                service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+                services.append(service)
+                client = service.create_lora_training_client(base_model="tiny", rank=4).result()
+                service.create_lora_training_client(base_model="tiny", rank=4).result()  # idle
+                for _ in range(steps):
+                    client.forward_backward([datum], "cross_entropy")
+                    client.optim_step(adam).result()
+                ids.append(client.model_id.replace(":", "-"))
+                if steps == 2:
+                    close_service(service)  # the other session stays open
+            runs = server.run_dir / "runs"
+            closed = runs / ids[0] / "summary.json"
+            deadline = time.monotonic() + 30
+            while not closed.exists() and time.monotonic() < deadline:  # unloaded as a job
+                time.sleep(0.05)
+            assert not (runs / ids[1] / "summary.json").exists()  # still loaded
+    finally:
+        # The open session's heartbeats would go on failing against the stopped server (and
+        # warn into later tests); its finish request, retried against nobody, is cut short.
+        for service in services:
+            close_service(service, "interrupted", timeout=2.0)
     assert sorted(p.name for p in runs.iterdir()) == sorted(ids)  # the idle ones left nothing
     summaries = {i: read_metrics(runs / i / "summary.json") for i in ids}
     assert [summaries[i]["tinker"]["ended"] for i in ids] == ["session finished", "server stopped"]

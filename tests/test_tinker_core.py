@@ -1,11 +1,16 @@
 """grail/tinker/core.py and checkpoints.py in-process (the SDK-driven tests are
-tests/test_tinker.py): sessions whose client died are reaped, checkpoint names and paths are
-checked; the gradients of the losses whose formulas hold a term constant; no step after the runs
-ended."""
+tests/test_tinker.py): sessions whose client died are reaped, on a timer; request ids are new on
+every start and bound to their client; checkpoint names and paths are checked (whole names, as
+every name and id grail checks); the key and the address grail-tinker starts with; the gradients
+of the losses whose formulas hold a term constant; no step after the runs ended; a checkpoint
+loads into a client of its shape whatever its seed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +29,9 @@ from grail.tinker.jobs import Result
 from grail.tinker.trainer import AdamStep, LoraSpec, Trainer
 
 
-def bare_core() -> TinkerCore:
+def bare_core(**timing: float) -> TinkerCore:
     info = ModelInfo(name="tiny", arch="qwen2", tokenizer_id="/x", max_context=16)
-    return TinkerCore(None, None, None, info, max_pending=4)  # type: ignore[arg-type]
+    return TinkerCore(None, None, None, info, max_pending=4, **timing)  # type: ignore[arg-type]
 
 
 def test_a_session_without_heartbeats_is_finished_and_its_clients_unloaded() -> None:
@@ -41,6 +46,42 @@ def test_a_session_without_heartbeats_is_finished_and_its_clients_unloaded() -> 
     assert queued[0] is None
     with pytest.raises(NotFound, match="unknown session"):
         core.heartbeat("session-never")
+
+
+def test_a_dead_clients_session_is_reaped_on_a_timer() -> None:
+    """No other client needs to come: the reaper finishes a session whose heartbeats stopped,
+    and queues the unload of its clients (their runs end), while a live session stays."""
+    core = bare_core(session_timeout_s=0.3, reap_interval_s=0.05)
+    alive, dead = core.create_session(), core.create_session()
+    core.start_reaper()
+    try:
+        deadline = time.monotonic() + 10
+        while dead not in core.finished and time.monotonic() < deadline:
+            assert core.heartbeat(alive)
+            time.sleep(0.02)
+    finally:
+        core.stop_reaper()
+    assert dead in core.finished and alive in core.sessions
+    queued: Any = core.jobs._train.get_nowait()  # the unload of the dead session's clients
+    assert queued[0] is None
+
+
+def test_request_ids_are_new_on_every_start_and_bound_to_their_client() -> None:
+    """Ids restarted at req-1 on every start and were looked up alone: after a restart an old
+    client's pending futures answered with a new client's results."""
+    before, after = bare_core(), bare_core()  # one server, started twice
+    old = before.jobs.submit(lambda: Result(json={}), "session-a:train:0", "session-a")
+    new = after.jobs.submit(lambda: Result(json={}), "session-b:train:0", "session-b")
+    assert old != new and old.startswith("req-") and new.startswith("req-")
+    with pytest.raises(NotFound, match="not issued by this server"):
+        asyncio.run(after.jobs.retrieve(old))
+    for model, session in (("session-a:train:0", None), (None, "session-a")):
+        with pytest.raises(NotFound, match="is not a request of"):
+            asyncio.run(after.jobs.retrieve(new, model, session))
+    entry = after.jobs.entries[new]
+    entry.result = Result(json={"ok": True})
+    entry.done.set()
+    assert asyncio.run(after.jobs.retrieve(new, "session-b:train:0", "session-b")) == entry.result
 
 
 def test_checkpoint_paths_are_checked(tmp_path: Path) -> None:
@@ -61,24 +102,73 @@ def test_checkpoint_paths_are_checked(tmp_path: Path) -> None:
     assert checkpoints.list("s:train:0") == []
 
 
+def test_names_and_ids_are_checked_whole(tmp_path: Path) -> None:
+    """`re.match` with `$` let a name end in a newline; every name and id grail checks is
+    matched whole."""
+    import jsonschema
+
+    from grail.core.records import checkpoint_iteration
+    from grail.models.loading import is_hub_id
+
+    checkpoints = Checkpoints(tmp_path)
+    with pytest.raises(UserFault, match="checkpoint name"):
+        checkpoints.directory("s:train:0", "weights", "step-1\n")
+    with pytest.raises(UserFault, match="is not one this server issues"):
+        checkpoints.directory("s:train:0\n", "weights", "step-1")
+    assert is_hub_id("Qwen/Qwen3-8B") and not is_hub_id("Qwen/Qwen3-8B\n")
+    assert checkpoint_iteration("iter_005") == 5 and checkpoint_iteration("iter_005\n") is None
+    schema = json.loads(
+        (Path(__file__).parents[1] / "grail/schemas/train_iteration.schema.json").read_text()
+    )
+    key = schema["properties"]["rollouts_reused"]["properties"]["key"]
+    jsonschema.validate("a" * 64, key)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate("a" * 64 + "\n", key)
+
+
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
         (["--api-key", "secret"], "only sends keys that start with 'tml-'"),
         (["--api-key", ""], "give --api-key"),
+        (["--api-key", "tml-"], "--api-key: 0 characters after 'tml-', too short to be secret"),
+        (["--api-key", "tml-local"], "5 characters after 'tml-', too short"),
     ],
 )
 def test_grail_tinker_refuses_a_key_the_sdk_cannot_send(
-    argv: list[str], match: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    argv: list[str],
+    match: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     from grail.tinker.cli import main
 
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
+    with pytest.raises(SystemExit) as exit_info:  # a key let through fails on the model instead
+        main([*argv, "--model", str(tmp_path / "no-model"), "--port", "0"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("host", "warned"),
+    [("127.0.0.1", False), ("localhost", False), ("::1", False), ("0.0.0.0", True),
+     ("::", True), ("10.1.2.3", True), ("myhost", True)],
+)  # fmt: skip
+def test_grail_tinker_warns_when_other_machines_can_reach_it(
+    host: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from grail.tinker.cli import check_args, parse_args
+
+    args = parse_args(["--host", host, "--api-key", "tml-" + "0" * 16])
+    with caplog.at_level(logging.WARNING, logger="grail.tinker"):
+        check_args(args)
+    lines = [r.getMessage() for r in caplog.records if r.name == "grail.tinker"]
+    assert lines == ([f"--host {host}: grail-tinker is reachable from other machines; anyone "
+                      "who can reach port 8000 with the API key can train and sample "
+                      "(--host 127.0.0.1 keeps it local)"] if warned else [])  # fmt: skip
 
 
 def test_the_queue_is_bounded() -> None:
@@ -86,9 +176,9 @@ def test_the_queue_is_bounded() -> None:
     backs off from and retries; nothing is queued for it."""
     core = bare_core()  # max_pending=4, workers not started: everything stays pending
     for _ in range(4):
-        core.jobs.submit(lambda: Result(json={}))
+        core.jobs.submit(lambda: Result(json={}), "s:train:0", "s")
     with pytest.raises(Busy, match="--max-pending") as refused:
-        core.jobs.submit(lambda: Result(json={}))
+        core.jobs.submit(lambda: Result(json={}), "s:train:0", "s")
     assert refused.value.status == 429
     assert core.jobs._train.qsize() == 4
 
@@ -138,3 +228,33 @@ def test_no_step_is_taken_after_the_runs_end_and_the_summary_follows_the_last_re
     assert [r.name for r in records] == ["train_iter_000.json"]
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["iterations"] == 1
+
+
+def test_load_state_takes_a_checkpoint_of_the_clients_shape_whatever_its_seed(
+    tmp_path: Path,
+) -> None:
+    """The seed only draws an adapter's first weights, which loading replaces: a client of
+    another seed takes the checkpoint; one of another rank, or a checkpoint of another base
+    model, is refused."""
+    trainer = Trainer(
+        load_model(ensure_tiny_model()), base_model="tiny", run_dir=tmp_path, max_context=64,
+        max_clients=3,
+    )  # fmt: skip
+    saved = trainer.create("s:train:0", LoraSpec(rank=4, seed=0))
+    directory = tmp_path / "state"
+    trainer.save_state(saved.model_id, directory)
+    other = trainer.create("s:train:1", LoraSpec(rank=4, seed=1))
+    want = trainer.adapter_tensors(saved)
+    assert any(not torch.equal(v, trainer.adapter_tensors(other)[k]) for k, v in want.items())
+    trainer.load_state(other.model_id, directory, optimizer=True, create=False)
+    got = trainer.adapter_tensors(other)
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+
+    wider = trainer.create("s:train:2", LoraSpec(rank=8, seed=0))
+    with pytest.raises(UserFault, match="LoRA shape \\(rank 4"):
+        trainer.load_state(wider.model_id, directory, optimizer=False, create=False)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "Qwen/Qwen3-8B"
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserFault, match="trained on base model 'Qwen/Qwen3-8B'"):
+        trainer.load_state(other.model_id, directory, optimizer=False, create=False)

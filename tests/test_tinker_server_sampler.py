@@ -19,11 +19,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-import tinker
 import torch
 from helpers.fake_gpu_server import RELOAD_ROUTES, FakeSGLangServer, FakeVLLMServer, calls, info
 from helpers.grail_process import alive, servers_of, wait_for
-from helpers.tinker_server import API_KEY, TinkerServer
+from helpers.tinker_server import (
+    TinkerServer,
+    no_session_left_open,  # noqa: F401 (autouse: a test leaving an SDK session open fails)
+    sdk_service,
+)
 from safetensors.torch import load_file
 from tinker import types
 
@@ -39,42 +42,41 @@ TEXTS = ["one two three four five six seven eight nine ten", "hello world, hello
 
 def _samples(url: str, tokenizer: Any) -> dict[str, Any]:
     """One SFT step, then what a loop asks of its samplers, from the server at `url`."""
-    service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
-    data = [
-        types.Datum(
-            model_input=types.ModelInput.from_ints(ids[:-1]),
-            loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
-        )
-        for ids in (tokenizer.encode(t) for t in TEXTS)
-    ]
-    client.forward_backward(data, "cross_entropy")
-    client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    first = client.save_weights_and_get_sampling_client().result()
-    # a second snapshot of another client, sampled between two samples of the first
-    other = service.create_lora_training_client(base_model="tiny", rank=8, seed=5).result()
-    other.forward_backward(data, "cross_entropy")
-    other.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    second = other.save_weights_and_get_sampling_client().result()
-    base = service.create_sampling_client(base_model="tiny").result()
-    prompt = types.ModelInput.from_ints(tokenizer.encode("one two"))
-    params = types.SamplingParams(max_tokens=6, seed=11, temperature=1.0)
+    with sdk_service(url) as service:
+        client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+            )
+            for ids in (tokenizer.encode(t) for t in TEXTS)
+        ]
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        first = client.save_weights_and_get_sampling_client().result()
+        # a second snapshot of another client, sampled between two samples of the first
+        other = service.create_lora_training_client(base_model="tiny", rank=8, seed=5).result()
+        other.forward_backward(data, "cross_entropy")
+        other.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        second = other.save_weights_and_get_sampling_client().result()
+        base = service.create_sampling_client(base_model="tiny").result()
+        prompt = types.ModelInput.from_ints(tokenizer.encode("one two"))
+        params = types.SamplingParams(max_tokens=6, seed=11, temperature=1.0)
 
-    def sample(sampler: Any, p: types.SamplingParams = params, n: int = 3) -> list[Any]:
-        return list(sampler.sample(prompt, n, p).result().sequences)
+        def sample(sampler: Any, p: types.SamplingParams = params, n: int = 3) -> list[Any]:
+            return list(sampler.sample(prompt, n, p).result().sequences)
 
-    out = {
-        "first": sample(first),
-        "second": sample(second),
-        "first again": sample(first),
-        "base": sample(base),
-        "no stop": sample(first, types.SamplingParams(max_tokens=5, seed=2, stop=[])),
-        "stop token": sample(first, types.SamplingParams(max_tokens=8, seed=4, stop=[7, 9])),
-    }
-    full = prompt.to_ints() + out["first"][0].tokens
-    out["prompt logprobs"] = first.compute_logprobs(types.ModelInput.from_ints(full)).result()
-    service.close("success").result()
-    return out
+        out = {
+            "first": sample(first),
+            "second": sample(second),
+            "first again": sample(first),
+            "base": sample(base),
+            "no stop": sample(first, types.SamplingParams(max_tokens=5, seed=2, stop=[])),
+            "stop token": sample(first, types.SamplingParams(max_tokens=8, seed=4, stop=[7, 9])),
+        }
+        full = prompt.to_ints() + out["first"][0].tokens
+        out["prompt logprobs"] = first.compute_logprobs(types.ModelInput.from_ints(full)).result()
+        return out
 
 
 def test_a_sampler_server_samples_what_the_engine_samples_and_goes_with_its_server(
