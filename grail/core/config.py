@@ -69,10 +69,12 @@ class GenerationConfig:
     weight_transfer: WeightTransfer = (
         WeightTransfer.auto
     )  # auto | disk | shared | nccl (WeightTransfer above)
-    # None: half the cores, all in sync mode for a model of 1M+ body parameters (split_cores); 1 if
-    # reproducible
+    # None: 1 if reproducible (the default), else half the cores, all in sync mode for a model of
+    # 1M+ body parameters (split_cores)
     server_threads: int | None = None
     start_timeout_s: float | None = None  # None: the backend's default (built-in 120, else 900)
+    # One request's limit, and in a fleet the deadline of every call to a server (weight syncs
+    # included): a server that misses it is set aside and its requests go to the others.
     request_timeout_s: float = 120.0
     max_concurrency: int = 64
     # Flags appended to the server's command line (flags the harness sets itself are refused).
@@ -141,7 +143,8 @@ class TrainConfig:
     kl_estimator: KLEstimator = KLEstimator.k3  # k1 | k2 | k3
     is_ratio_max: float | None = None  # cap on the policy ratio (TRL's delta)
     logratio_clamp: float | None = None  # clamp |log ratio| before exp
-    # The trainer's torch threads; None: all cores, pipelined half; 1 if reproducible
+    # The trainer's torch threads; None: 1 if reproducible (the default), else all cores (half
+    # when pipelined)
     threads: int | None = None
     # One step off-policy: the server generates iteration i+1's rollouts (with the weights before
     # iteration i's update) while iteration i trains; importance sampling (is_correction) corrects
