@@ -9,6 +9,7 @@ normalisers are global): it is what both must keep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,14 +20,17 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers.grail_process import SMALL
+from helpers.grail_process import SMALL, wait_for
 from helpers.rank_runs import (
     COMPARED,
     FAULTY,
     TWO,
     assert_session_empty,
     error_lines,
+    finish,
     grail_train,
+    session_members,
+    start_grail_train,
     train_record,
 )
 from safetensors.torch import load_file
@@ -145,3 +149,31 @@ def test_ctrl_c_stops_every_rank_and_prints_the_resume_command(tmp_path: Path) -
     assert_session_empty(proc.pid, out)
     errors = error_lines(out)
     assert len(errors) == 1 and "interrupted" in errors[0] and "resume=true" in errors[0], out
+
+
+def test_ctrl_c_while_the_ranks_import_prints_one_line(tmp_path: Path) -> None:
+    # The ranks are born with SIGINT blocked and take it once rank_main can turn it into a quiet
+    # exit: a Ctrl-C that lands while they import (seconds: torch, transformers) is no traceback.
+    proc = start_grail_train(tmp_path, "eval.enabled=false", *TWO)
+    try:
+        wait_for(lambda: len(ranks_of(proc.pid)) == 2, 120, "the two ranks to start")
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process
+        code, out = finish(proc, 90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert code == 130, out[-3000:]
+    errors = error_lines(out)
+    assert len(errors) == 1 and "interrupted" in errors[0] and "resume=true" in errors[0], out
+
+
+def ranks_of(sid: int) -> list[int]:
+    """The trainer ranks (torch's spawned processes) among session `sid`'s processes."""
+    ranks = []
+    for pid in session_members(sid):
+        with contextlib.suppress(OSError):
+            if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+    return ranks

@@ -21,8 +21,12 @@ that only saw its peers go away (a collective that failed because the other side
 `LOST_GRACE_S` before it exits with `LOST_EXIT`, so that the agent sees the rank that failed
 first and names it rather than its bystander. Every collective has the process group's timeout
 (`train.collective_timeout_s`), so a rank that hangs fails the run instead of stopping it forever.
-Ctrl-C or SIGTERM to grail-train reach the agent, which passes them to every rank and waits for
-them; `launch` then raises the interrupt as a single run's, which prints the resume command.
+Ctrl-C or SIGTERM to grail-train reach the agent, which stops every rank with SIGTERM and waits
+for them; `launch` then raises the interrupt as a single run's, which prints the resume command.
+A rank prints nothing of an interrupt, whenever it comes (`_ranks_born_deaf`): it is born with
+SIGINT blocked, so a Ctrl-C while it imports stays pending until `rank_main` takes it inside the
+`try` that turns it into a quiet exit, and SIGTERM ends it silently until then; it takes one
+interrupt only (a terminal's Ctrl-C reaches it, then the agent's SIGTERM).
 
 Several nodes (`train.nodes`, grail/core/nodes.py): each node's grail-train is the agent of its
 `train.processes` ranks, and the agents meet through torch's static rendezvous at node 0's
@@ -36,12 +40,16 @@ one line saying so, exit code 1; node 0 says why.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,21 +96,48 @@ def _log_to(rank: int, log_file: str | None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+class _RankSignals:
+    """A rank's SIGINT and SIGTERM handler. The first one is the interrupt that ends the rank
+    quietly; later ones are ignored: a terminal's Ctrl-C reaches every rank and the agent then
+    sends SIGTERM, which must not interrupt the first one's clean-up (rank 0 stopping the server;
+    the agent kills a rank that has not ended 30 s on, torch's shutdown timeout). Once the rank
+    is `ending`, a signal ends it at once: an interrupt in the interpreter's exit would be a
+    traceback. (The handler stays installed throughout: Python reports a signal that arrives as
+    its handler is swapped for SIG_IGN or SIG_DFL, "ignored due to race condition".)"""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.ending = False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        from grail.train.reporting import Terminated
+
+        if self.ending:
+            os._exit(128 + signum)
+        if self.interrupted:
+            return
+        self.interrupted = True
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
 def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | None) -> None:
     """One rank (what `launch` starts N of). Rank 0 reports a known error as grail-train does
     (one line) and exits with its code; an interrupt (the agent's SIGTERM included) exits quietly
     with 130 or 143, `launch` says what happened. A rank whose peers went away exits
-    `LOST_EXIT` after `LOST_GRACE_S`."""
-    from grail.train.reporting import (
-        interrupt_exit_code,
-        interrupt_on_sigterm,
-        report_run_error,
-    )
+    `LOST_EXIT` after `LOST_GRACE_S`.
 
-    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    Signals before the `try`: SIGINT is blocked from the rank's birth (`_ranks_born_deaf`), so a
+    Ctrl-C while the rank imports waits, pending, for the `try`; SIGTERM ends it at once and
+    silently (its default action)."""
+    from grail.train.reporting import interrupt_exit_code, report_run_error
+
     rank = int(os.environ["RANK"])
     _log_to(rank, log_file)
+    signals = _RankSignals()
     try:
+        signal.signal(signal.SIGTERM, signals)
+        signal.signal(signal.SIGINT, signals)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one comes here
         setup_rank(cfg)
         if rank == 0:
             from grail.train.loop import run
@@ -127,8 +162,46 @@ def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | 
             code = 1
         sys.exit(code)
     finally:
+        signals.ending = True
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# The signals torch's agent turns into its SignalException, passing the same signal on to the
+# ranks (LaunchConfig.signals_to_handle, torch >= 2.9): not SIGINT (`_ranks_born_deaf`).
+AGENT_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
+
+
+@contextlib.contextmanager
+def _ranks_born_deaf() -> Iterator[None]:
+    """While the agent runs: the ranks are born with SIGINT blocked, and the agent stops them
+    with SIGTERM after a Ctrl-C. So a Ctrl-C is never a traceback in a rank, even one that is
+    still importing (seconds: torch, transformers), and a rank that is importing ends at once.
+
+    - A child is born with its parent thread's signal mask: SIGINT is blocked in this thread,
+      which spawns the ranks (multiprocessing spawns its resource tracker so too), and
+      `rank_main` unblocks it inside the `try` that turns it into a quiet exit.
+    - This process still hears Ctrl-C: the kernel delivers it to a thread that does not block
+      it, `helper`, and Python raises KeyboardInterrupt in the main thread.
+    - torch's agent does not handle SIGINT (`AGENT_SIGNALS`): the KeyboardInterrupt leaves its
+      run, which stops the ranks with SIGTERM. Its own handler would pass SIGINT on instead (as
+      torch < 2.9 does), which a rank still importing keeps pending until its imports are done:
+      as quiet, but up to torch's 30 s shutdown timeout slower."""
+    from multiprocessing import resource_tracker
+
+    # multiprocessing starts its resource tracker with the first spawn and then *unblocks* SIGINT
+    # in the spawning thread (CPython's resource_tracker.ensure_running): started before the
+    # block, it is not started again.
+    resource_tracker.ensure_running()
+    stop = threading.Event()
+    helper = threading.Thread(target=stop.wait, name="grail-hears-sigint", daemon=True)
+    helper.start()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        stop.set()
 
 
 def launch(
@@ -175,6 +248,10 @@ def launch(
                 "timeout": int(cfg.train.collective_timeout_s),
             },
         }
+    fields = {field.name for field in dataclasses.fields(LaunchConfig)}
+    signals: dict[str, Any] = (
+        {"signals_to_handle": AGENT_SIGNALS} if "signals_to_handle" in fields else {}
+    )
     config = LaunchConfig(
         min_nodes=plan.nodes,
         max_nodes=plan.nodes,
@@ -183,9 +260,11 @@ def launch(
         monitor_interval=MONITOR_INTERVAL_S,
         start_method="spawn",
         **rendezvous,
+        **signals,
     )
     try:
-        elastic_launch(config, rank_main)(cfg, str(run_dir), resume, log_file)
+        with _ranks_born_deaf():
+            elastic_launch(config, rank_main)(cfg, str(run_dir), resume, log_file)
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
