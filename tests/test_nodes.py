@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from grail.core.config import Config
 from grail.core.errors import ConfigError
-from grail.core.nodes import SLURM_PORT_BASE, NodePlan, first_host, node_plan
+from grail.core.nodes import (
+    SLURM_PORT_BASE,
+    NodePlan,
+    config_differences,
+    first_host,
+    node_plan,
+    shared_settings,
+)
 
 # What SLURM sets in each task of a 2-node job (srun, one task per node), node 1's task.
 SLURM = {
@@ -97,3 +105,35 @@ def test_the_slurm_nodes_launcher_preset_composes() -> None:
     assert (launcher.nodes, launcher.tasks_per_node) == (2, 1)  # one grail-train per node
     assert launcher.max_num_timeout == 0  # slurm.yaml's settings underneath
     assert cfg.train.nodes == 2 and cfg.train.node_rank is None and cfg.train.rdzv_endpoint is None
+
+
+def test_the_nodes_agree_when_only_the_node_rank_differs() -> None:
+    node0, node1 = Config(), Config()
+    node0.train.node_rank, node1.train.node_rank = 0, 1
+    settings = shared_settings(node0)
+    assert "train.node_rank" not in settings and settings["train.lr"] == node0.train.lr
+    # every rank sends its node's settings: two ranks per node here
+    gathered = [(0, settings), (0, settings), (1, shared_settings(node1)), (1, settings)]
+    assert config_differences(gathered) is None
+
+
+def test_a_difference_is_one_line_naming_each_key_and_node() -> None:
+    node0, node1, node2 = Config(), Config(), Config()
+    node1.train.lr, node1.train.kl_coef = 2e-3, 0.05
+    node2.train.lr = 2e-3
+    node1.train.loss_type = node2.train.loss_type = type(node0.train.loss_type)("grpo")
+    said = config_differences(
+        [(n, shared_settings(c)) for n, c in enumerate((node0, node1, node2))]
+    )
+    assert said is not None and "\n" not in said
+    lr, kl = repr(Config().train.lr), repr(Config().train.kl_coef)
+    assert f"train.lr (node 0: {lr}; nodes 1, 2: 0.002)" in said
+    assert f"train.kl_coef (nodes 0, 2: {kl}; node 1: 0.05)" in said
+    assert "train.loss_type (node 0: 'dapo'; nodes 1, 2: 'grpo')" in said  # an Enum, by value
+    assert "train.node_rank" in said  # what may differ
+    # a key one node's grail does not know, and a long value cut short
+    long = {"data.path": "x" * 200}
+    said = config_differences([(0, {"seed": 0, **long}), (1, {"seed": 0, "data.path": "y"})])
+    assert said is not None and "data.path (node 0: 'xxx" in said and "...;" in said
+    said = config_differences([(0, {"seed": 0}), (1, {"seed": 0, "new.key": 1})])
+    assert said is not None and "new.key (node 0: (no such key); node 1: 1)" in said

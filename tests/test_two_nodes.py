@@ -70,3 +70,19 @@ def test_a_node_that_never_meets_node_0_ends_with_one_line(tmp_path: Path) -> No
     assert "Traceback" not in out
     assert not (tmp_path / "summary.json").exists()
     assert not (tmp_path / ".hydra").exists()
+
+
+def test_nodes_started_with_different_configs_refuse_in_one_line(tmp_path: Path) -> None:
+    # Node 1 with another learning rate would train its shards with it while node 0 records its
+    # own: the ranks compare their configs when they meet, before anything trains.
+    nodes = [*SHORT, "train.nodes=2", f"train.rdzv_endpoint=127.0.0.1:{free_port()}"]
+    node1 = start_grail_train(tmp_path, *nodes, "train.node_rank=1", "train.lr=0.5")
+    node0 = start_grail_train(tmp_path, *nodes, "train.node_rank=0")
+    for code, out in (finish(node0, 180), finish(node1, 60)):
+        assert code == 2, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        errors = [line for line in out.splitlines() if "[ERROR]" in line]
+        assert len(errors) == 1, out[-3000:]
+        assert "the nodes were started with different configs: train.lr (node 0: " in errors[0]
+        assert "node 1: 0.5)" in errors[0] and "train.kl_coef" not in errors[0]
+    assert not list(tmp_path.glob("metrics/train_iter_*.json"))

@@ -11,14 +11,23 @@ Under SLURM (hydra/launcher=slurm with `nodes: 2`, one task per node) the fields
 from the job's environment: the node rank from SLURM_NODEID, the endpoint from the job's first
 host (`scontrol show hostnames`, what SLURM's own examples use) and a port from the job id, so
 that jobs sharing a node do not collide.
+
+Every node must run with the same config, the node rank aside: the ranks compare their
+`shared_settings` when they meet (grail/train/distributed.py) and refuse a difference with
+`config_differences`' one line. (A node with another `train.lr` would train its shards with it
+while node 0 records its own; another `train.kl_coef` would have the nodes run different
+collectives, which fails inside gloo without saying why.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import re
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from grail.core.errors import ConfigError
 
@@ -135,3 +144,74 @@ def _slurm_int(environ: Mapping[str, str], *names: str) -> int:
                 raise ConfigError(f"{name}={value!r} is not a number")
             return int(value)
     raise ConfigError(f"{names[0]} is not set in this SLURM job's environment")
+
+
+# ---- the nodes of a run agree on its config ---------------------------------------------------
+
+#: Config keys that differ between the nodes of one run by design: which node this is. (Hydra's run
+#: directory is no config key: it may be mounted at another path on each node.)
+PER_NODE_KEYS = frozenset({"train.node_rank"})
+SHOWN_CHARS = 60  # a value longer than this is cut in the message
+
+
+class NodesDiffer(ConfigError):
+    """The nodes of one run were started with different configs: the message names the keys."""
+
+
+def shared_settings(config: Any) -> dict[str, Any]:
+    """`config` (grail.core.config.Config, a dataclass of dataclasses) as dotted key -> value,
+    less `PER_NODE_KEYS`: what every node of a run must agree on."""
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                walk(f"{prefix}{field.name}.", getattr(value, field.name))
+        elif prefix[:-1] not in PER_NODE_KEYS:
+            flat[prefix[:-1]] = value
+
+    walk("", config)
+    return flat
+
+
+_MISSING = object()  # a key one node's config lacks (another version of grail there)
+
+
+def config_differences(settings: Sequence[tuple[int, Mapping[str, Any]]]) -> str | None:
+    """One line naming every key whose value differs between the nodes, with each node's value,
+    from (node rank, `shared_settings`) of every rank; None when the nodes agree."""
+    by_node: dict[int, Mapping[str, Any]] = {}
+    for node, node_settings in settings:
+        by_node.setdefault(node, node_settings)
+    nodes = sorted(by_node)
+    keys = sorted({key for node_settings in by_node.values() for key in node_settings})
+    parts = []
+    for key in keys:
+        values = [by_node[node].get(key, _MISSING) for node in nodes]
+        if all(value == values[0] for value in values[1:]):
+            continue
+        shown: dict[str, list[int]] = {}  # each value, with the nodes that have it
+        for node, value in zip(nodes, values, strict=True):
+            shown.setdefault(_shown(value), []).append(node)
+        parts.append(
+            f"{key} ("
+            + "; ".join(
+                f"node{'s' if len(have) > 1 else ''} {', '.join(map(str, have))}: {text}"
+                for text, have in shown.items()
+            )
+            + ")"
+        )
+    if not parts:
+        return None
+    return (
+        f"the nodes were started with different configs: {', '.join(parts)}; start every node "
+        f"with the same command and overrides (only {', '.join(sorted(PER_NODE_KEYS))} differs "
+        "between them)"
+    )
+
+
+def _shown(value: Any) -> str:
+    if value is _MISSING:
+        return "(no such key)"
+    text = repr(value.value if isinstance(value, enum.Enum) else value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."

@@ -57,11 +57,11 @@ import torch.distributed as dist
 
 from grail.core.config import Config
 from grail.core.errors import UserError
-from grail.core.nodes import NodePlan
+from grail.core.nodes import NodePlan, NodesDiffer, config_differences, shared_settings
 from grail.core.placement import trainer_processes
 from grail.core.records import held_for_the_ranks
 from grail.train.resume import Resume
-from grail.train.sharded import PeersLost, Stop, follow, send, setup_rank
+from grail.train.sharded import PeersLost, Stop, collective, follow, send, setup_rank
 
 log = logging.getLogger("grail.train")
 
@@ -94,6 +94,25 @@ def _log_to(rank: int, log_file: str | None) -> None:
         root.addHandler(handler)
     for noisy in ("httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _nodes_agree(cfg: Config) -> None:
+    """The ranks of a run over several nodes compare their configs (grail/core/nodes.py) before
+    anything else: each node's first rank raises `NodesDiffer` naming the keys that differ (rank
+    0 reports it, the other nodes' agents in `raise_failure`), the others end as bystanders. The
+    ranks of one node share the config their agent gave them."""
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if world == local:
+        return
+    gathered: list[Any] = [None] * world
+    with collective("comparing the nodes' configs"):
+        dist.all_gather_object(gathered, (int(os.environ["GROUP_RANK"]), shared_settings(cfg)))
+    differences = config_differences(gathered)
+    if differences is None:
+        return
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        raise NodesDiffer(differences)
+    raise PeersLost("the nodes' configs differ: this node's first rank says how")
 
 
 class _RankSignals:
@@ -139,6 +158,7 @@ def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | 
         signal.signal(signal.SIGINT, signals)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a pending one comes here
         setup_rank(cfg)
+        _nodes_agree(cfg)
         if rank == 0:
             from grail.train.loop import run
 
@@ -325,6 +345,9 @@ def raise_failure(
         cause = f"killed by {signal.Signals(-code).name}"
     else:
         cause = _error_message(failure) or f"exit code {code}"
+    differ = f"{NodesDiffer.__name__}: "
+    if cause.startswith(differ):  # this node's first rank, as rank 0 reports it on node 0
+        raise NodesDiffer(cause.removeprefix(differ))
     raise RankFailed(f"trainer rank {rank} (pid {failure.pid}) failed: {cause}")
 
 
