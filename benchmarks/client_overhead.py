@@ -102,6 +102,9 @@ def fmt(values: list[float], scale: float = 1e3) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=20)
+    parser.add_argument(
+        "--prompts", type=int, default=PROMPTS, help="prompts per batch (the default job's)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--server-threads", type=int, default=1)
     parser.add_argument("--max-batch-size", type=int, default=256)
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     model_dir = ensure_tiny_model()
-    prompts = default_prompts(model_dir)
+    prompts = default_prompts(model_dir, args.prompts)
     server = BuiltinServer(
         model_dir,
         "tiny",
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         walls, cpus, full_gcs = asyncio.run(run())
     requests = client.stats.requests / (args.batches + args.warmup)
     print_table(
-        f"per batch of {PROMPTS} prompts x n={N} (max_tokens={SAMPLING.max_tokens}), "
+        f"per batch of {args.prompts} prompts x n={N} (max_tokens={SAMPLING.max_tokens}), "
         f"median \\[min-max] of {args.batches}",
         ["requests", "wall ms", "client CPU ms", "full GCs (all batches)"],
         [[f"{requests:g}", fmt(walls), fmt(cpus), str(full_gcs)]],
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(
         "client_overhead",
         {
-            "prompts": PROMPTS,
+            "prompts": args.prompts,
             "n": N,
             "max_tokens": SAMPLING.max_tokens,
             "server_threads": args.server_threads,

@@ -11,8 +11,11 @@
 # DEADLINE (seconds, default 570) bounds the whole session: a stage gets at most the time left
 # before it, and is skipped when under 30 s are left, so the command ends inside a device call's
 # limit with the logs of what ran; put the stages in order of value.
+# DRY_RUN=1 prints each stage's command instead of running it (no GPU needed): the test suite
+# checks that every command still parses (tests/test_benchmarks.py).
 set -u
 DEADLINE=${DEADLINE:-570}
+DRY_RUN=${DRY_RUN:-0}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="/tmp/site:$PWD:$PWD/benchmarks" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -22,6 +25,12 @@ PY=${PY:-python3}
 stage() {  # stage NAME SECONDS COMMAND...: run COMMAND under a time limit, log to $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ "$DRY_RUN" = 1 ]; then
+        local cmd
+        printf -v cmd ' %q' "$@"  # quoted as a shell reads it back
+        echo "=== $name (dry run):$cmd" | tee -a "$OUT/$name.log"
+        return
+    fi
     local left=$((DEADLINE - SECONDS - 10))
     if [ "$left" -lt 30 ]; then
         echo "=== $name skipped: ${left}s left before the deadline" | tee -a "$OUT/$name.log"
@@ -45,6 +54,7 @@ mfu() {  # one train_step_gpu.py measurement, appended to $OUT/mfu.jsonl
 for s in "$@"; do
     case $s in
     setup)
+        if [ "$DRY_RUN" = 1 ]; then echo "=== setup (dry run): installs .whl/*.whl, prints the GPU"; continue; fi
         if ls .whl/*.whl >/dev/null 2>&1; then
             $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                 --target /tmp/site .whl/*.whl >"$OUT/setup.log" 2>&1 || echo "pip install failed"
@@ -99,7 +109,7 @@ for s in "$@"; do
         stage tests_flex 200 $PY -m pytest -p no:cacheprovider -v --tb=short -o addopts= tests/gpu/test_gpu_packing.py -k flex
         ;;
     loop)  # grail-train end to end on the GPU: the default job, and the ~0.47B preset
-        rm -rf "$RUNS"
+        [ "$DRY_RUN" = 1 ] || rm -rf "$RUNS"
         stage loop_default 150 $PY -m grail.train.cli train.iterations=10 "hydra.run.dir=$RUNS/default"
         stage loop_mid_model 60 $PY -c "from grail.models.tiny import build_random_qwen2, MID_PRESET; build_random_qwen2('$RUNS/mid-model', seed=0, **MID_PRESET)"
         stage loop_mid 200 $PY -m grail.train.cli train.iterations=6 "model.train_id=$RUNS/mid-model" train.lr=1e-5 "hydra.run.dir=$RUNS/mid"

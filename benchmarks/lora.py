@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,16 @@ def perturb_(model: torch.nn.Module, seed: int, only_lora: bool) -> None:
             param.add_(0.01 * torch.randn(param.shape, generator=generator))
 
 
-def bench_sync(source: Path, work: Path, reps: int, threads: int) -> dict[str, Any]:
+def bench_sync(
+    source: Path, work: Path, reps: int, threads: int, kinds: tuple[str, ...] = ("full", "adapter")
+) -> dict[str, Any]:
     """Full and adapter sync of the same base, each through its own built-in server."""
     from transformers import AutoModelForCausalLM
 
     from grail.inference.backends.builtin import BuiltinServer
 
     results: dict[str, Any] = {}
-    for kind in ("full", "adapter"):
+    for kind in kinds:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         serve_dir = work / f"serve-{kind}"
         model.save_pretrained(serve_dir)
@@ -110,6 +113,7 @@ def bench_sync(source: Path, work: Path, reps: int, threads: int) -> dict[str, A
 
 def memory_worker(source: str, lora: bool, checkpointing: bool, out: Path) -> None:
     """One trainer, one update; its peak resident memory into `out` (run in a fresh process)."""
+    from grail.core.reproducible import apply_reproducible_env
     from grail.train.trainer import Trainer, setup_torch
 
     cfg = Config(
@@ -124,6 +128,8 @@ def memory_worker(source: str, lora: bool, checkpointing: bool, out: Path) -> No
         train=TrainConfig(batch_size=16, lr=1e-5, kl_coef=0.05),
         checkpoint=CheckpointConfig(),
     )
+    if cfg.reproducible:  # the default: its kernels, before torch's first operation
+        apply_reproducible_env(os.environ)
     trainer = Trainer(cfg, setup_torch(cfg), None)
     before = peak_rss_mb()
     vocab = trainer.model.get_input_embeddings().weight.shape[0]
@@ -134,16 +140,21 @@ def memory_worker(source: str, lora: bool, checkpointing: bool, out: Path) -> No
     )
 
 
-def bench_memory(source: Path, work: Path) -> dict[str, Any]:
+MEMORY_RUNS = (
+    ("full", False, False),
+    ("lora", True, False),
+    ("full, gradient checkpointing", False, True),
+    ("lora, gradient checkpointing", True, True),
+)
+
+
+def bench_memory(
+    source: Path, work: Path, runs: Sequence[tuple[str, bool, bool]] = MEMORY_RUNS
+) -> dict[str, Any]:
     """Each of full and LoRA, with and without gradient checkpointing (which takes the
     activations, the same in both, out of the comparison)."""
     results = {}
-    for kind, lora, checkpointing in (
-        ("full", False, False),
-        ("lora", True, False),
-        ("full, gradient checkpointing", False, True),
-        ("lora, gradient checkpointing", True, True),
-    ):
+    for kind, lora, checkpointing in runs:
         out = work / f"memory-{len(results)}.json"
         worker = ["--memory-worker", str(source), str(int(lora)), str(int(checkpointing)), str(out)]
         subprocess.run([sys.executable, __file__, *worker], check=True, timeout=1800)
@@ -151,13 +162,20 @@ def bench_memory(source: Path, work: Path) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["mid", "tiny"], default="mid")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: results/)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the adapter's sync once and the LoRA memory run alone: the script end to end in "
+        "seconds (the test suite's), its numbers no comparison",
+    )
     parser.add_argument("--memory-worker", nargs=4, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.memory_worker:
         source, lora, checkpointing, out = args.memory_worker
         memory_worker(source, lora == "1", checkpointing == "1", Path(out))
@@ -165,8 +183,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="grail-lora-bench-") as tmp:
         work = Path(tmp)
         source = source_model(args.model, work)
-        sync = bench_sync(source, work, args.reps, args.threads)
-        memory = bench_memory(source, work)
+        if args.smoke:
+            sync = bench_sync(source, work, 1, args.threads, ("adapter",))
+            memory = bench_memory(source, work, MEMORY_RUNS[1:2])
+        else:
+            sync = bench_sync(source, work, args.reps, args.threads)
+            memory = bench_memory(source, work)
     print_table(
         f"weight sync ({args.model}, float32, in place, median of {args.reps})",
         ["sync", "bytes written", "save s", "server load s"],
@@ -177,7 +199,7 @@ def main() -> None:
         ["fine-tuning", "trainable parameters", "peak RSS MiB"],
         [[k, v["trainable"], f"{v['peak_mb']:.0f}"] for k, v in memory.items()],
     )
-    write_results("lora", {"model": args.model, "sync": sync, "memory": memory})
+    write_results("lora", {"model": args.model, "sync": sync, "memory": memory}, args.out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     uv run python benchmarks/scaling.py --rounds 2                 # steadier on a busy machine
     uv run python benchmarks/scaling.py --problems 16 --iterations 6 --factors 1,2,4,8
 
-Two series, each point a real `grail-train` run (`grail.train.loop.run`) of the default task
+Two series, each point a real `grail-train` run (`grail.train.launch.train`) of the default task
 (copy_digits on the tiny model, built-in server on CPU) in a fresh subprocess:
 
 - rollouts: rollouts per iteration x1, x2, x4 (`data.problems_per_iteration` x factor), with
@@ -221,8 +221,8 @@ def worker(spec_path: Path) -> int:
     from omegaconf import OmegaConf
 
     import grail.rollouts.server as rollout_source
-    import grail.train.loop as loop
     from grail.core.validate import validate
+    from grail.train import launch
     from grail.train.cli import CONF_DIR
     from grail.train.reporting import interrupt_on_sigterm
 
@@ -241,7 +241,8 @@ def worker(spec_path: Path) -> int:
     validate(config)  # type: ignore[arg-type]
     rss_start = rss_mb()
     with ServerPeakRss() as server:
-        loop.run(config, Path(spec["run_dir"]))  # type: ignore[arg-type]
+        # as grail-train runs it: reproducible=true (the default) pins the kernels first
+        launch.train(config, Path(spec["run_dir"]))  # type: ignore[arg-type]
     result = {
         "trainer_peak_rss_mb": peak_rss_mb(),
         "trainer_rss_start_mb": rss_start,

@@ -53,14 +53,15 @@ def run_row(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seeds", type=int, default=14, help="seeds 0 .. N-1")
     p.add_argument("--threshold", type=float, default=0.6, help="success that counts as learned")
     p.add_argument("--sweep-dir", type=Path, default=None, help="keep the runs here")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole sweep")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default: results/)")
     p.add_argument("overrides", nargs="*", help="grail-train overrides for every run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
 
@@ -110,6 +111,7 @@ def main() -> int:
             "seeds_learned": learned,
             "sweep_s": elapsed,
         },
+        args.out,
     )
     return 0
 

@@ -72,12 +72,13 @@ def client(
             latencies["samples"].append(len(rewards))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=8, help="client threads")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (default: results/)")
     parser.add_argument("overrides", nargs="*", help="grail-train overrides")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     overrides = args.overrides or ["train.iterations=20"]
 
     with tempfile.TemporaryDirectory(prefix="grail-service-bench-") as tmp:
@@ -149,7 +150,7 @@ def main() -> None:
         "mean_completion_s": statistics.fmean(latencies["completions"]),
         "final_success": summary.get("final_eval", {}).get("success_rate"),
     }
-    write_results("service", results)
+    write_results("service", results, args.out)
 
 
 if __name__ == "__main__":

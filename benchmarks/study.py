@@ -110,7 +110,7 @@ def show(o: StudyOutcome, metric: str) -> None:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lrs", default="2e-3,5e-3,1e-2", help="train.lr values")
     p.add_argument("--kl-coefs", default="0,0.05", help="train.kl_coef values")
@@ -119,8 +119,9 @@ def main() -> int:
     p.add_argument("--metric", choices=METRICS, default="auc")
     p.add_argument("--out-dir", type=Path, default=None, help="keep both sweeps here")
     p.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per study")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default: results/)")
     p.add_argument("overrides", nargs="*", help="grail-train overrides for every run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.seeds < 2:
         p.error("--seeds must be >= 2: statistics over seeds need two")
 
@@ -193,6 +194,7 @@ def main() -> int:
             ],
             **verdict,
         },
+        args.out,
     )
     return 0
 

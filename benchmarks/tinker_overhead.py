@@ -24,7 +24,6 @@ benchmarks/results/tinker_overhead.json (`--out` elsewhere).
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import sys
 import tempfile
@@ -69,7 +68,10 @@ def datums(prompts: list[list[int]], n: int, max_tokens: int) -> list[wire.Datum
     return out
 
 
-def direct_round(model_dir: Path, shape: str, run_dir: Path) -> Callable[[], None]:
+def direct_round(
+    model_dir: Path, shape: str, run_dir: Path
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One round in this process, and what stops its sampler's engine (a thread) afterwards."""
     prompts_n, n, max_tokens = SHAPES[shape]
     prompts = default_prompts(model_dir, prompts_n)
     data = datums(prompts, n, max_tokens)
@@ -81,8 +83,6 @@ def direct_round(model_dir: Path, shape: str, run_dir: Path) -> Callable[[], Non
     adam = AdamStep(LR, 0.9, 0.95, 1e-12, 0.0, 0.0)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
 
-    atexit.register(sampler.engine.stop)
-
     def one() -> None:
         trainer.forward_backward(run.model_id, data, "importance_sampling", {}, False)
         trainer.optim_step(run.model_id, adam)
@@ -92,11 +92,11 @@ def direct_round(model_dir: Path, shape: str, run_dir: Path) -> Callable[[], Non
         for result in sampler.run(jobs):
             assert isinstance(result, bytes), result
 
-    return one
+    return one, sampler.engine.stop
 
 
-def sdk_round(url: str, api_key: str, model_dir: Path, shape: str) -> Callable[[], None]:
-    import tinker
+def sdk_round(service: Any, model_dir: Path, shape: str) -> Callable[[], None]:
+    """One round through `service` (a tinker.ServiceClient)."""
     from tinker import types
 
     prompts_n, n, max_tokens = SHAPES[shape]
@@ -108,7 +108,6 @@ def sdk_round(url: str, api_key: str, model_dir: Path, shape: str) -> Callable[[
         )
         for d in datums(prompts, n, max_tokens)
     ]
-    service = tinker.ServiceClient(base_url=url, api_key=api_key)
     client = service.create_lora_training_client(base_model="tiny", rank=RANK, seed=0).result()
     adam = types.AdamParams(learning_rate=LR)
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
@@ -141,16 +140,17 @@ def timed(sides: list[Callable[[], None]], rounds: int, warmup: int = 2) -> list
     return seconds
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds of each side first")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--sampler", default="engine", choices=["engine", "builtin"])
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers.tinker_server import API_KEY, TinkerServer
+    from helpers.tinker_server import TinkerServer, sdk_service
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_tiny_model()
@@ -160,12 +160,19 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
-            one = direct_round(model_dir, shape, Path(tmp) / f"direct-{shape}")
+            one, stop = direct_round(model_dir, shape, Path(tmp) / f"direct-{shape}")
             log = Path(tmp) / f"server-{shape}.log"
             extra = ("--threads", str(args.threads), "--sampler", args.sampler)
-            with TinkerServer(Path(tmp) / f"sdk-{shape}", log, *extra) as server:
-                sdk_one = sdk_round(server.url, API_KEY, model_dir, shape)
-                direct, sdk = timed([one, sdk_one], args.rounds)
+            try:
+                # the session closed before its server stops: its heartbeats would fail on
+                with (
+                    TinkerServer(Path(tmp) / f"sdk-{shape}", log, *extra) as server,
+                    sdk_service(server.url) as service,
+                ):
+                    sdk_one = sdk_round(service, model_dir, shape)
+                    direct, sdk = timed([one, sdk_one], args.rounds, args.warmup)
+            finally:
+                stop()
             d, s = spread(direct), spread(sdk)
             overhead = s["median"] / d["median"] - 1
             results["shapes"][shape] = {"direct_s": d, "sdk_s": s, "overhead": overhead}

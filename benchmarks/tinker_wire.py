@@ -59,11 +59,11 @@ def timed_ms(call: Callable[[], object], repeats: int, warmup: int = 3) -> list[
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     prompts_n, n, max_tokens = SHAPES["rl"]
     data = datums(default_prompts(ensure_tiny_model(), prompts_n), n, max_tokens)

@@ -70,7 +70,7 @@ def with_hogs(count: int, run: Any) -> Any:
             stop_worker(hog, grace_s=5)  # type: ignore[arg-type]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hogs", type=int, default=cores, help="busy processes beside the run")
@@ -81,8 +81,9 @@ def main() -> int:
     p.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="extra environment"
     )
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default: results/)")
     p.add_argument("overrides", nargs="*", help="extra grail-train overrides")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     env = {**os.environ, **dict(item.split("=", 1) for item in args.env)}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path: the one a shared CPU machine runs
 
@@ -138,6 +139,7 @@ def main() -> int:
             "parts_median_s": parts,
             "fair_share": fair,
         },
+        args.out,
     )
     return 0
 

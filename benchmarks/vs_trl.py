@@ -388,14 +388,13 @@ def _compose(overrides: list[str]) -> Any:
 def run_ours(w: Workload, arm: str) -> dict[str, Any]:
     import torch
 
-    from grail.train.cli import preflight
-    from grail.train.loop import run
+    from grail.train.launch import preflight, train
 
     cfg = _compose(ours_overrides(w, arm, w.model_dir()))
     preflight(cfg)
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{arm}-") as tmp, ServerPeakRss() as server:
         run_dir = Path(tmp)
-        run(cfg, run_dir)
+        train(cfg, run_dir)  # as grail-train runs it: reproducible=true pins the kernels first
         iterations = []
         previous_end: float | None = None
         for i in range(w.iterations):

@@ -3,6 +3,7 @@ verdicts are computed from. Nothing here is timed."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -617,3 +618,260 @@ def test_fleet_sim_without_a_usable_server_says_so() -> None:
     balancer = Balancer(1, 2)
     with pytest.raises(RuntimeError, match="2 groups were never answered"):
         fleet_sim.run_iteration(balancer, [1.0], [[5], [5]], max_batch=4, cost=5.0, fail=(0, 0.001))
+
+
+# --------------------------------------------------------------------------- every script runs
+# Each script in benchmarks/ runs its smallest configuration here, in this process where it can
+# (no interpreter and torch to start again), so a change elsewhere that breaks a script fails
+# here and not months later, when someone wants its numbers (benchmarks/vs_trl.py imported
+# `preflight` from a module that no longer had it). Numbers are not checked: a script that ran
+# to its end and wrote its results passes. GPU-only scripts have their command lines checked on
+# CPU and skip the GPU part, naming it.
+
+import argparse  # noqa: E402
+import ast  # noqa: E402
+import importlib  # noqa: E402
+import shlex  # noqa: E402
+import subprocess  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+from helpers.run_dirs import make_run  # noqa: E402
+
+# The smallest grail-train run that evaluates (seeds.py and service.py read its final eval).
+RUN = "data.problems_per_iteration=2 data.rollouts_per_problem=2 eval.num_ids=2 eval.replicates=1"
+RUN += " eval.report_ks=[1]"
+NO_CUDA = "needs a CUDA device; torch sees none"
+
+
+def _main(script: str, args: str, *more: str | Path) -> int | None:
+    """`script`'s main(ARGS) in this process (`args` split on spaces, then `more`): what it
+    returned, or its SystemExit's code."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    try:
+        return module.main([*args.split(), *map(str, more)])
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def _results(path: Path) -> dict:
+    assert path.is_file(), f"{path} not written"
+    return json.loads(path.read_text())
+
+
+class _Parsed(Exception):
+    """Raised in place of a script's work once its command line parsed."""
+
+
+def _parses(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`script`'s parser accepts `argv` (an unknown or misspelt flag exits 2); nothing runs."""
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self: argparse.ArgumentParser, *args: object) -> None:
+        parse(self, *args)  # type: ignore[arg-type]
+        raise _Parsed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        with pytest.raises(_Parsed):
+            _main(script, "", *argv)
+
+
+def smoke_attention_gpu(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small = "--tokens 256 --min-len 16 --max-len 64 --reps 1"
+    _parses("attention_gpu.py", small.split(), monkeypatch)
+    if not torch.cuda.is_available():
+        pytest.skip(f"attention_gpu.py times CUDA kernels: {NO_CUDA}")
+    assert _main("attention_gpu.py", small) == 0
+
+
+def smoke_train_step_gpu(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    small = "--shape tiny --vocab-size 300 --groups 2 --group-size 2 --prompt-len 8"
+    small += " --completion-len 6 --warmup 0 --steps 1 --json --device cuda"
+    _parses("train_step_gpu.py", small.split(), monkeypatch)
+    if not torch.cuda.is_available():  # its CPU run: test_train_step_runs_on_cpu_and_prints_...
+        pytest.skip(f"train_step_gpu.py's GPU run {NO_CUDA}")
+    assert _main("train_step_gpu.py", small) == 0
+
+
+def _check_code(code: str) -> None:
+    """A `python -c` program compiles, and the names it imports exist."""
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            module = importlib.import_module(node.module)
+            missing = [a.name for a in node.names if not hasattr(module, a.name)]
+            assert not missing, f"{node.module} has no {missing}"
+
+
+def smoke_gpu_session(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stage's command, as DRY_RUN=1 prints it, still parses: the benchmarks' flags, the
+    grail-train overrides (composed), the test files, a `python -c` program's imports. The
+    stages themselves take minutes on a GPU: run it by hand there (docs/gpu.md)."""
+    from hydra import compose, initialize_config_dir
+
+    from grail.train.cli import CONF_DIR
+
+    script = BENCHMARKS / "gpu_session.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    stages = script.read_text().split("# stages:")[1].splitlines()[0].split()
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp)}
+    result = subprocess.run(
+        ["bash", str(script), *stages], capture_output=True, text=True, timeout=60, env=env,
+        cwd=BENCHMARKS.parent,
+    )  # fmt: skip
+    assert result.returncode == 0 and "unknown stage" not in result.stdout, result.stdout
+    printed = result.stdout.split("######## summary")[0].splitlines()
+    commands = {line.split(" (dry run):", 1)[1] for line in printed if " (dry run): python" in line}
+    assert len(commands) > 10, result.stdout
+    for command in sorted(commands):
+        argv = shlex.split(command)[1:]  # after the python that runs it
+        if argv[0].startswith("benchmarks/"):
+            _parses(Path(argv[0]).name, argv[1:], monkeypatch)
+        elif argv[:2] == ["-m", "pytest"]:
+            files = [a for a in argv if a.startswith("tests/")]
+            assert files and all((BENCHMARKS.parent / f).is_file() for f in files), command
+        elif argv[:2] == ["-m", "grail.train.cli"]:
+            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+                compose(config_name="offline_grpo", overrides=argv[2:])
+        elif argv[0] == "-c":
+            _check_code(argv[1])
+        else:
+            raise AssertionError(f"a stage runs what this test cannot check: {command}")
+
+
+def smoke_client_overhead(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    assert _main("client_overhead.py", "--batches 1 --warmup 0 --prompts 2 --out", out) == 0
+    assert _results(out)["prompts"] == 2
+
+
+def smoke_engine_decode(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    assert _main("engine_decode.py", "--shapes 1x2x3 --prompt-len 4 --no-warmup --out", out) == 0
+    assert [r["mode"] for r in _results(out)["results"]] == ["eager", "graph"]
+
+
+def smoke_fleet_sim(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    small = "--servers 2 --groups-per-server 2 --group-size 2 --max-len 8 --max-batch 4"
+    _main("fleet_sim.py", f"{small} --iterations 2 --out", out)
+    assert len(_results(out)["outcomes"]) == len(fleet_sim.SCENARIOS)
+
+
+def smoke_iteration_times(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = make_run(tmp / "run", ["seed=0"], iterations=3, done=3, completed=True)
+    assert _main("iteration_times.py", "", run) == 0
+
+
+def smoke_lora(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    _main("lora.py", "--model tiny --smoke --threads 1 --out", out)
+    results = _results(out)
+    assert list(results["sync"]) == ["adapter"] and list(results["memory"]) == ["lora"]
+
+
+def smoke_scaling(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"  # one point (x1): one real run, no exponent to fit
+    small = "--problems 2 --rollouts-per-problem 2 --max-new-tokens 2 --factors 1 --batch-size 4"
+    assert _main("scaling.py", f"{small} --iterations 2 --warmup 1 --out", out) == 0
+    assert list(_results(out)["points"]) == ["rollouts x1"]
+
+
+def smoke_seeds(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    assert _main("seeds.py", f"--seeds 1 train.iterations=1 {RUN} --out", out) == 0
+    assert [r["seed"] for r in _results(out)["runs"]] == [0]
+
+
+def smoke_service(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    _main("service.py", f"--workers 2 --timeout 300 train.iterations=1 {RUN} --out", out)
+    assert _results(out)["groups"] >= 1
+
+
+def smoke_study(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"  # one setting on the 2 seeds statistics need, without and with pruning
+    small = f"--lrs 5e-3 --kl-coefs 0 --seeds 2 train.iterations=1 {RUN}"
+    assert _main("study.py", f"{small} --out", out) == 0
+    assert [s["runs"] for s in _results(out)["studies"]] == [2, 2]
+
+
+def smoke_tinker_overhead(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    _main("tinker_overhead.py", "--rounds 1 --warmup 0 --shapes call --out", out)
+    assert list(_results(out)["shapes"]) == ["call"]
+
+
+def smoke_tinker_wire(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    _main("tinker_wire.py", "--repeats 1 --out", out)
+    assert len(_results(out)["cases"]) == 3
+
+
+def smoke_under_load(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    small = f"--hogs 1 --rounds 1 --iterations 2 --warmup 0 {RUN}"
+    assert _main("under_load.py", f"{small} --out", out) == 0
+    assert _results(out)["idle"]["n"] == 1
+
+
+def smoke_vs_trl(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    arms = "sync,trl"
+    try:
+        import trl  # noqa: F401
+    except ImportError:  # the `trl` dependency group left out: ours alone
+        arms = "sync"
+    out = tmp / "r.json"
+    small = "--problems 2 --group-size 2 --max-new-tokens 2 --micro-batch 4 --threads 1"
+    run = f"--arms {arms} --repetitions 1 --iterations 3 --warmup 1 {small} --out"
+    assert _main("vs_trl.py", run, out) == 0
+    assert _results(out)["arms"] == arms.split(",")
+
+
+def smoke_weight_sync(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    code = _main("weight_sync.py", "--models tiny --reps 1 --warmup 0 --threads 1 --out", out)
+    assert code in (0, 1)  # 1: the in-place/restart target missed, a number, not a failure
+    assert "tiny" in _results(out)["models"]
+
+
+SMOKE: dict[str, Callable[[Path, pytest.MonkeyPatch], None]] = {
+    "attention_gpu.py": smoke_attention_gpu,
+    "client_overhead.py": smoke_client_overhead,
+    "engine_decode.py": smoke_engine_decode,
+    "fleet_sim.py": smoke_fleet_sim,
+    "gpu_session.sh": smoke_gpu_session,
+    "iteration_times.py": smoke_iteration_times,
+    "lora.py": smoke_lora,
+    "scaling.py": smoke_scaling,
+    "seeds.py": smoke_seeds,
+    "service.py": smoke_service,
+    "study.py": smoke_study,
+    "tinker_overhead.py": smoke_tinker_overhead,
+    "tinker_wire.py": smoke_tinker_wire,
+    "train_step_gpu.py": smoke_train_step_gpu,
+    "under_load.py": smoke_under_load,
+    "vs_trl.py": smoke_vs_trl,
+    "weight_sync.py": smoke_weight_sync,
+}
+# Run in full elsewhere (not again here), or not a script.
+ELSEWHERE = {
+    "memory_plan.py": "tests/test_memory_plan.py::test_the_script_prints_a_table_and_json",
+    "common.py": "the scripts' shared module, imported by every smoke run above",
+}
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_every_benchmark_runs_its_smallest_configuration(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads = torch.get_num_threads()  # several scripts set this process's
+    try:
+        SMOKE[script](tmp_path, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_file_in_benchmarks_is_run_by_a_test() -> None:
+    """A new script joins SMOKE (or says where it runs), or this fails."""
+    files = {p.name for p in BENCHMARKS.iterdir() if p.is_file()}
+    assert files == set(SMOKE) | set(ELSEWHERE), files ^ (set(SMOKE) | set(ELSEWHERE))
