@@ -47,9 +47,9 @@ def test_cpu_threads_trainer_takes_all_cores_only_when_the_server_waits(
     # an explicit choice wins, each side on its own
     assert _threads(off, "train.threads=2") == (2, 3)
     assert _threads(off, "generation.server_threads=5", "train.pipeline=true") == (3, 5)
-    assert _threads() == _threads(off)  # off by default
-    # reproducible: one thread each whatever the cores, explicit values still win
+    # reproducible (the default): one thread each whatever the cores, explicit values still win
     on = "reproducible=true"
+    assert _threads() == _threads(on)
     assert _threads(on) == _threads(on, "train.pipeline=true") == (1, 1)
     monkeypatch.setattr(placement_module, "available_cores", lambda: 64)
     assert _threads(on) == (1, 1)
