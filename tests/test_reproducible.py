@@ -11,6 +11,7 @@ import torch
 from grail.core.config import Config, GenerationConfig
 from grail.core.errors import ConfigError
 from grail.core.reproducible import REPRODUCIBLE_ENV, apply_reproducible_env, check_torch_honours
+from grail.inference.builtin.server import parse_args
 from grail.train.components import server_manager_from_config
 
 
@@ -25,6 +26,10 @@ def test_the_builtin_server_gets_them_on_cpu(tmp_path: Path, reproducible: bool)
     cfg = Config(reproducible=reproducible, generation=GenerationConfig(server_threads=None))
     server = server_manager_from_config(cfg, tmp_path, tmp_path / "run", cuda_available=False)
     assert server.env_overrides == (REPRODUCIBLE_ENV if reproducible else {})
+    # grail-serve pins its own kernels unless told not to, so one started by hand computes as
+    # the one a reproducible run starts (tests/test_external_servers.py checks the numbers).
+    assert ("--no-reproducible" in server.server_args()) is not reproducible
+    assert parse_args(["--model", "tiny"]).reproducible
     if reproducible:
         env = server.child_env()
         assert {k: env[k] for k in REPRODUCIBLE_ENV} == REPRODUCIBLE_ENV

@@ -206,6 +206,7 @@ def server_manager_from_config(
         lora_rank=cfg.model.lora.r if lora_dir is not None else None,
         weight_transfer=weight_transfer,
         env=env,
+        reproducible=cfg.reproducible,
     )
 
 

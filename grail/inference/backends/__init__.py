@@ -52,6 +52,7 @@ def make_server_manager(
     lora_dir: str | os.PathLike[str] | None = None,
     lora_rank: int | None = None,
     weight_transfer: str = "disk",
+    reproducible: bool = True,
 ) -> ServerManager:
     """The `ServerManager` for `backend` ("builtin", "vllm" or "sglang").
 
@@ -64,7 +65,8 @@ def make_server_manager(
     server, 900 s for vLLM and SGLang); dtype None means bfloat16 for the GPU servers and the
     server's default for the built-in one. Memory fraction, max_model_len and max_num_seqs apply
     to vLLM/SGLang only; the built-in server ignores them. `threads` applies to the built-in
-    server on CPU.
+    server on CPU, and `reproducible` False starts it with its CPU's own kernels
+    (`--no-reproducible`).
 
     The built-in server always gets an API key: `api_key`, or when None a random one made here
     (`server.api_key`, which `ServerManager` and the rollout client send). Every route of it but
@@ -88,7 +90,14 @@ def make_server_manager(
         # "sk-" first: a URL-safe token starts with "-" one time in 64, and the server's argument
         # parser then reads `--api-key -xyz` as a missing value and exits.
         common["api_key"] = api_key or "sk-" + secrets.token_urlsafe(32)
-        return BuiltinServer(model_path, served_model_name, threads=threads, dtype=dtype, **common)
+        return BuiltinServer(
+            model_path,
+            served_model_name,
+            threads=threads,
+            dtype=dtype,
+            reproducible=reproducible,
+            **common,
+        )
     cls = VLLMServer if backend == "vllm" else SGLangServer
     if gpu_memory_fraction is None:
         gpu_memory_fraction = default_memory_fraction(shares_gpu_with_trainer)

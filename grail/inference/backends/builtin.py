@@ -33,8 +33,9 @@ class BuiltinServer(ServerManager):
     # shared: it reads the trainer's tensors through handles when on the trainer's device
     weight_routes = ("disk", "shared")
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, reproducible: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.reproducible = reproducible  # grail-serve pins its kernels unless told otherwise
         if len(self.gpu_ids) > 1:
             raise ValueError(f"the built-in server runs on one device, got {self.device!r}")
         self.weight_version: str | None = None
@@ -54,6 +55,8 @@ class BuiltinServer(ServerManager):
             args += ["--threads", str(self.threads)]
         if self.lora_dir is not None:
             args += ["--lora-dir", str(self.lora_dir)]
+        if not self.reproducible:
+            args.append("--no-reproducible")
         return args + self.extra_args
 
     def build_command(self) -> list[str]:

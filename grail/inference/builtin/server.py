@@ -28,7 +28,9 @@ from typing import Any
 import torch
 import uvicorn
 
+from grail.core.errors import ConfigError
 from grail.core.http_api import is_loopback
+from grail.core.reproducible import apply_reproducible_env, check_torch_honours
 from grail.inference.builtin import API_KEY_ENV
 from grail.inference.builtin.admission import (
     DEFAULT_MAX_N,
@@ -108,6 +110,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "same without graphs), eager (default on CPU; the only batch-invariant one)",
     )
     parser.add_argument(
+        "--reproducible",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch's AVX2 CPU kernels and MKL's COMPATIBLE branch, as grail-train's "
+        "reproducible=true (its default) pins them: the same numbers on any x86-64 CPU with AVX2 "
+        "of one vendor, and a run's on a server started by hand; --no-reproducible for a "
+        "reproducible=false run (grail/core/reproducible.py)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     limits = parser.add_argument_group("limits (see docs/protocols.md)")
@@ -163,6 +174,8 @@ def check_exposure(host: str, key: str | None, insecure: bool) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.reproducible:  # before torch's first operation, when torch and MKL read them
+        apply_reproducible_env(os.environ)
     try:
         key = api_key(args)
     except ValueError as exc:
@@ -188,6 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.reproducible:
+        try:
+            check_torch_honours()
+        except ConfigError as exc:
+            print(f"grail-serve: {exc}", file=sys.stderr, flush=True)
+            return 2
     # The model names grail-train's model.train_id takes ('tiny': built offline, cached). Imported
     # here: the tiny model's builder (tokenizers, Qwen2) adds ~0.2 s to every other start.
     from grail.models.tiny import resolve_model
