@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.fake_server import FakeBuiltinServer
+from helpers.rank_runs import members
 
 from grail.inference import os_process
 from grail.inference.backends.builtin import BuiltinServer
@@ -57,19 +58,6 @@ def wait_until(condition, timeout: float = 5.0) -> bool:
 
 def wait_dead(pid: int, timeout: float = 5.0) -> bool:
     return wait_until(lambda: not process_alive(pid), timeout)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group `pgid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] not in "ZX":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def debug_info(server: BuiltinServer) -> dict:
@@ -128,7 +116,7 @@ def test_start_ready_stop_leaves_no_process(make_server, model_dir: Path) -> Non
     assert argv[argv.index("--device") + 1] == "cpu"
     # own process group, so a terminal Ctrl-C reaches only the harness; its watchdog there too
     assert os.getpgid(pid) == pid != os.getpgid(0)
-    assert len(group_members(pid)) == 2
+    assert len(members(pid)) == 2
 
     server.stop()
     assert not process_alive(pid)
@@ -336,6 +324,7 @@ import signal, sys, time
 sys.path.insert(0, {tests_dir!r})
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even if launched with SIGINT ignored
 from helpers.fake_server import FakeBuiltinServer
+from helpers.rank_runs import members
 server = FakeBuiltinServer({model!r}, "tiny", log_dir={log_dir!r}, start_timeout=20,
                            extra_args={extra!r}, stop_timeout={stop_timeout!r})
 {body}
@@ -395,11 +384,11 @@ def test_sigkilled_parent_leaves_no_orphan(tmp_path: Path, model_dir: Path, star
     child = int(read_line(parent))
     try:
         assert process_alive(child)
-        assert len(group_members(child)) == 2  # the server and its watchdog
+        assert len(members(child)) == 2  # the server and its watchdog
         parent.send_signal(signal.SIGKILL)  # no finally, no atexit: only the kernel can help
         parent.wait(timeout=10)
-        assert wait_until(lambda: not group_members(child), 5.0), (
-            f"server group survived its SIGKILLed parent: {group_members(child)}"
+        assert wait_until(lambda: not members(child), 5.0), (
+            f"server group survived its SIGKILLed parent: {members(child)}"
         )
         log = (tmp_path / "parent-logs" / "builtin-tiny.log").read_text()
         assert "is gone; stopping it" in log

@@ -34,16 +34,22 @@ def grail_train(
     return code, out, time.monotonic() - t0
 
 
-def session_members(sid: int) -> list[int]:
+def members(group_or_session: int, *, session: bool = False) -> list[int]:
+    """Live (not zombie) processes of a process group, or of a session."""
+    field = 3 if session else 2  # /proc/PID/stat after the command: state, ppid, pgrp, session
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: the session id
+        if int(fields[field]) == group_or_session and fields[0] not in "ZX":
             found.append(int(stat.parent.name))
     return found
+
+
+def session_members(sid: int) -> list[int]:
+    return members(sid, session=True)
 
 
 def assert_session_empty(sid: int, out: str) -> None:

@@ -63,7 +63,7 @@ def build_warm_base(run_dir: Path, threshold: float, timeout: float = 900) -> Pa
         f"the default job never reached held-out success {threshold}: {successes(run_dir)}; "
         f"its log: {log}"
     )
-    assert successes(run_dir)[base] < 0.6, f"no base left room to learn: {successes(run_dir)}"
+    assert successes(run_dir)[base] < 0.75, f"no base left room to learn: {successes(run_dir)}"
     checkpoint = run_dir / "checkpoints" / f"iter_{base:03d}"
     assert checkpoint.is_dir(), f"{checkpoint} was not written; the run's log: {log}"
     return checkpoint
