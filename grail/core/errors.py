@@ -5,6 +5,12 @@ from __future__ import annotations
 import errno
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line, or its type's name when it has none: what a
+    one-line warning or error quotes of a cause."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 class UserError(Exception):
     """An error the user fixes from its message alone: a bad config value, a missing data file or
     model path, a reward plugin that cannot load, a run directory another run holds. `grail-train`

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
+from grail.core.errors import first_line
 from grail.inference.errors import ServerDiedError
 from grail.inference.process import ServerManager
 
@@ -57,7 +58,7 @@ def call_with_recovery(
                 "%s failed because the %s server died (%s); restart %d/%d and retry",
                 what,
                 server.kind,
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                first_line(exc),
                 restarts,
                 max_restarts,
             )

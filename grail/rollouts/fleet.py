@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from grail.core.errors import UserError
+from grail.core.errors import UserError, first_line
 from grail.inference.client import CompletionClient, in_requests
 from grail.inference.completions import Completion, GenerationError, SamplingParams
 from grail.inference.errors import FleetGone, ServerDiedError, ServerError
@@ -100,10 +100,6 @@ def is_server_fault(exc: BaseException) -> bool:
 
 class _Moved(Exception):
     """A request called back from a server set aside while it waited: it goes to another."""
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _seen(call: asyncio.Future[Any]) -> None:
@@ -288,7 +284,7 @@ class FleetClient:
         logger.warning(
             "server %d of the fleet set aside (%s); its requests go to the others",
             server,
-            _first_line(exc),
+            first_line(exc),
         )
         self.set_aside(server)
         self._on_set_aside(server)
@@ -398,7 +394,7 @@ class Fleet:
                 f"no server of the fleet ({len(self)}) started: {self._reasons(failed)}"
             ) from failed[0]
         for server, exc in failed.items():
-            logger.warning("%s did not start (%s)", self._name(server), _first_line(exc))
+            logger.warning("%s did not start (%s)", self._name(server), first_line(exc))
             self.set_aside(server)
 
     def call_with_recovery(self, call: Callable[[], T], max_restarts: int) -> T:
@@ -416,12 +412,12 @@ class Fleet:
                         f"generation failed: every server of the fleet ({len(self)}) died or "
                         f"hung, and the fleet was restarted {restarts} time(s) "
                         f"(max_restarts={max_restarts}); giving up. Last failure: "
-                        f"{_first_line(exc)}"
+                        f"{first_line(exc)}"
                     ) from exc
                 restarts += 1
                 logger.warning(
                     "every server of the fleet is gone (%s); restart %d/%d and retry",
-                    _first_line(exc),
+                    first_line(exc),
                     restarts,
                     max_restarts,
                 )
@@ -554,7 +550,7 @@ class Fleet:
                 "%s did not take weights %s (%s); set aside, %s",
                 self._name(server),
                 weight_version,
-                _first_line(exc),
+                first_line(exc),
                 "tried again at the next sync"
                 if self._external(server)
                 else "it restarts after this sync and rejoins at the next one",
@@ -604,7 +600,7 @@ class Fleet:
                 syncer.before_restart()
             self.servers[server].recover()
         except ServerError as exc:
-            return _first_line(exc)
+            return first_line(exc)
         return None
 
     def _external(self, server: int) -> bool:
@@ -622,7 +618,7 @@ class Fleet:
         parts = []
         for i in sorted(failures):
             why = failures[i]
-            text = why if isinstance(why, str) else _first_line(why)
+            text = why if isinstance(why, str) else first_line(why)
             log = "" if self._external(i) else f" (log {self.servers[i].log_path})"
             parts.append(f"server {i}: {text.rstrip('.')}{log}")
         return "; ".join(parts)

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grail.core.config import Config
-from grail.core.errors import ConfigError
+from grail.core.errors import ConfigError, first_line
 from grail.core.records import (
     LAUNCH_KEYS,
     SECRET_FILE_MODE,
@@ -112,10 +112,10 @@ def saved_config(run_dir: Path) -> DictConfig | None:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
     except (OSError, yaml.YAMLError, OmegaConfBaseException) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(
-            f"resume=true: the run's saved config {path} cannot be used ({reason}); resume it "
-            "with the grail version that started it, or start over in a new hydra.run.dir"
+            f"resume=true: the run's saved config {path} cannot be used ({first_line(exc)}); "
+            "resume it with the grail version that started it, or start over in a new "
+            "hydra.run.dir"
         ) from exc
     assert isinstance(merged, DictConfig)  # merged into the schema's mapping
     return merged
