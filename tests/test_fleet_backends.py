@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -233,11 +234,35 @@ def _ask(client: FleetClient, count: int) -> Callable[[], object]:
     return ask
 
 
-def _resume(pid: int | None, server: FakeVLLMServer) -> None:
-    """SIGCONT a server process the test stopped, unless it was replaced meanwhile."""
-    if pid is not None and server.pid == pid:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+@contextlib.contextmanager
+def _one_stopped(
+    servers: list[FakeVLLMServer],
+    stopped: int,
+    client_of: Callable[[FakeVLLMServer], CompletionClient] = _client,
+) -> Iterator[tuple[Fleet, FleetClient, asyncio.AbstractEventLoop, int]]:
+    """A fleet of `servers` (deadline 1 s) launched and connected to a client over their
+    `client_of`s (made once they listen),
+    then server `stopped` SIGSTOPped (its requests reach the kernel's queue and nothing comes
+    back): the fleet, the client, an event loop for it, and the stopped pid. On exit the stopped
+    process is continued, unless it was replaced meanwhile, and everything stops."""
+    fleet = _fleet(servers, deadline_s=1.0)
+    loop = asyncio.new_event_loop()
+    pid = None
+    try:
+        fleet.launch()
+        clients = [client_of(s) for s in servers]
+        client = fleet.connect(FleetClient(clients, window=2, on_set_aside=fleet.set_aside))
+        pid = servers[stopped].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        yield fleet, client, loop, pid
+        loop.run_until_complete(client.aclose())
+    finally:
+        if pid is not None and servers[stopped].pid == pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        loop.close()
+        fleet.stop()
 
 
 def test_a_stopped_server_costs_one_request_timeout_then_restarts_and_rejoins(
@@ -249,21 +274,8 @@ def test_a_stopped_server_costs_one_request_timeout_then_restarts_and_rejoins(
     # restarts in the background (its stop continues it, so that it acts on SIGTERM at once,
     # rather than waiting 30 s of grace for SIGKILL) and rejoins at the next sync.
     servers = [_vllm(model_dir, tmp_path, i, stop_timeout=30.0) for i in range(2)]
-    fleet = _fleet(servers, deadline_s=1.0)
-    loop = asyncio.new_event_loop()
-    stopped = None
-    try:
-        fleet.launch()
-        client = fleet.connect(
-            FleetClient(
-                [_client(s, timeout=1.0, max_retries=3) for s in servers],
-                window=2,
-                on_set_aside=fleet.set_aside,
-            )
-        )
-        stopped = servers[1].pid
-        assert stopped is not None
-        os.kill(stopped, signal.SIGSTOP)
+    client_of = functools.partial(_client, timeout=1.0, max_retries=3)
+    with _one_stopped(servers, 1, client_of) as (fleet, client, loop, stopped):
         t0 = time.monotonic()
         loop.run_until_complete(_ask(client, 8)())
         assert time.monotonic() - t0 < 4.5  # one deadline, not ~7 s of retries and backoff
@@ -278,11 +290,6 @@ def test_a_stopped_server_costs_one_request_timeout_then_restarts_and_rejoins(
         assert servers[1].weight_version == "iter_001"
         loop.run_until_complete(_ask(client, 8)())
         assert client.server_records()[1]["requests"] > records[1]["requests"]
-        loop.run_until_complete(client.aclose())
-    finally:
-        _resume(stopped, servers[1])
-        loop.close()
-        fleet.stop()
 
 
 def test_a_server_that_hangs_in_a_weight_sync_is_set_aside_after_one_deadline(
@@ -295,17 +302,7 @@ def test_a_server_that_hangs_in_a_weight_sync_is_set_aside_after_one_deadline(
     servers = [
         _vllm(model_dir, tmp_path, i, weight_sync_timeout=8.0, stop_timeout=1.0) for i in range(2)
     ]
-    fleet = _fleet(servers, deadline_s=1.0)
-    loop = asyncio.new_event_loop()
-    stopped = None
-    try:
-        fleet.launch()
-        client = fleet.connect(
-            FleetClient([_client(s) for s in servers], window=2, on_set_aside=fleet.set_aside)
-        )
-        stopped = servers[0].pid
-        assert stopped is not None
-        os.kill(stopped, signal.SIGSTOP)
+    with _one_stopped(servers, 0) as (fleet, client, loop, stopped):
         t0 = time.monotonic()
         fleet.sync(lambda _d: None, "iter_001")
         assert time.monotonic() - t0 < 5.0  # one deadline, not 8 s and a restart
@@ -317,11 +314,6 @@ def test_a_server_that_hangs_in_a_weight_sync_is_set_aside_after_one_deadline(
         fleet.sync(lambda _d: None, "iter_002")
         assert fleet.aside() == [] and servers[0].pid != stopped
         assert [s.weight_version for s in servers] == ["iter_002", "iter_002"]
-        loop.run_until_complete(client.aclose())
-    finally:
-        _resume(stopped, servers[0])
-        loop.close()
-        fleet.stop()
 
 
 class _Sender:
