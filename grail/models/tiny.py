@@ -41,6 +41,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from grail.core.manifest import file_entry, file_problem
+from grail.models import TINY_MODEL_NAME
 
 # Bump when anything that changes the built files changes (sizes, corpus, template, init): the
 # cache directory is named after it, so old caches are never mistaken for new ones.
@@ -428,10 +429,6 @@ def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-#: The model name `grail-train` (`model.train_id`) and `grail-serve --model` give the tiny model.
-TINY_MODEL_NAME = "tiny"
 
 
 def resolve_model(model_id: str) -> str:
