@@ -25,10 +25,34 @@ class Sample:
     # Group-relative, set by the trainer just before it trains on the sample (a source delivers
     # rewards only: grail/train/trainer.py `assign_advantages`).
     advantage: float = 0.0
+    # An episode (several turns): 1 where the policy sampled the token, 0 where the environment's
+    # turn or the chat template's glue put it there (context the loss never covers; its
+    # behaviour log-prob is 0.0). None: every completion token was sampled (one completion).
+    sampled_mask: list[int] | None = None
+    # An episode's counts (turns, tool calls, ...: grail/rollouts/episodes.py); None otherwise.
+    episode: EpisodeStats | None = None
 
     @property
     def truncated(self) -> bool:
+        if self.episode is not None:
+            return self.episode.truncated
         return self.finish_reason == "length"
+
+    @property
+    def num_sampled(self) -> int:
+        """The tokens the policy sampled: those the loss covers and its normalisers count."""
+        return len(self.completion_ids) if self.sampled_mask is None else sum(self.sampled_mask)
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What happened in one episode, beside its tokens (recorded per iteration)."""
+
+    turns: int  # policy turns sampled
+    truncated: bool  # ended by a budget (max_turns, the token cap, a turn cut at max_new_tokens)
+    tool_calls: int = 0  # well-formed calls of a known tool
+    tool_errors: int = 0  # malformed calls, unknown tools, bad arguments, tools that raised
+    env_s: float = 0.0  # seconds the environment took (its steps and tools)
 
 
 @dataclass

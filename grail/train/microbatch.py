@@ -45,12 +45,16 @@ class MicroBatch:
     prompt_mask: Tensor  # [P, Lp]
     prompt_index: Tensor  # [B] row -> its prompt
     completion_ids: Tensor  # [B, K] right-padded
-    completion_mask: Tensor  # [B, K] 1.0 on completion tokens
-    behaviour_logprobs: Tensor  # [B, K] the server's log-probs, 0 on padding
+    completion_mask: Tensor  # [B, K] 1.0 on completion tokens: what the rows attend to
+    # [B, K] 1.0 on the tokens the policy sampled: what the loss covers. An episode's completion
+    # also holds the environment's turns (context: attended to, predicted, never trained on);
+    # for single completions it is `completion_mask` itself.
+    loss_mask: Tensor
+    behaviour_logprobs: Tensor  # [B, K] the server's log-probs, 0 on padding and context
     advantages: Tensor  # [B]
-    num_tokens: int  # completion tokens (completion_mask.sum()), counted on the host: no sync
+    num_tokens: int  # sampled tokens (loss_mask.sum()), counted on the host: no sync
     # Padding-free pieces (grail/train/packing.py): the one-row forward input, and the
-    # (completions, completion tokens) of the whole micro-batch the loss normalises by.
+    # (completions, sampled tokens) of the whole micro-batch the loss normalises by.
     packed: PackedRow | None = None
     whole: tuple[int, int] | None = None
     # A pass a rank runs only to keep FSDP2's collectives in step with the other ranks
@@ -88,6 +92,9 @@ def pack_microbatch(
     completion_mask = torch.tensor(
         [[1.0] * n + [0.0] * (k - n) for n in lengths], dtype=torch.float32
     )
+    loss_mask = completion_mask
+    if any(s.sampled_mask is not None for s in samples):
+        loss_mask = torch.tensor([_sampled_row(s, k) for s in samples], dtype=torch.float32)
     # A server may report -inf for a token its top-k/top-p filter excluded; keep the TIS weight
     # and the mismatch metric finite (the weight is capped either way).
     behaviour = torch.tensor(
@@ -100,10 +107,25 @@ def pack_microbatch(
         prompt_index=torch.tensor(prompt_index).to(device),
         completion_ids=completion_ids.to(device),
         completion_mask=completion_mask.to(device),
+        loss_mask=loss_mask.to(device),
         behaviour_logprobs=behaviour.to(device),
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32).to(device),
-        num_tokens=sum(lengths),
+        num_tokens=sum(s.num_sampled for s in samples),
     )
+
+
+def _sampled_row(sample: Sample, width: int) -> list[float]:
+    """`sample`'s loss-mask row: 1.0 on the tokens the policy sampled, padded to `width`."""
+    mask = sample.sampled_mask
+    n = len(sample.completion_ids)
+    if mask is None:
+        return [1.0] * n + [0.0] * (width - n)
+    if len(mask) != n or any(m not in (0, 1) for m in mask):
+        raise ValueError(
+            f"a sample's sampled_mask must be {n} zeros and ones (one per completion token), "
+            f"got {len(mask)} values"
+        )
+    return [float(m) for m in mask] + [0.0] * (width - n)
 
 
 def _positions(mask: Tensor) -> Tensor:
@@ -180,7 +202,7 @@ def microbatch_pieces(
     `micro_batch_tokens` is 0, else padding-free pieces of at most that many tokens."""
     if micro_batch_tokens == 0:
         return [pack_microbatch(items, pad_token_id, device)]
-    whole = (len(items), sum(len(s.completion_ids) for _, s in items))
+    whole = (len(items), sum(s.num_sampled for _, s in items))
     return [
         replace(
             pack_microbatch(piece, pad_token_id, device),

@@ -232,7 +232,7 @@ def _rank_plan(
     units: list[list[MicroBatch]] = []
     for items in microbatches(batch, settings.batch_size):
         share = rank_share(items, world_size, rank, budget)
-        whole = (len(items), sum(len(s.completion_ids) for _, s in items))
+        whole = (len(items), sum(s.num_sampled for _, s in items))
         width = max(1, *(len(s.completion_ids) for _, s in items))
         parts = share.pieces + [items[:1]] * (share.passes - len(share.pieces))
         units.append(
@@ -246,7 +246,7 @@ def _rank_plan(
                 for i, part in enumerate(parts)
             ]
         )
-    tokens_in_batch = sum(len(s.completion_ids) for s in batch.samples)  # every rank's
+    tokens_in_batch = sum(s.num_sampled for s in batch.samples)  # every rank's
     return _plan_of(units, settings, tokens_in_batch)
 
 
@@ -310,7 +310,7 @@ def _train_microbatch(
             logprobs,
             logprobs.detach() if old is None else old,
             mb.advantages,
-            mb.completion_mask,
+            mb.loss_mask,
             loss_config,
             ref_logprobs=ref,
             behaviour_logprobs=mb.behaviour_logprobs,
@@ -470,7 +470,7 @@ def _zero_gradient_update(
         grad_norms.append(_optimizer_step(optimizer, scheduler, clip_grad_norm, settings.grad_clip))
     result: dict[str, float | bool | None] = dict.fromkeys(_ZERO_ADVANTAGE_METRICS, 0.0)
     result.update(dict.fromkeys(_UNMEASURED_METRICS))
-    result["num_tokens"] = float(sum(len(s.completion_ids) for s in batch.samples))
+    result["num_tokens"] = float(sum(s.num_sampled for s in batch.samples))
     result["grad_norm"] = sum(grad_norms) / len(grad_norms)
     result["optimizer_steps"] = float(num_steps)
     result["skipped_steps"] = 0.0
