@@ -27,6 +27,7 @@ from grail.models.loading import (
     parse_dtype,
     resolve_source,
 )
+from grail.rollouts.generation import render_prompt_ids
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -216,6 +217,83 @@ def test_chat_template_renders_qwen_format(tiny_model_dir: Path) -> None:
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     # Special tokens are single ids and drop out of decoded completions.
     assert tok.decode([tok.convert_tokens_to_ids("7"), im_end], skip_special_tokens=True) == "7"
+
+
+# The template before it rendered tools (BUILDER_VERSION 3), kept to check that every render
+# without tools is byte for byte what it was: the default job's prompts, hence its token ids and
+# metrics, must not move.
+TEMPLATE_BEFORE_TOOLS = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_USER = {"role": "user", "content": "Repeat: 5"}
+_SYSTEM = {"role": "system", "content": "Be brief.\nAnswer in <answer></answer>."}
+_ASSISTANT = {"role": "assistant", "content": "5 <tool_call>\n{}\n</tool_call>"}
+_AGAIN = {"role": "user", "content": " and again:\n\n7 "}
+CONVERSATIONS = {
+    "user": [_USER],
+    "system + user": [_SYSTEM, _USER],
+    "user, assistant, user": [_USER, _ASSISTANT, _AGAIN],
+    "system + user, assistant, user": [_SYSTEM, _USER, _ASSISTANT, _AGAIN],
+    "user, assistant": [_USER, _ASSISTANT],
+    "empty contents": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+}
+
+
+@pytest.fixture(scope="module")
+def built_tokenizer() -> PreTrainedTokenizerFast:
+    return tiny.build_tokenizer()
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_without_tools_the_template_renders_what_it_did_before_tools(
+    built_tokenizer: PreTrainedTokenizerFast, name: str, generation_prompt: bool
+) -> None:
+    tok = built_tokenizer
+    assert tok.chat_template == tiny.CHAT_TEMPLATE != TEMPLATE_BEFORE_TOOLS
+    messages = CONVERSATIONS[name]
+    for tools in ({}, {"tools": None}, {"tools": []}):
+        now = tok.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **tools
+        )
+        before = tok.apply_chat_template(
+            messages,
+            chat_template=TEMPLATE_BEFORE_TOOLS,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+        )
+        assert now == before, tools
+
+
+def test_the_default_tasks_prompt_ids_are_what_they_were(tiny_model_dir: Path) -> None:
+    # The ids the default job sends, from the saved template as the servers load it.
+    now = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert now.chat_template == tiny.CHAT_TEMPLATE, "template edited without a BUILDER_VERSION bump"
+    before = AutoTokenizer.from_pretrained(tiny_model_dir)
+    before.chat_template = TEMPLATE_BEFORE_TOOLS
+    problems = [make_env("copy_digits").problem(seed) for seed in range(5)]
+    problems.append(make_env("copy_digits", num_digits=3).problem(0))
+    for problem in problems:
+        ids = render_prompt_ids(now, problem)
+        assert ids == render_prompt_ids(before, problem)
+        assert now.decode(ids).endswith(
+            f"Repeat: {problem.answer}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+
+def test_the_weights_are_the_ones_the_fingerprint_recorded(tiny_model_dir: Path) -> None:
+    # Bumping BUILDER_VERSION for the template rebuilds the cache: the weights must come out the
+    # same, or the default job's committed metrics (tests/data/fingerprint.json) would not hold.
+    committed = json.loads((Path(__file__).parent / "data" / "fingerprint.json").read_text())
+    recorded = {f["key"]["torch"]: f["model_sha256"] for f in committed["fingerprints"]}
+    here = torch.__version__.split("+")[0]
+    if here not in recorded or not torch.cpu._is_avx2_supported():
+        pytest.skip(f"weights recorded for torch {sorted(recorded)} on AVX2 CPUs, not here")
+    weights = (tiny_model_dir / "model.safetensors").read_bytes()
+    assert hashlib.sha256(weights).hexdigest() == recorded[here]
 
 
 def test_files_stay_loadable_by_transformers_4(tiny_model_dir: Path) -> None:

@@ -221,6 +221,83 @@ def test_packed_update_equals_the_padded_update(
     assert got["num_tokens"] == want["num_tokens"]
 
 
+def _with_context(batch: RolloutBatch, seed: int) -> RolloutBatch:
+    """`batch` as episodes: each completion's first token sampled, about a third of the others
+    context (in the middle and at the end; behaviour log-prob 0.0 there), and one completion of
+    context but for its first token. The sampled tokens' behaviour log-probs near the tiny
+    model's own (~ -ln 512), so that importance weights are near 1 and few are masked."""
+    gen = torch.Generator().manual_seed(seed)
+    for s in batch.samples:
+        n = len(s.completion_ids)
+        s.sampled_mask = [1] + (torch.rand(n - 1, generator=gen) > 0.35).long().tolist()
+        near = (-6.0 - torch.rand(n, generator=gen)).tolist()
+        s.behaviour_logprobs = [
+            lp if m else 0.0 for lp, m in zip(near, s.sampled_mask, strict=True)
+        ]
+    longest = max(batch.samples, key=lambda s: len(s.completion_ids))
+    longest.sampled_mask = [1] + [0] * (len(longest.completion_ids) - 1)
+    longest.behaviour_logprobs = longest.behaviour_logprobs[:1] + [0.0] * (
+        len(longest.completion_ids) - 1
+    )
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "kl_coef", "entropy_coef", "grad_accum", "per_sample", "is_correction"),
+    [
+        ("dapo", 0.0, 0.01, 1, False, "token_truncate"),
+        ("grpo", 0.05, 0.0, 2, False, "sequence_mask"),
+        ("bnpo", 0.0, 0.01, 1, True, "none"),
+        ("dr_grpo", 0.05, 0.01, 2, True, "token_mask"),
+    ],
+)
+def test_packed_update_equals_the_padded_update_with_context_tokens(
+    tiny_model_dir: Path,
+    loss_type: str,
+    kl_coef: float,
+    entropy_coef: float,
+    grad_accum: int,
+    per_sample: bool,
+    is_correction: str,
+) -> None:
+    """`test_packed_update_equals_the_padded_update` on episodes (samples with a
+    `sampled_mask`): the packed path predicts every completion position, context included, and
+    scatters them into the attention mask's layout; the loss then covers the sampled tokens, and
+    its normalisers count those of the whole micro-batch, as the padded path's do. With the
+    importance-sampling correction, which reads the behaviour log-probs (0.0 on context)."""
+    torch.manual_seed(0)
+    base = load_model(tiny_model_dir)
+    ref = copy.deepcopy(base).eval().requires_grad_(False) if kl_coef > 0 else None
+    batch = _with_context(_batch(groups=4, replicas=4, seed=4), seed=5)
+    sampled = sum(s.num_sampled for s in batch.samples)
+    assert 0 < sampled < sum(len(s.completion_ids) for s in batch.samples)
+    loss = GRPOLossConfig(
+        loss_type=loss_type,
+        max_completion_length=8,
+        kl_coef=kl_coef,
+        entropy_coef=entropy_coef,
+        is_correction=is_correction,
+        is_clip_min=0.1,
+    )
+
+    def settings(tokens: int) -> UpdateSettings:
+        return UpdateSettings(loss, 1.0, 4, grad_accum, 1.0, micro_batch_tokens=tokens)
+
+    want, want_grads = _update(copy.deepcopy(base), ref, batch, settings(0))
+    policy, packed_ref = copy.deepcopy(base), copy.deepcopy(ref)
+    if per_sample:
+        assert use_packed_sdpa(policy) and (packed_ref is None or use_packed_sdpa(packed_ref))
+    got, got_grads = _update(policy, packed_ref, batch, settings(20))
+    assert len(got_grads) == len(want_grads) == 4 // grad_accum
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert float((g - w).norm() / w.norm()) < 1e-5  # float rounding, elementwise near 0
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-6)
+    for key in ("loss_total", "loss_pg", "loss_kl", "loss_entropy", "kl", "entropy"):
+        if key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    assert got["num_tokens"] == want["num_tokens"] == sampled
+
+
 def test_lora_reference_runs_packed_with_the_adapter_off(tiny_model_dir: Path) -> None:
     """Under LoRA the KL reference is the same modules with the adapter disabled; the packed
     path reaches the body and the output layer through peft and disables it too."""

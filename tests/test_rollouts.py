@@ -20,8 +20,8 @@ from grail.rollouts.generation import (
     RolloutGenerator,
     fill_informative,
     render_prompt_ids,
-    request_seed,
 )
+from grail.rollouts.seeds import request_seed
 from grail.rollouts.server import resample_seeds
 from grail.train.trainer import assign_advantages
 

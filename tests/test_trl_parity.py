@@ -15,6 +15,9 @@ agree. The grid is every combination of loss_type (grpo, bnpo, dr_grpo, dapo) ×
 sampling level (token, sequence) × KL (β 0 / 0.1, TRL's default ``use_bias_correction_kl``) ×
 entropy bonus (0 / 0.05) × 1 or 2 micro-batches per optimizer step × vLLM importance-sampling
 correction (none, token_truncate, token_mask, sequence_truncate, sequence_mask): 320 cases.
+A second grid runs the same comparison on episodes (a masked batch, below): loss_type × level ×
+KL on/off × the entropy bonus on × 2 micro-batches per step × correction (none, token_truncate,
+sequence_mask): 48 cases.
 ``GRPOTrainer.loss_is_scaled_for_ga`` is True, so TRL's training step back-propagates exactly
 the loss ``compute_loss`` returns (asserted below); gradients here are summed over a window's
 micro-batches as that loop does.
@@ -46,6 +49,19 @@ How the inputs are made to bite:
 ``test_inputs_exercise_every_branch`` asserts all of this, so the grid cannot pass because
 nothing was clipped, masked or normalised differently.
 
+Episodes (multi-turn rollouts: the policy's sampled spans with the environment's context
+between them). The same completions are generated again, in the masked grid's three correction
+modes, with the rollout_func also returning TRL's ``env_mask`` (``ENV_MASK``: 1 on sampled
+tokens, 0 on context), which TRL keeps as ``tool_mask``: its loss, its normalisers
+(``num_items_in_batch`` = Σ completion_mask·tool_mask, 35 tokens) and its importance-sampling
+ratio cover ``completion_mask * tool_mask``, and ours is given that product as its mask (as
+grail's micro-batches give the loss their ``loss_mask``). The sampler reports 0.0 on context,
+grail's behaviour log-prob there. Zeros lie inside completions on five rows, one row ends in
+context, the NaN sampler token is context (TRL must mask it before its ``nan_to_num``), and the
+last micro-batch holds a single sampled token (two of its rows wholly context); over the sampled
+tokens the policy and importance-sampling ratios still fall inside and outside their ranges
+(``test_masked_inputs_exercise_every_branch``).
+
 TRL's fused LM head. ``GRPOTrainer`` patches the model's forward so that TRL's
 ``_get_per_token_logps_and_entropies`` gets log-probs and entropies from
 ``ChunkedLogProbFunction``, which accumulates in float32 whatever the model's dtype (~1e-7).
@@ -60,9 +76,10 @@ The ``test_*_is_exercised`` tests prove the grid can fail: on the same inputs th
 what a loss that got one of TRL's subtler choices wrong would give (no KL bias correction; the
 entropy bonus normalised like the dr_grpo policy term, computed by hand; dapo normalised by the
 optimizer window's own token count, by hand; the importance-sampling weight left out, or masked
-where TRL truncates) and assert each differs from TRL by over 100 times the tolerance.
+where TRL truncates; the env mask ignored, the context trained on as if sampled) and assert
+each differs from TRL by over 100 times the tolerance.
 
-Runtime: ~50 s of CPU on 2 cores (344 tests; torch runs single-threaded here, which is faster
+Runtime: ~45 s of CPU on 2 cores (398 tests; torch runs single-threaded here, which is faster
 for these tiny ops; the previous thread count is restored afterwards).
 """
 
@@ -124,9 +141,33 @@ IS_LOG_DELTAS = [
 ]
 NAN_TOKEN = (4, 2)  # (completion, token) whose sampler log-prob is None -> NaN
 
+# The masked batch: the same completions as episodes, 1 where the policy sampled the token, 0
+# on context (a tool result, the next user turn) that the rollout_func reports as TRL's
+# `env_mask`. Zeros inside completions (rows 0, 2, 4, 6, 7), a row ending in context (7), the
+# NaN sampler token on context (row 4), and a last micro-batch with one sampled token in all
+# (rows 9 and 10 wholly context). Over the sampled tokens the sequence IS ratios exp(Σ D) are
+# still on both sides of [0.5, 2]: Σ D = -0.95, 1.4, -1.2, 0.2, 0.55, 0.05, 0.8, -1.0, 0.4,
+# 0, 0, 0.5.
+ENV_MASK = [
+    [1, 1, 0, 0, 0, 1, 1, 1],
+    [1],
+    [1, 0, 1, 1, 1],
+    [1, 1, 1],
+    [1, 1, 0, 0, 1, 1, 1],
+    [1, 1],
+    [1, 1, 1, 0, 1, 1],
+    [1, 1, 1, 0, 0, 1, 1, 0],
+    [1, 1, 1, 1],
+    [0, 0],
+    [0],
+    [0, 1, 0],
+]  # micro-batches: 10, 10, 14, 1 sampled tokens (35 in all)
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 LEVELS = ("token", "sequence")
 IS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+MASKED_IS_MODES = ("none", "token_truncate", "sequence_mask")
 
 LOSS_TOL = 1e-6  # absolute, per micro-batch loss
 GRAD_RTOL = 1e-6  # per parameter: max|g_ours - g_trl| <= GRAD_RTOL * max|g_trl|
@@ -139,12 +180,17 @@ class Case(NamedTuple):
     entropy_coef: float
     accumulation: int  # micro-batches per optimizer step
     is_mode: str
+    env_mask: bool = False  # the masked batch (ENV_MASK), our mask completion_mask * tool_mask
 
     @property
     def id(self) -> str:
         kl = "kl" if self.beta else "nokl"
         ent = "ent" if self.entropy_coef else "noent"
-        return f"{self.loss_type}-{self.level}-{kl}-{ent}-acc{self.accumulation}-{self.is_mode}"
+        masked = "-envmask" if self.env_mask else ""
+        return (
+            f"{self.loss_type}-{self.level}-{kl}-{ent}-acc{self.accumulation}-{self.is_mode}"
+            f"{masked}"
+        )
 
 
 GRID = [
@@ -152,6 +198,10 @@ GRID = [
     for c in itertools.product(
         LOSS_TYPES, LEVELS, (0.0, BETA), (0.0, ENTROPY_COEF), (1, 2), IS_MODES
     )
+]
+MASKED_GRID = [
+    Case(lt, level, beta, ENTROPY_COEF, 2, mode, env_mask=True)
+    for lt, level, beta, mode in itertools.product(LOSS_TYPES, LEVELS, (0.0, BETA), MASKED_IS_MODES)
 ]
 
 
@@ -203,6 +253,9 @@ class Setup:
     prompt_width: int
     batches: dict[str, dict[str, Any]]  # is_mode -> TRL's generation batch (+ ref log-probs)
     micro_batches: dict[str, list[dict[str, Any]]]  # is_mode -> TRL's split of it
+    # The same with ENV_MASK returned as env_mask (MASKED_IS_MODES only): TRL's tool_mask.
+    masked_batches: dict[str, dict[str, Any]]
+    masked_micro_batches: dict[str, list[dict[str, Any]]]
     current_logps: Tensor  # [12, C] at θ (the policy the loss is evaluated at), no grad
     # Our forward pass of each micro-batch (log-probs, entropies) with its autograd graph kept:
     # θ never changes, so every case back-propagates through the same graph (retain_graph)
@@ -312,11 +365,25 @@ def _build(output_dir: str) -> Setup:
 
     inputs = [{"prompt": p, "reward": r} for p, r in zip(dataset["prompt"], REWARDS, strict=True)]
     trainer._last_loaded_step = trainer.state.global_step  # no vLLM weight sync to attempt
-    batches: dict[str, dict[str, Any]] = {}
-    for mode in IS_MODES:
+
+    def generate(mode: str) -> dict[str, Any]:
         trainer.use_vllm = mode != "none"
         trainer.vllm_importance_sampling_mode = "token_truncate" if mode == "none" else mode
-        batches[mode] = trainer._generate_and_score_completions(inputs)
+        batch: dict[str, Any] = trainer._generate_and_score_completions(inputs)
+        return batch
+
+    batches = {mode: generate(mode) for mode in IS_MODES}
+    # The episodes: the sampler reports 0.0 on context tokens, as grail's samples hold (the
+    # NaN token, on context, stays None: TRL must mask it before its nan_to_num).
+    masked_sampling: list[list[float | None]] = [
+        [
+            lp if m or (i, t) == NAN_TOKEN else 0.0
+            for t, (lp, m) in enumerate(zip(lps, mask, strict=True))
+        ]
+        for i, (lps, mask) in enumerate(zip(sampling, ENV_MASK, strict=True))
+    ]
+    rollout.update(logprobs=masked_sampling, env_mask=ENV_MASK)
+    masked_batches = {mode: generate(mode) for mode in MASKED_IS_MODES}
     with torch.no_grad():
         for p, t in zip(params, theta, strict=True):
             p.copy_(t)
@@ -325,20 +392,35 @@ def _build(output_dir: str) -> Setup:
     ref = batches["none"]["old_per_token_logps"] + 0.3 * torch.randn(
         completion_ids.shape, generator=gen, dtype=torch.float64
     )
-    for batch in batches.values():
+    for batch in [*batches.values(), *masked_batches.values()]:
         batch["ref_per_token_logps"] = ref
-    micro_batches = {
-        mode: trl_utils.split_tensor_dict(batch, STEPS_PER_GENERATION)
-        for mode, batch in batches.items()
-    }
-    for mode in IS_MODES:  # so one forward pass per micro-batch serves every mode
+    micro_batches, masked_micro_batches = (
+        {
+            mode: trl_utils.split_tensor_dict(batch, STEPS_PER_GENERATION)
+            for mode, batch in b.items()
+        }
+        for b in (batches, masked_batches)
+    )
+    # So one forward pass per micro-batch serves every mode, masked or not.
+    for batch in [*batches.values(), *masked_batches.values()]:
         for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
-            assert torch.equal(batches[mode][key], batches["none"][key]), (mode, key)
+            assert torch.equal(batch[key], batches["none"][key]), key
     prompt_width = batches["none"]["prompt_ids"].shape[1]
     with torch.no_grad():
         current, _ = _our_forward(model, prompt_width, batches["none"])
     forwards = [_our_forward(model, prompt_width, mb) for mb in micro_batches["none"]]
-    return Setup(trainer, model, params, prompt_width, batches, micro_batches, current, forwards)
+    return Setup(
+        trainer,
+        model,
+        params,
+        prompt_width,
+        batches,
+        micro_batches,
+        masked_batches,
+        masked_micro_batches,
+        current,
+        forwards,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -407,14 +489,27 @@ def loss_config(case: Case, **overrides: Any) -> GRPOLossConfig:
     return GRPOLossConfig(**settings)
 
 
+def loss_mask(mb: dict[str, Any]) -> Tensor:
+    """The tokens TRL's loss covers: ``completion_mask * tool_mask`` (the sampled tokens of an
+    episode), or the completion mask where the rollout_func returned no env_mask."""
+    mask: Tensor = mb["completion_mask"]
+    return mask * mb["tool_mask"] if "tool_mask" in mb else mask
+
+
 def our_loss(
-    mb: dict[str, Any], logps: Tensor, entropy: Tensor, case: Case, **overrides: Any
+    mb: dict[str, Any],
+    logps: Tensor,
+    entropy: Tensor,
+    case: Case,
+    mask: Tensor | None = None,
+    **overrides: Any,
 ) -> Tensor:
+    """``grpo_loss`` on ``mb`` over ``mask`` (``loss_mask(mb)`` unless given)."""
     loss, _ = grpo_loss(
         logps,
         mb["old_per_token_logps"],
         mb["advantages"],
-        mb["completion_mask"],
+        loss_mask(mb) if mask is None else mask,
         loss_config(case, **overrides),
         ref_logprobs=mb["ref_per_token_logps"],
         behaviour_logprobs=mb["sampling_per_token_logps"],
@@ -439,7 +534,7 @@ def run(setup: Setup, case: Case, loss_of: LossOf, retain_graph: bool = False) -
     """Losses of the generation batch's micro-batches and the gradient accumulated over each
     optimizer window of ``case.accumulation`` micro-batches (what ``loss.backward()`` leaves in
     ``.grad`` when the optimizer steps)."""
-    mbs = setup.micro_batches[case.is_mode]
+    mbs = (setup.masked_micro_batches if case.env_mask else setup.micro_batches)[case.is_mode]
     losses: list[float] = []
     grads: list[list[Tensor]] = []
     for start in range(0, STEPS_PER_GENERATION, case.accumulation):
@@ -501,6 +596,19 @@ def test_loss_and_gradients_match_trl(setup: Setup, case: Case) -> None:
     ours = our_result(setup, case)
     assert len(ref.losses) == STEPS_PER_GENERATION
     assert len(ref.grads) == STEPS_PER_GENERATION // case.accumulation
+    assert all(math.isfinite(x) and x != 0.0 for x in ref.losses), ref.losses
+    lg, gg = loss_gap(ours, ref), grad_gap(ours, ref)
+    assert lg <= LOSS_TOL, f"losses: TRL {ref.losses} vs ours {ours.losses} (max |Δ| {lg:.3g})"
+    assert gg <= GRAD_RTOL, f"gradients differ: max relative |Δ| {gg:.3g} (losses {lg:.3g})"
+
+
+@pytest.mark.parametrize("case", MASKED_GRID, ids=[c.id for c in MASKED_GRID])
+def test_loss_and_gradients_match_trl_on_masked_sequences(setup: Setup, case: Case) -> None:
+    """Episodes: TRL's rollout_func returned an env_mask, and TRL's loss, its normalisers
+    (num_items_in_batch counts the sampled tokens) and its importance-sampling ratio cover
+    completion_mask * tool_mask; ours is given that product as its mask."""
+    ref = trl_result(setup, case)
+    ours = our_result(setup, case)
     assert all(math.isfinite(x) and x != 0.0 for x in ref.losses), ref.losses
     lg, gg = loss_gap(ours, ref), grad_gap(ours, ref)
     assert lg <= LOSS_TOL, f"losses: TRL {ref.losses} vs ours {ours.losses} (max |Δ| {lg:.3g})"
@@ -587,6 +695,69 @@ def test_inputs_exercise_every_branch(setup: Setup) -> None:
             else raw.masked_fill(below | above, 0.0)
         )
         assert got.shape == raw.shape
+        torch.testing.assert_close(got[units.expand_as(got)], want[units.expand_as(want)])
+
+
+def test_masked_inputs_exercise_every_branch(setup: Setup) -> None:
+    """The masked batch is the plain one with TRL's tool_mask added (ENV_MASK, padded with 1s),
+    counted by num_items_in_batch; its context holds zeros inside completions, the NaN token
+    and one wholly context micro-batch but for one token; and over the sampled tokens the
+    policy and importance-sampling ratios still fall inside and outside their ranges."""
+    plain = setup.batches["none"]
+    completion_mask = plain["completion_mask"]
+    for mode in MASKED_IS_MODES:
+        batch = setup.masked_batches[mode]
+        for key in ("advantages", "old_per_token_logps"):
+            torch.testing.assert_close(batch[key], plain[key], rtol=0, atol=0)
+        tool_mask = batch["tool_mask"]
+        assert [
+            row[:n] for row, n in zip(tool_mask.tolist(), COMPLETION_LENGTHS, strict=True)
+        ] == ENV_MASK
+        assert bool(tool_mask[completion_mask == 0].eq(1).all())  # TRL pads it with 1s
+        assert int(batch["num_items_in_batch"]) == sum(map(sum, ENV_MASK)) == 35
+    mask = (completion_mask * setup.masked_batches["none"]["tool_mask"]).bool()
+    # Context inside completions, not only at their ends; a row ending in context; the NaN.
+    inner = [
+        any(m[t] == 0 and 1 in m[:t] and 1 in m[t + 1 :] for t in range(len(m))) for m in ENV_MASK
+    ]
+    assert sum(inner) >= 4 and ENV_MASK[7][-1] == 0 and ENV_MASK[NAN_TOKEN[0]][NAN_TOKEN[1]] == 0
+    sampling = setup.masked_batches["token_truncate"]["sampling_per_token_logps"]
+    assert torch.isnan(sampling).nonzero().tolist() == [list(NAN_TOKEN)]
+    context = sampling.nan_to_num(0.0)[completion_mask.bool() & ~mask]
+    assert context.tolist() == [0.0] * 15  # grail's behaviour log-prob of context (and the NaN)
+    per_mb = [int(mb["completion_mask"].mul(mb["tool_mask"]).sum())
+              for mb in setup.masked_micro_batches["none"]]  # fmt: skip
+    assert per_mb == [10, 10, 14, 1]  # the last micro-batch: one sampled token
+
+    adv = plain["advantages"].double()
+    log_ratio = (setup.current_logps - plain["old_per_token_logps"]) * mask
+    sequence_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).exp()
+    for level, ratio, a, units in (
+        ("token", log_ratio.exp(), adv[:, None].expand_as(mask), mask),
+        ("sequence", sequence_ratio, adv, mask.any(-1)),
+    ):
+        high = (ratio > 1 + EPSILON_HIGH) & (a > 0) & units
+        low = (ratio < 1 - EPSILON) & (a < 0) & units
+        inside = (ratio > 1 - EPSILON) & (ratio < 1 + EPSILON_HIGH) & units
+        assert bool(high.any()) and bool(low.any()) and bool(inside.any()), level
+    # The one sampled token of the last micro-batch is inside the clip range (no zero gradient).
+    assert 1 - EPSILON < float(log_ratio[11, 1].exp()) < 1 + EPSILON_HIGH
+
+    diff = torch.nan_to_num((plain["old_per_token_logps"] - sampling) * mask, nan=0.0)
+    for mode in MASKED_IS_MODES[1:]:
+        sequence = mode.startswith("sequence")
+        raw = (diff.sum(-1, keepdim=True) if sequence else diff).exp()
+        units = torch.ones_like(raw, dtype=torch.bool) if sequence else mask
+        below, above = (raw < IS_CLIP_MIN) & units, (raw > IS_CLIP_MAX) & units
+        assert bool(below.any()) and bool(above.any()) and bool((units & ~below & ~above).any())
+        near = ((raw / IS_CLIP_MIN - 1).abs() < 0.02) | ((raw / IS_CLIP_MAX - 1).abs() < 0.02)
+        assert not bool((near & units).any()), mode
+        got = setup.masked_batches[mode]["importance_sampling_ratio"]
+        want = (
+            raw.clamp(IS_CLIP_MIN, IS_CLIP_MAX)
+            if mode.endswith("truncate")
+            else raw.masked_fill(below | above, 0.0)
+        )
         torch.testing.assert_close(got[units.expand_as(got)], want[units.expand_as(want)])
 
 
@@ -692,3 +863,21 @@ def test_is_correction_is_exercised(setup: Setup, mode: str) -> None:
     }[mode]
     _assert_differs(our_result(setup, case, is_correction="none"), ref, f"{mode} left out")
     _assert_differs(our_result(setup, case, is_correction=sibling), ref, f"{mode} as {sibling}")
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_env_mask_is_exercised(setup: Setup, loss_type: str) -> None:
+    """On the masked batch, a loss over the completion mask alone (the context trained on as
+    if sampled) differs from TRL's, with the correction off and on."""
+    for mode in ("none", "token_truncate"):
+        case = Case(loss_type, "token", BETA, ENTROPY_COEF, 2, mode, env_mask=True)
+        ref = trl_result(setup, case)
+        assert loss_gap(our_result(setup, case), ref) <= LOSS_TOL  # the product reproduces TRL
+
+        def completion_mask_only(
+            mb: dict[str, Any], _: Any, logps: Tensor, entropy: Tensor, case: Case = case
+        ) -> Tensor:
+            return our_loss(mb, logps, entropy, case, mask=mb["completion_mask"])
+
+        ours = our_result(setup, case, loss_fn=completion_mask_only)
+        _assert_differs(ours, ref, f"{loss_type}/{mode} without the env mask")

@@ -192,6 +192,15 @@ class DataConfig:
     # ones (same initial weights, seed, data.* and generation settings; train.* may differ), with
     # the same metrics as generating them (grail/rollouts/shared.py, docs/sweeps.md).
     reuse_initial_rollouts: bool = True
+    # Episodes (an environment that answers the policy's turns, grail/envs/episodes.py): at most
+    # max_turns policy turns of at most generation.max_new_tokens each, and at most
+    # max_episode_tokens tokens in all, prompt included (null: the tokenizer's model_max_length,
+    # or generation.max_model_len when set); an episode a budget ends counts as truncated. An
+    # environment step (or tool call) that takes longer than env_step_timeout_s stops the run
+    # naming the environment and the seed. Single-turn environments ignore all three.
+    max_turns: int = 8
+    max_episode_tokens: int | None = None
+    env_step_timeout_s: float = 60.0
 
 
 @dataclass

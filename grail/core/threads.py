@@ -75,3 +75,52 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str = "grail-
 
     _start(fn, args, name).add_done_callback(report)
     return await waiter
+
+
+_Outcome = concurrent.futures.Future[Any]
+
+
+class DaemonWorkers:
+    """`in_daemon_thread` for many short calls: daemon threads that stay and take calls from a
+    queue, so a call does not pay a thread's start. Starting a thread waits until it runs, which
+    on a busy 2-core machine cost ~1.7 ms a call: 4.3 s of a batch of 2,560 environment steps
+    that took 5.2 s in all (benchmarks/episodes.py). A call that never returns keeps its worker;
+    a new one starts whenever every worker is busy, so the others are never held up by it."""
+
+    def __init__(self, name: str = "grail-worker") -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._calls: list[
+            tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]
+        ]
+        self._calls = []
+        self._ready = threading.Condition(self._lock)
+        self._idle = 0
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in one of the workers; cancelling the await abandons the call."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            self._calls.append((fn, args, future))
+            if self._idle:
+                self._ready.notify()
+            else:
+                threading.Thread(target=self._work, name=self.name, daemon=True).start()
+        return await asyncio.wrap_future(future)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._calls:
+                    self._idle += 1
+                    self._ready.wait()
+                    self._idle -= 1
+                fn, args, future = self._calls.pop(0)
+            if not future.set_running_or_notify_cancel():
+                continue  # the caller stopped waiting before it ran
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)

@@ -344,6 +344,10 @@ def validate_data(cfg: Config) -> None:
         )
     _positive("data.problems_per_iteration", data.problems_per_iteration)
     _positive("data.num_train_seeds", data.num_train_seeds)
+    _positive("data.max_turns", data.max_turns)
+    _positive("data.env_step_timeout_s", data.env_step_timeout_s)
+    if data.max_episode_tokens is not None:
+        _positive("data.max_episode_tokens", data.max_episode_tokens)
 
 
 def validate_eval(cfg: Config) -> None:

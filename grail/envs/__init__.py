@@ -16,18 +16,22 @@ from grail.core.errors import ConfigError, UserError
 from grail.core.validate import closest
 from grail.envs.base import Environment, Problem, Score
 from grail.envs.copy_digits import CopyDigitsEnv
+from grail.envs.copy_turns import CopyTurnsEnv
+from grail.envs.episodes import AnyEnvironment
 from grail.envs.gsm8k import GSM8KEnv
 from grail.envs.sat import SATEnv
 
-ENVIRONMENTS: dict[str, type[Environment]] = {
+ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     SATEnv.name: SATEnv,
     GSM8KEnv.name: GSM8KEnv,
     # The learnable toy task (the default job's environment, grail/envs/copy_digits.py).
     CopyDigitsEnv.name: CopyDigitsEnv,
+    # The same over several turns: the multi-turn episode the tiny model learns on CPU.
+    CopyTurnsEnv.name: CopyTurnsEnv,
 }
 
 
-def env_factory(name: str) -> type[Environment]:
+def env_factory(name: str) -> type[AnyEnvironment]:
     """The class registered as `name`; a ConfigError listing the known ones otherwise."""
     if name not in ENVIRONMENTS:
         raise ConfigError(
@@ -59,7 +63,7 @@ def check_env_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
             )
 
 
-def make_env(name: str, **kwargs: Any) -> Environment:
+def make_env(name: str, **kwargs: Any) -> AnyEnvironment:
     """Build the environment registered as `name` with keyword arguments checked up front.
 
     Raises ConfigError for an unknown name or argument and for a value the environment refuses
@@ -77,7 +81,9 @@ def make_env(name: str, **kwargs: Any) -> Environment:
 
 __all__ = [
     "ENVIRONMENTS",
+    "AnyEnvironment",
     "CopyDigitsEnv",
+    "CopyTurnsEnv",
     "Environment",
     "GSM8KEnv",
     "Problem",

@@ -45,7 +45,7 @@ from grail.models import TINY_MODEL_NAME
 
 # Bump when anything that changes the built files changes (sizes, corpus, template, init): the
 # cache directory is named after it, so old caches are never mistaken for new ones.
-BUILDER_VERSION = "3"  # 3: AVX2 weights on AVX-512 CPUs too (build_tiny_model)
+BUILDER_VERSION = "4"  # 4: the chat template renders tools (weights as in 3)
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -53,15 +53,63 @@ IM_END = "<|im_end|>"
 # Order fixes the ids: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2.
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, IM_START, IM_END)
 
-# The same Qwen-style template real Qwen2 chat models ship (without the default system prompt):
-# every message is `<|im_start|>{role}\n{content}<|im_end|>\n`; a generation prompt opens an
-# assistant turn, and the model ends its turn with <|im_end|> (the eos token).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# Qwen2.5-Instruct's chat template without its default system prompt: every message is
+# `<|im_start|>{role}\n{content}<|im_end|>\n`; a generation prompt opens an assistant turn, and the
+# model ends its turn with <|im_end|> (the eos token). With `tools=` it renders tools as Qwen2.5
+# does (grail/envs/tools.py reads the calls back): a system turn holding the system message (if
+# any) and a `# Tools` block of one JSON schema per line with the instruction to call them in
+# <tool_call></tool_call> tags; an assistant message's `tool_calls` as such blocks; and a run of
+# `tool` messages as one user turn of <tool_response> blocks. Without the default system prompt,
+# the `# Tools` block opens the system turn when there is no system message (as Qwen3's template
+# does); arguments given as a JSON string are written as is (as Qwen3's template does; Qwen2.5's
+# would quote them again). Without tools, tool messages and tool_calls, it renders byte for byte
+# what the template before tools did (tests/test_models.py checks).
+CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- '\n' }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message['content'] %}
+            {{- '\n' + message['content'] }}
+        {%- endif %}
+        {%- for tool_call in message['tool_calls'] %}
+            {%- if tool_call['function'] is defined %}
+                {%- set tool_call = tool_call['function'] %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' + tool_call['name'] + '", "arguments": ' }}
+            {%- if tool_call['arguments'] is string %}
+                {{- tool_call['arguments'] }}
+            {%- else %}
+                {{- tool_call['arguments'] | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif not (tools and loop.first and message['role'] == 'system') %}
+        {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""  # noqa: E501
 
 # Qwen2's own pre-tokenisation. transformers 5 rebuilds a Qwen2 tokenizer's normalizer,
 # pre-tokenizer and decoder from the model type (ignoring what tokenizer.json says), so we train

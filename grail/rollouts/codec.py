@@ -8,6 +8,10 @@ Floats survive exactly: `json` writes the shortest repr that reads back to the s
 unless told `allow_nan=False`, -inf, a possible log-probability, as `-Infinity`), so a run that
 loads a batch trains on exactly the numbers of the run that generated it.
 
+A single completion's sample is stored as it always was; an episode's (several turns) adds
+`sampled_mask` (1 where the policy sampled the token, 0 on the environment's context) and
+`episode` (its `EpisodeStats`), so that files written before episodes existed still load.
+
 What is not stored:
 - a sample's advantage: the trainer computes it from the rewards (grail/train/trainer.py);
 - a group's `Problem`: its seed is, and the caller rebuilds it (`problem(seed)`, usually
@@ -25,7 +29,15 @@ from dataclasses import asdict
 from typing import Any, TypeGuard
 
 from grail.envs.base import Problem
-from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch, Sample
+from grail.rollouts.batch import (
+    EpisodeStats,
+    GeneratedBatch,
+    Group,
+    Resampling,
+    Reused,
+    RolloutBatch,
+    Sample,
+)
 
 # Rebuilds the problem of a stored group from its seed (usually `env.problem`).
 ProblemFor = Callable[[int], Problem]
@@ -39,7 +51,7 @@ class CodecError(ValueError):
 
 
 def sample_to_json(sample: Sample) -> dict[str, Any]:
-    return {
+    data: dict[str, Any] = {
         "completion_ids": sample.completion_ids,
         "behaviour_logprobs": sample.behaviour_logprobs,
         "finish_reason": sample.finish_reason,
@@ -48,6 +60,13 @@ def sample_to_json(sample: Sample) -> dict[str, Any]:
         "components": sample.components,
         "success": sample.success,
     }
+    # An episode's fields only where there is one: a single completion's sample is written as it
+    # was before episodes existed, byte for byte.
+    if sample.sampled_mask is not None:
+        data["sampled_mask"] = sample.sampled_mask
+    if sample.episode is not None:
+        data["episode"] = asdict(sample.episode)
+    return data
 
 
 def group_to_json(group: Group) -> dict[str, Any]:
@@ -97,6 +116,16 @@ def sample_from_json(data: Any, where: str = "sample") -> Sample:
         isinstance(k, str) and is_number(v) for k, v in components.items()
     ):
         raise CodecError(f"{where}.components is not an object of numbers")
+    sampled_mask = obj.get("sampled_mask")
+    if sampled_mask is not None and (
+        not isinstance(sampled_mask, list)
+        or len(sampled_mask) != len(ids)
+        or not all(type(m) is int and m in (0, 1) for m in sampled_mask)
+    ):
+        raise CodecError(
+            f"{where}.sampled_mask is not {len(ids)} zeros and ones (one per completion id)"
+        )
+    episode = obj.get("episode")
     return Sample(
         completion_ids=ids,
         behaviour_logprobs=logprobs,
@@ -105,7 +134,21 @@ def sample_from_json(data: Any, where: str = "sample") -> Sample:
         reward=_typed_number(obj, "reward", where),
         components=components,
         success=_typed(obj, "success", bool, where),
+        sampled_mask=sampled_mask,
+        episode=None if episode is None else episode_from_json(episode, f"{where}.episode"),
     )
+
+
+def episode_from_json(data: Any, where: str = "episode") -> EpisodeStats:
+    obj = _object(data, where)
+    counts = {k: _typed(obj, k, int, where) for k in ("turns", "tool_calls", "tool_errors")}
+    for key, count in counts.items():
+        if count < 0:
+            raise CodecError(f"{where}.{key} is {count}, not a count (>= 0)")
+    env_s = _typed_number(obj, "env_s", where)
+    if not (math.isfinite(env_s) and env_s >= 0):
+        raise CodecError(f"{where}.env_s is {env_s!r}, not a duration in seconds (>= 0)")
+    return EpisodeStats(truncated=_typed(obj, "truncated", bool, where), env_s=env_s, **counts)
 
 
 def group_from_json(data: Any, problem: ProblemFor, where: str = "group") -> Group:

@@ -14,16 +14,18 @@ groups.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from grail.core.threads import in_daemon_thread
 from grail.envs.base import Environment, Problem
+from grail.envs.episodes import EpisodeEnvironment, is_episodic
 from grail.envs.rewards.plugins import RewardFunctions, score_completions
 from grail.inference.completions import SamplingParams
 from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, informative
+from grail.rollouts.episodes import EpisodeLimits, EpisodeRunner
+from grail.rollouts.seeds import request_seed
 
 if TYPE_CHECKING:
     from grail.core.config import GenerationConfig
@@ -65,17 +67,6 @@ def sampling_params(gen: GenerationConfig) -> SamplingParams:
     )
 
 
-def stable_hash(key: str) -> int:
-    """A 64-bit hash of `key`, the same on every machine and Python run (unlike `hash`)."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-
-
-def request_seed(base_seed: int, round_index: int, problem_seed: int) -> int:
-    """A stable 31-bit sampling seed for one request (same on every machine and Python run)."""
-    # Leave head-room below 2**31 so that seed + replicate index stays a valid 32-bit seed.
-    return stable_hash(f"{base_seed}:{round_index}:{problem_seed}") % (2**31 - 2**16)
-
-
 def render_prompt_ids(tokenizer: Any, problem: Problem) -> list[int]:
     """Chat-template the problem's messages into the token ids sent to the server."""
     ids = tokenizer.apply_chat_template(
@@ -92,20 +83,35 @@ class RolloutGenerator:
 
     def __init__(
         self,
-        env: Environment,
+        env: Environment | EpisodeEnvironment,
         tokenizer: Any,
         client: Completer,
         sampling: SamplingParams,
         *,
         base_seed: int = 0,
         extra_rewards: RewardFunctions | None = None,
+        episodes: EpisodeLimits | None = None,
     ) -> None:
+        """`env` is a single-turn environment, or an episode one (grail/envs/episodes.py) whose
+        episodes run within the budgets of `episodes` (grail/rollouts/episodes.py)."""
         self.env = env
         self.tokenizer = tokenizer
         self.client = client
         self.sampling = sampling
         self.base_seed = base_seed
         self.extra_rewards = extra_rewards
+        self.episodes: EpisodeRunner | None = None
+        if is_episodic(env):
+            if episodes is None:
+                raise ValueError(f"environment {env.name!r} runs episodes: give their limits")
+            self.episodes = EpisodeRunner(
+                env,  # type: ignore[arg-type]
+                tokenizer,
+                client,
+                sampling,
+                episodes,
+                base_seed=base_seed,
+            )
 
     async def generate(
         self,
@@ -131,9 +137,14 @@ class RolloutGenerator:
         on_progress: Callable[[int], None] | None = None,
     ) -> list[Group]:
         """`generate`'s scored groups, not yet a batch (dynamic sampling adds more rounds)."""
+        if self.episodes is not None:
+            return await self.episodes.generate_groups(
+                problem_seeds, replicas, round_index=round_index, on_progress=on_progress
+            )
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
-        problems = [self.env.problem(int(seed)) for seed in problem_seeds]
+        env: Environment = self.env  # type: ignore[assignment]  # single-turn from here on
+        problems = [env.problem(int(seed)) for seed in problem_seeds]
         prompt_ids = [render_prompt_ids(self.tokenizer, p) for p in problems]
 
         seeds = [request_seed(self.base_seed, round_index, p.seed) for p in problems]
@@ -152,7 +163,7 @@ class RolloutGenerator:
         all_scores = (
             await in_daemon_thread(
                 score_completions,
-                self.env,
+                env,
                 flat_problems,
                 flat_texts,
                 self.extra_rewards,

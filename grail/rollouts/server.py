@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from grail.core.records import iteration_name
+from grail.envs.episodes import problem_maker
 from grail.inference.client import Completer, CompletionClient
 from grail.inference.process import ServerManager
 from grail.inference.recovery import call_with_recovery
@@ -45,23 +46,23 @@ from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
+from grail.rollouts.episodes import EpisodeLimits
 from grail.rollouts.fleet import Fleet, FleetClient, request_size, window_for
-from grail.rollouts.generation import (
-    RolloutGenerator,
-    fill_informative,
-    sampling_params,
-    stable_hash,
-)
+from grail.rollouts.generation import RolloutGenerator, fill_informative, sampling_params
+from grail.rollouts.seeds import stable_hash
 
 if TYPE_CHECKING:
     from grail.core.config import Config
-    from grail.envs.base import Environment
+    from grail.envs.episodes import AnyEnvironment
     from grail.envs.rewards.plugins import RewardFunctions
     from grail.rollouts.shared import SharedRollouts
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# An episode's token cap when nothing names the context (data.max_episode_tokens,
+# generation.max_model_len, the tokenizer's model_max_length).
+DEFAULT_EPISODE_TOKENS = 4096
 EVAL_ROUND = -1  # eval samples use the same seeds every time, so evals differ only by weights
 _CANCEL_WAIT_S = 30.0  # how long close() waits for a cancelled generation to unwind
 
@@ -193,6 +194,19 @@ def fleet_delta(
     ]
 
 
+def episode_limits(cfg: Config, tokenizer: Any) -> EpisodeLimits:
+    """An episode's budgets (data.max_turns, data.max_episode_tokens; null: the server's context,
+    generation.max_model_len, else the tokenizer's model_max_length) and its step deadline."""
+    data = cfg.data
+    max_tokens = data.max_episode_tokens or cfg.generation.max_model_len
+    if max_tokens is None:
+        # transformers sets a huge placeholder (~1e30) when a tokenizer names no length.
+        max_tokens = min(int(getattr(tokenizer, "model_max_length", 0) or 0), 2**31 - 1)
+        if max_tokens <= 0 or max_tokens >= 10**9:
+            max_tokens = DEFAULT_EPISODE_TOKENS
+    return EpisodeLimits(data.max_turns, max_tokens, data.env_step_timeout_s)
+
+
 def eval_seeds(cfg: Config) -> list[int]:
     return list(range(cfg.eval.id_seed_start, cfg.eval.id_seed_start + cfg.eval.num_ids))
 
@@ -214,8 +228,8 @@ class ServerRollouts:
         self,
         cfg: Config,
         server: ServerManager,
-        env: Environment,
-        eval_env: Environment,
+        env: AnyEnvironment,
+        eval_env: AnyEnvironment,
         tokenizer: Any,
         *,
         syncer: WeightSyncer,
@@ -266,6 +280,7 @@ class ServerRollouts:
                     self._sampling,
                     base_seed=self.cfg.seed,
                     extra_rewards=self._extra_rewards,
+                    episodes=episode_limits(self.cfg, self._tokenizer),
                 )
                 for env in (self._env, self._eval_env)
             )
@@ -351,7 +366,7 @@ class ServerRollouts:
         pending = state.get("pending")
         if pending is None or not self.cfg.train.pipeline:
             return None
-        return codec.from_json(pending, self._env.problem, "pending")
+        return codec.from_json(pending, problem_maker(self._env), "pending")
 
     # -- generation -------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 Every run of a study (`study_dir`: a sweep's directory, or one the user names) that starts from the
 same weights, with the same task, seed and generation settings, generates exactly the same
 iteration-0 batch: the server holds the initial weights and every request carries a seed derived
-from (`seed`, round, problem seed) (grail/rollouts/generation.py `request_seed`). Runs that differ
+from (`seed`, round, problem seed) (grail/rollouts/seeds.py `request_seed`). Runs that differ
 only in `train.*` (learning rate, KL coefficient, loss, pipelining) therefore share it: the first
 run that needs it generates and stores it under `<study_dir>/rollouts/<key>.json`, later ones load
 it.
@@ -46,13 +46,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grail.core.records import atomic_write_text
+from grail.envs.episodes import problem_maker
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch
 from grail.rollouts.generation import render_prompt_ids
 
 if TYPE_CHECKING:
     from grail.core.config import Config
-    from grail.envs.base import Environment
+    from grail.envs.episodes import AnyEnvironment
     from grail.inference.process import ServerManager
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class SharedRollouts:
     def get(
         self,
         generate: Callable[[], GeneratedBatch],
-        env: Environment,
+        env: AnyEnvironment,
         tokenizer: Any,
         expected_seeds: list[int],
     ) -> GeneratedBatch:
@@ -163,7 +164,7 @@ class SharedRollouts:
             return batch
 
     def load(
-        self, env: Environment, tokenizer: Any, expected_seeds: list[int], t0: float
+        self, env: AnyEnvironment, tokenizer: Any, expected_seeds: list[int], t0: float
     ) -> GeneratedBatch | None:
         """The stored batch (None when there is none, or a warning says why it is unusable); its
         `generation_s` is the time since `t0`."""
@@ -211,7 +212,7 @@ class SharedRollouts:
             log.warning("could not store iteration 0's rollouts in %s: %s", self.path, exc)
 
     def _decode(
-        self, stored: Any, env: Environment, tokenizer: Any, expected_seeds: list[int]
+        self, stored: Any, env: AnyEnvironment, tokenizer: Any, expected_seeds: list[int]
     ) -> tuple[list[Group], Resampling | None, float]:
         data = self.cfg.data
         if not isinstance(stored, dict):
@@ -237,8 +238,8 @@ class SharedRollouts:
             raise Unusable(f"bad 'generation_s' {generation_s!r}")
         return groups, resampling, float(generation_s)
 
-    def _group(self, stored: dict[str, Any], env: Environment, tokenizer: Any, i: int) -> Group:
-        group = codec.group_from_json(stored, env.problem, f"groups[{i}]")
+    def _group(self, stored: dict[str, Any], env: AnyEnvironment, tokenizer: Any, i: int) -> Group:
+        group = codec.group_from_json(stored, problem_maker(env), f"groups[{i}]")
         if group.prompt_ids != render_prompt_ids(tokenizer, group.problem):
             raise Unusable(f"groups[{i}].prompt_ids differ from problem {group.problem.seed}'s")
         if len(group.samples) != self.cfg.data.rollouts_per_problem:

@@ -21,7 +21,7 @@ from typing import Any
 from grail.core.http_api import APIError
 from grail.inference.client import Completer
 from grail.inference.completions import GenerationError, SamplingParams
-from grail.rollouts.generation import request_seed
+from grail.rollouts.seeds import request_seed
 from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceGroup
 from grail.service.store import LedgerStore
 

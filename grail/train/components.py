@@ -26,7 +26,7 @@ from grail.core.placement import (
 )
 from grail.core.records import without_secrets
 from grail.core.reproducible import apply_reproducible_env
-from grail.envs import Environment, env_arguments, make_env
+from grail.envs import AnyEnvironment, env_arguments, make_env
 from grail.envs.rewards.plugins import RewardFunctions
 from grail.inference.backends import BACKEND_CLASSES, make_server_manager
 from grail.inference.errors import ServerStartError
@@ -126,7 +126,7 @@ def open_loggers(cfg: Config, run_dir: Path) -> MetricLoggers:
     return MetricLoggers.from_config(cfg.logging, run_dir, without_secrets(config))  # type: ignore[arg-type]
 
 
-def make_envs(cfg: Config) -> tuple[Environment, Environment]:
+def make_envs(cfg: Config) -> tuple[AnyEnvironment, AnyEnvironment]:
     """The training environment and the evaluation one: a dataset task with splits (gsm8k)
     evaluates on its test split; procedural tasks evaluate on held-out seeds of the same task."""
     name, kwargs = cfg.data.environment, dict(cfg.data.env_kwargs)

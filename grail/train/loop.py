@@ -44,7 +44,7 @@ from grail.core.records import (
 )
 from grail.models.loading import check_model_source
 from grail.models.tiny import resolve_model
-from grail.rollouts.batch import GeneratedBatch, RolloutBatch, RolloutSource, WeightSync
+from grail.rollouts.batch import GeneratedBatch, RolloutBatch, RolloutSource, Sample, WeightSync
 from grail.study.prune import open_trial
 from grail.train.checkpoint import (
     CheckpointRef,
@@ -398,6 +398,29 @@ def batch_metrics(batch: RolloutBatch, zero_variance_group_frac: float) -> dict[
             "prompt": sum(len(g.prompt_ids) * len(g.samples) for g in batch.groups),
             "completion": sum(lengths),
         },
+        **episode_metrics(samples),
+    }
+
+
+def episode_metrics(samples: list[Sample]) -> dict[str, Any]:
+    """An episode batch's record `episodes` (nothing for single completions): turns per
+    episode, the tokens the policy sampled among the completion tokens, tool calls and the
+    policy's tool mistakes, episodes a budget ended, and the environment's time (summed over
+    episodes that ran concurrently, so it can exceed the generation time)."""
+    stats = [s.episode for s in samples if s.episode is not None]
+    if not stats:
+        return {}
+    turns = [e.turns for e in stats]
+    return {
+        "episodes": {
+            "turns_mean": statistics.fmean(turns),
+            "turns_max": max(turns),
+            "sampled_tokens": sum(s.num_sampled for s in samples),
+            "tool_calls": sum(e.tool_calls for e in stats),
+            "tool_errors": sum(e.tool_errors for e in stats),
+            "truncated": sum(e.truncated for e in stats),
+            "env_s": sum(e.env_s for e in stats),
+        }
     }
 
 

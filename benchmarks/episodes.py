@@ -1,0 +1,131 @@
+"""Sampled tokens per second of multi-turn episodes against single-turn groups of the same
+number of sampled tokens, on the built-in server with the tiny model (issue 41's target: the
+episodes at least 0.8x).
+
+    uv run python benchmarks/episodes.py                    # 64 problems x 16 episodes of 4 turns
+    uv run python benchmarks/episodes.py --problems 16 --batches 2
+
+Episodes: copy_turns (grail/envs/copy_turns.py) with `--turns` turns, every turn exactly
+`--turn-tokens` tokens (ignore_eos), through the harness's turn loop (grail/rollouts/episodes.py).
+Single-turn: copy_digits prompts, one request per 16 prompts x n as the harness sends them, each
+completion exactly turns x turn-tokens tokens. Both sample the same tokens per batch; the episodes
+also prefill the environment's turns. Medians [min-max] over the batches after one warm-up;
+results go to benchmarks/results/episodes.json (`--out` elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from client_overhead import default_prompts, fmt
+from common import print_table, spread, write_results
+
+from grail.envs import make_env
+from grail.inference.backends.builtin import BuiltinServer
+from grail.inference.client import CompletionClient
+from grail.inference.completions import SamplingParams
+from grail.models.loading import load_tokenizer
+from grail.models.tiny import ensure_tiny_model
+from grail.rollouts.episodes import EpisodeLimits
+from grail.rollouts.generation import RolloutGenerator
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", type=int, default=64)
+    parser.add_argument("--episodes", type=int, default=16, help="episodes (samples) per problem")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-tokens", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--server-threads", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    model_dir = ensure_tiny_model()
+    tokenizer = load_tokenizer(str(model_dir))
+    prompts = default_prompts(model_dir, args.problems)
+    per_turn = SamplingParams(max_tokens=args.turn_tokens, ignore_eos=True)
+    whole = SamplingParams(max_tokens=args.turns * args.turn_tokens, ignore_eos=True)
+    sampled = args.problems * args.episodes * args.turns * args.turn_tokens
+    server = BuiltinServer(
+        model_dir,
+        "tiny",
+        log_dir=Path(tempfile.mkdtemp(prefix="grail-episodes-")),
+        threads=args.server_threads,
+    )
+    with server:
+        client = CompletionClient(server.base_url, "tiny", timeout=600)
+        episodes = RolloutGenerator(
+            make_env("copy_turns", turns=args.turns),
+            tokenizer,
+            client,
+            per_turn,
+            episodes=EpisodeLimits(args.turns, 4096, 60.0),
+        )
+
+        async def episode_batch(i: int) -> None:
+            batch = await episodes.generate(
+                list(range(args.problems)), args.episodes, round_index=i
+            )
+            assert sum(s.num_sampled for s in batch.samples) == sampled
+
+        async def single_batch(i: int) -> None:
+            seeds = [1000 * i + 17 * j for j in range(len(prompts))]
+            groups = await client.complete_many(prompts, args.episodes, whole, seeds)
+            assert sum(len(c.token_ids) for g in groups for c in g) == sampled
+
+        async def timed(batch: object) -> list[float]:
+            run = batch  # type: ignore[assignment]
+            await run(-1)  # type: ignore[operator]
+            walls = []
+            for i in range(args.batches):
+                t0 = time.perf_counter()
+                await run(i)  # type: ignore[operator]
+                walls.append(time.perf_counter() - t0)
+            return walls
+
+        async def both() -> tuple[list[float], list[float]]:
+            try:
+                return await timed(single_batch), await timed(episode_batch)
+            finally:
+                await client.aclose()
+
+        single, multi = asyncio.run(both())
+    rate = {"single_turn": sampled / spread(single)["median"]}
+    rate["episodes"] = sampled / spread(multi)["median"]
+    ratio = rate["episodes"] / rate["single_turn"]
+    print_table(
+        f"{args.problems} problems x {args.episodes} samples, {sampled} sampled tokens per batch "
+        f"({args.turns} turns x {args.turn_tokens} tokens), median \\[min-max] of {args.batches}",
+        ["", "wall ms", "sampled tokens/s"],
+        [
+            ["single-turn groups", fmt(single), f"{rate['single_turn']:.0f}"],
+            [f"{args.turns}-turn episodes", fmt(multi), f"{rate['episodes']:.0f}"],
+            ["episodes / single-turn", "", f"{ratio:.2f}x"],
+        ],
+    )
+    write_results(
+        "episodes",
+        {
+            "problems": args.problems,
+            "episodes_per_problem": args.episodes,
+            "turns": args.turns,
+            "turn_tokens": args.turn_tokens,
+            "sampled_tokens_per_batch": sampled,
+            "single_turn_wall_s": spread(single),
+            "episodes_wall_s": spread(multi),
+            "sampled_tokens_per_s": rate,
+            "ratio": ratio,
+        },
+        args.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""Episodes in flight: the turn loop between an episode environment and the inference server.
+
+One episode is one token sequence, built turn by turn without ever re-tokenizing what the policy
+sampled:
+
+    prompt ids                     the first messages, rendered by the chat template
+    + sampled ids (turn 1)         the server's ids and behaviour log-probs, as they came
+    + glue                         what the template writes after an assistant turn that the
+                                   policy did not sample (Qwen: "\\n" after <|im_end|>; the whole
+                                   <|im_end|>\\n when the turn was cut at max_new_tokens)
+    + the environment's turn       rendered as a suffix: the conversation rendered with and
+                                   without the new messages (generation prompt included), the
+                                   difference appended, with a check that the one really is a
+                                   prefix of the other (a template that re-renders earlier turns,
+                                   as reasoning templates that drop old <think> blocks do, is
+                                   refused: it cannot be continued token-exactly)
+    + sampled ids (turn 2) ...
+
+`sampled_mask` marks the sampled ids; everything else is context (attended to, never trained on,
+behaviour log-prob 0.0). The Sample's `completion_ids` is everything after the prompt.
+
+Seeds. Episode i of problem p in round r samples turn 0 with `request_seed(base, r, p) + i`, the
+seed the single-turn path gives replicate i, and turn t with a stable hash of those; the built-in
+server's batches are batch-invariant, so an episode's tokens do not depend on which others were
+in flight, and the same config and seed give the same episodes.
+
+Concurrency. Every episode of the batch runs as its own task: a turn is sent the moment its
+environment has answered (no barrier per turn across the batch), and the client caps the
+requests in flight. A plain `step` runs in a daemon thread under `data.env_step_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from grail.core.errors import UserError, first_line
+from grail.core.threads import DaemonWorkers
+from grail.envs.base import Problem
+from grail.envs.episodes import Episode, EpisodeEnvironment, Step, check_step, tools_of
+from grail.inference.completions import Completion, SamplingParams
+from grail.rollouts.batch import EpisodeStats, Group, Sample
+from grail.rollouts.seeds import request_seed, stable_hash
+
+if TYPE_CHECKING:
+    from grail.inference.client import Completer
+
+# Sampling seeds stay below 2**31 with head-room, as `request_seed`'s do.
+_SEED_RANGE = 2**31 - 2**16
+_SENTINEL = "\x00grail-assistant-turn\x00"
+
+
+class TemplateError(UserError):
+    """The chat template cannot be continued turn by turn without re-tokenizing."""
+
+
+class EnvironmentFailed(UserError):
+    """An environment raised, hung or returned junk: the run stops naming it and the seed."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """The budgets of one episode (data.max_turns, data.max_episode_tokens, generation's
+    max_new_tokens per turn) and the environment's deadline per step."""
+
+    max_turns: int
+    max_tokens: int  # prompt + every turn, sampled and context
+    step_timeout_s: float
+
+
+def _ids(encoded: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding-like mapping for tokenize=True; 4.x a plain list.
+    if not isinstance(encoded, list):
+        encoded = encoded["input_ids"]
+    return [int(t) for t in encoded]
+
+
+class ChatRenderer:
+    """Token ids of a conversation as the tokenizer's chat template renders it, turn by turn."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.closing = self._closing_ids()
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        generation_prompt: bool,
+    ) -> list[int]:
+        return _ids(
+            self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=generation_prompt,
+                tokenize=True,
+            )
+        )
+
+    def _closing_ids(self) -> list[int]:
+        """What the template writes after an assistant message's content (Qwen: <|im_end|>\\n)."""
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}],
+            tokenize=False,
+        )
+        if _SENTINEL not in text:
+            raise TemplateError("the chat template does not render an assistant message's content")
+        closing = text[text.rindex(_SENTINEL) + len(_SENTINEL) :]
+        return _ids(self.tokenizer(closing, add_special_tokens=False))
+
+    def glue(self, sampled: Sequence[int]) -> list[int]:
+        """The closing tokens the policy did not sample: those after its end-of-turn token, or
+        all of them when the turn stopped without it (cut at max_new_tokens)."""
+        if self.closing and sampled and sampled[-1] == self.closing[0]:
+            return self.closing[1:]
+        return list(self.closing)
+
+    def suffix(
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        new: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> list[int]:
+        """The ids the template adds for `new` messages after `conversation` (which ends with an
+        assistant turn), up to and including the next generation prompt."""
+        before = self.render(conversation, tools, generation_prompt=False)
+        after = self.render([*conversation, *new], tools, generation_prompt=True)
+        if after[: len(before)] != before:
+            at = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+            raise TemplateError(
+                "the chat template renders the earlier turns differently once a message is added "
+                f"(first difference at token {at}: {self.tokenizer.decode(before[at : at + 8])!r} "
+                f"became {self.tokenizer.decode(after[at : at + 8])!r}); grail appends each turn "
+                "to the tokens sampled so far and cannot train on such a template"
+            )
+        return after[len(before) :]
+
+
+@dataclass
+class _Turn:
+    prompt: list[int]
+    seed: int
+    done: asyncio.Future[Completion]
+
+
+class TurnBatcher:
+    """Turns of many episodes, sent in shared requests as they become ready.
+
+    One request per turn would cost an HTTP round trip and a server-side parse per turn: 1024
+    episodes of 3 turns took ~50 s an iteration that way, against ~0.3 s for the same tokens in
+    single-turn groups (which send 16 prompts x n=16 per request). So a turn joins a queue, and
+    at most `in_flight` requests run at once, each taking every queued turn of the same sampling
+    settings (up to the client's request size): while requests are out, the turns that get
+    ready meanwhile gather for the next. No turn waits for another episode's turn; the built-in
+    server is batch-invariant, so a turn's tokens do not depend on what it was sent with."""
+
+    def __init__(self, client: Completer, in_flight: int = 4, most: int = 256) -> None:
+        self.client, self.in_flight, self.most = client, in_flight, most
+        self._queue: dict[SamplingParams, list[_Turn]] = {}
+        self._running: set[asyncio.Task[None]] = set()
+        self._kick_scheduled = False
+
+    async def complete(self, prompt: list[int], sampling: SamplingParams, seed: int) -> Completion:
+        done: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._queue.setdefault(sampling, []).append(_Turn(prompt, seed, done))
+        if not self._kick_scheduled:  # turns that get ready in this pass of the loop go together
+            self._kick_scheduled = True
+            asyncio.get_running_loop().call_soon(self._kick)
+        return await done
+
+    def _kick(self) -> None:
+        self._kick_scheduled = False
+        while self._queue and len(self._running) < self.in_flight:
+            sampling, waiting = next(iter(self._queue.items()))
+            batch, rest = waiting[: self.most], waiting[self.most :]
+            if rest:
+                self._queue[sampling] = rest
+            else:
+                del self._queue[sampling]
+            batch = [t for t in batch if not t.done.cancelled()]
+            if batch:
+                task = asyncio.ensure_future(self._send(sampling, batch))
+                self._running.add(task)
+                task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._kick()
+
+    async def _send(self, sampling: SamplingParams, batch: list[_Turn]) -> None:
+        try:
+            results = await self.client.complete_many(
+                [t.prompt for t in batch], 1, sampling, [t.seed for t in batch]
+            )
+        except BaseException as exc:
+            for turn in batch:
+                if not turn.done.done():
+                    turn.done.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for turn, (completion,) in zip(batch, results, strict=True):
+            if not turn.done.done():
+                turn.done.set_result(completion)
+
+    async def aclose(self) -> None:
+        """Cancel the requests still out (a failed or cancelled batch of episodes)."""
+        for task in list(self._running):
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+        for waiting in self._queue.values():
+            for turn in waiting:
+                turn.done.cancel()
+        self._queue.clear()
+
+
+def turn_seed(first: int, turn: int) -> int:
+    """The sampling seed of an episode's turn `turn` (0: `first`, its replicate's seed)."""
+    return first if turn == 0 else stable_hash(f"{first}:{turn}") % _SEED_RANGE
+
+
+class EpisodeRunner:
+    """Runs the episodes of problem seeds against the server and returns them as `Group`s."""
+
+    def __init__(
+        self,
+        env: EpisodeEnvironment,
+        tokenizer: Any,
+        client: Completer,
+        sampling: SamplingParams,
+        limits: EpisodeLimits,
+        *,
+        base_seed: int = 0,
+    ) -> None:
+        self.env, self.client, self.sampling, self.limits = env, client, sampling, limits
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer)
+        self.base_seed = base_seed
+        self._turns = TurnBatcher(client)
+        # The environment's plain (not async) calls run here, off the event loop.
+        self._workers = DaemonWorkers("grail-environment")
+
+    async def generate_groups(
+        self,
+        problem_seeds: Sequence[int],
+        replicas: int,
+        *,
+        round_index: int = 0,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> list[Group]:
+        """`replicas` episodes of each problem seed, as groups in the order of the seeds;
+        `on_progress(1)` as each problem's episodes are all done."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+
+        async def group(seed: int) -> Group:
+            first = request_seed(self.base_seed, round_index, seed)
+            runs = await asyncio.gather(*(self.episode(seed, first + i) for i in range(replicas)))
+            if on_progress is not None:
+                on_progress(1)
+            (problem, prompt), samples = runs[0][:2], [sample for _, _, sample in runs]
+            return Group(problem=problem, prompt_ids=prompt, samples=samples)
+
+        self._turns = TurnBatcher(self.client)
+        tasks = [asyncio.ensure_future(group(int(s))) for s in problem_seeds]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            await self._turns.aclose()
+
+    async def episode(self, seed: int, first_seed: int) -> tuple[Problem, list[int], Sample]:
+        """One episode of problem `seed`, its turn 0 sampled with `first_seed`."""
+        limits = self.limits
+        episode = await self._call(self.env.reset, seed, seed=seed, turn=0)
+        toolbox = _toolbox(episode)
+        schemas = toolbox.schemas if toolbox is not None else None
+        problem = episode.problem
+        messages: list[Mapping[str, Any]] = list(problem.prompt_messages)
+        prompt = self.renderer.render(messages, schemas, generation_prompt=True)
+
+        ids: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        reward, success = 0.0, False
+        components = dict.fromkeys(self.env.components, 0.0)
+        turns = tool_calls = tool_errors = 0
+        env_s = 0.0
+        finish, done = "stop", False
+        while not done:
+            room = limits.max_tokens - len(prompt) - len(ids)
+            if turns == limits.max_turns or room < 1:
+                break
+            sampling = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, room))
+            turn = await self._turns.complete(prompt + ids, sampling, turn_seed(first_seed, turns))
+            turns += 1
+            ids += turn.token_ids
+            mask += [1] * len(turn.token_ids)
+            logprobs += turn.logprobs
+            finish = turn.finish_reason
+            messages.append({"role": "assistant", "content": turn.text})
+
+            started = time.perf_counter()
+            new: Sequence[Mapping[str, Any]]
+            answered = await self._tools(toolbox, turn.text, seed, turns)
+            if answered is not None:
+                new = answered.messages
+                tool_calls += answered.calls
+                tool_errors += answered.errors
+            else:
+                step = await self._step(episode, turn.text, seed, turns)
+                reward += step.reward
+                for key, value in step.components.items():
+                    components[key] = components.get(key, 0.0) + float(value)
+                done, success, new = step.done, step.success, step.messages
+            env_s += time.perf_counter() - started
+            if done:
+                break
+            context = self.renderer.glue(turn.token_ids) + self.renderer.suffix(
+                messages, new, schemas
+            )
+            if len(prompt) + len(ids) + len(context) >= limits.max_tokens:
+                break  # no room left to answer the environment's turn
+            ids += context
+            mask += [0] * len(context)
+            logprobs += [0.0] * len(context)
+            messages += new
+
+        stats = EpisodeStats(
+            turns=turns,
+            truncated=not done or finish == "length",
+            tool_calls=tool_calls,
+            tool_errors=tool_errors,
+            env_s=env_s,
+        )
+        sample = Sample(
+            completion_ids=ids,
+            behaviour_logprobs=logprobs,
+            finish_reason=finish,
+            text=self.tokenizer.decode(ids),
+            reward=reward,
+            components=components,
+            success=success and done,
+            sampled_mask=mask,
+            episode=stats,
+        )
+        return problem, prompt, sample
+
+    async def _step(self, episode: Episode, text: str, seed: int, turn: int) -> Step:
+        result = await self._call(episode.step, text, seed=seed, turn=turn)
+        try:
+            return check_step(result, f"environment {self.env.name!r} at seed {seed}")
+        except ValueError as exc:
+            raise EnvironmentFailed(f"{exc} (turn {turn})") from exc
+
+    async def _tools(self, toolbox: Any, text: str, seed: int, turn: int) -> Any:
+        if toolbox is None:
+            return None
+        from grail.envs.tools import ToolTimeout
+
+        try:
+            return await toolbox.answer(text, self.limits.step_timeout_s)
+        except ToolTimeout as exc:
+            raise EnvironmentFailed(
+                f"environment {self.env.name!r} at seed {seed} (turn {turn}): {exc}"
+            ) from exc
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, seed: int, turn: int) -> Any:
+        """`fn(*args)` (awaited if it is a coroutine), under the step deadline; a failure is an
+        EnvironmentFailed naming the environment, the seed and the turn."""
+        what = f"environment {self.env.name!r} at seed {seed} (turn {turn})"
+        timeout = self.limits.step_timeout_s
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = await asyncio.wait_for(fn(*args), timeout)
+            else:
+                result = await asyncio.wait_for(self._workers.run(fn, *args), timeout)
+                if isinstance(result, Awaitable):  # a plain method that returned a coroutine
+                    result = await asyncio.wait_for(result, timeout)
+        except TimeoutError:
+            raise EnvironmentFailed(
+                f"{what} did not answer within data.env_step_timeout_s={timeout:g} s"
+            ) from None
+        except UserError:
+            raise
+        except Exception as exc:
+            raise EnvironmentFailed(f"{what} raised {first_line(exc)}") from exc
+        return result
+
+
+def _toolbox(episode: Episode) -> Any:
+    tools = tools_of(episode)
+    if not tools:
+        return None
+    from grail.envs.tools import ToolBox
+
+    return ToolBox(tools)
