@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -282,3 +284,17 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(server: BuiltinServer
     conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     with pytest.raises(TemplateError, match="renders the earlier turns differently"):
         renderer.suffix(conversation, [{"role": "user", "content": "c"}], None)
+
+
+def test_the_example_environment_of_the_docs_runs(server: BuiltinServer) -> None:
+    # docs/episodes.md's first Python block, run as written.
+    page = (Path(__file__).parents[1] / "docs" / "episodes.md").read_text()
+    source = page.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "docs/episodes.md", "exec"), namespace)
+    batch, _ = _run(server, namespace["GuessEnv"](), seeds=[0, 1], replicas=2, max_tokens=2)
+    for group in batch.groups:
+        assert group.problem.answer == str(random.Random(group.problem.seed).randrange(10))
+        for sample in group.samples:
+            assert 1 <= sample.episode.turns <= LIMITS.max_turns
+            assert sample.reward == float(sample.success)

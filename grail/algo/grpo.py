@@ -196,7 +196,8 @@ def grpo_loss(
         logprobs: [B, T] current-policy log-probs of the completion tokens (carries the grad).
         old_logprobs: [B, T] log-probs under the policy being optimised away from.
         advantages: [B] one advantage per completion.
-        mask: [B, T] 1 for completion tokens, 0 for padding (bool, int or float 0/1).
+        mask: [B, T] 1 for the tokens the loss covers (those the policy sampled), 0 for padding
+            and for an episode's context (bool, int or float 0/1).
         config: the loss settings.
         ref_logprobs: [B, T] frozen reference log-probs; required when ``kl_coef > 0``, and
             used for the ``kl`` metric whenever given.
@@ -205,8 +206,8 @@ def grpo_loss(
             given.
         entropy: [B, T] per-token entropy; required when ``entropy_coef > 0``. Unlike the other
             inputs it is not detached: the bonus acts through its gradient.
-        num_items_in_batch: completion tokens in the whole generation batch (dapo only, where
-            it is required).
+        num_items_in_batch: sampled (masked-in) tokens in the whole generation batch (dapo
+            only, where it is required).
         accumulation_steps: G, the micro-batches of this optimizer step (this one included).
         steps_per_generation: S, the micro-batches of the generation batch (dapo only).
         microbatch_counts: (B, Σ m) of the whole micro-batch when these inputs are one piece of

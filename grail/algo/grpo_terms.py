@@ -52,14 +52,14 @@ class Tokens:
 def count_tokens(
     mask: Tensor, dtype: torch.dtype, microbatch_counts: tuple[int, int] | None
 ) -> Tokens:
-    """The completion tokens of ``mask`` (bool, or numbers that are all 0 or 1) and their counts;
+    """The tokens ``mask`` covers (bool, or numbers that are all 0 or 1) and their counts;
     ``microbatch_counts`` = (B, Σ m) of the whole micro-batch when ``mask`` is a piece of it."""
     if mask.dtype == torch.bool:
         keep = mask
     else:
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
-            raise ValueError("mask must hold only 0 and 1 (completion token or padding)")
+            raise ValueError("mask must hold only 0 and 1 (a token the loss covers, or not)")
         keep = mask != 0
     m = keep.to(dtype)
     tokens_per_seq = m.sum(-1)

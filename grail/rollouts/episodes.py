@@ -286,6 +286,12 @@ class EpisodeRunner:
         problem = episode.problem
         messages: list[Mapping[str, Any]] = list(problem.prompt_messages)
         prompt = self.renderer.render(messages, schemas, generation_prompt=True)
+        if len(prompt) >= limits.max_tokens:
+            raise EnvironmentFailed(
+                f"environment {self.env.name!r} at seed {seed}: its first messages take "
+                f"{len(prompt)} tokens, which leaves no room to answer within "
+                f"{limits.max_tokens} (data.max_episode_tokens)"
+            )
 
         ids: list[int] = []
         mask: list[int] = []

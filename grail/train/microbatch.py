@@ -120,11 +120,12 @@ def _sampled_row(sample: Sample, width: int) -> list[float]:
     n = len(sample.completion_ids)
     if mask is None:
         return [1.0] * n + [0.0] * (width - n)
-    if len(mask) != n or any(m not in (0, 1) for m in mask):
+    if len(mask) != n:
         raise ValueError(
-            f"a sample's sampled_mask must be {n} zeros and ones (one per completion token), "
-            f"got {len(mask)} values"
+            f"a sample's sampled_mask has {len(mask)} values for {n} completion tokens"
         )
+    if any(m not in (0, 1) for m in mask):
+        raise ValueError("a sample's sampled_mask holds a value other than 0 and 1")
     return [float(m) for m in mask] + [0.0] * (width - n)
 
 

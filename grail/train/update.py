@@ -42,6 +42,8 @@ from torch import Tensor
 
 from grail.algo.grpo import GRPOLossConfig, grpo_loss
 from grail.algo.kl_control import AdaptiveKL
+from grail.envs import env_factory
+from grail.envs.episodes import is_episodic
 from grail.rollouts.batch import RolloutBatch
 from grail.train.microbatch import (
     MicroBatch,
@@ -62,9 +64,13 @@ if TYPE_CHECKING:
 
 
 def loss_config(cfg: Config) -> GRPOLossConfig:
-    """The objective `grail-train` optimises: `train.*`, and `generation.max_new_tokens` as the
-    dr_grpo normaliser."""
+    """The objective `grail-train` optimises: `train.*`, and the most tokens a completion can
+    sample as the dr_grpo normaliser: `generation.max_new_tokens`, times `data.max_turns` for an
+    episode environment (TRL's max_completion_length bounds a multi-turn completion whole)."""
     t = cfg.train
+    most = cfg.generation.max_new_tokens
+    if is_episodic(env_factory(cfg.data.environment)):
+        most *= cfg.data.max_turns
     return GRPOLossConfig(
         loss_type=t.loss_type,
         importance_sampling_level=t.importance_sampling_level,
@@ -79,7 +85,7 @@ def loss_config(cfg: Config) -> GRPOLossConfig:
         is_correction=t.is_correction,
         is_clip_min=t.is_clip_min,
         is_clip_max=t.is_clip_max,
-        max_completion_length=cfg.generation.max_new_tokens,
+        max_completion_length=most,
     )
 
 
@@ -183,7 +189,7 @@ class _Plan:
     """How one iteration's rollouts are run: `units[i]` is micro-batch i as its forward passes
     run it (one piece, or padding-free pieces), `steps` groups the units of each optimizer step
     and `pieces` lists every forward input in the order they run; `tokens_in_batch` counts the
-    completion tokens of the whole batch. Sharded over ranks, a unit holds this rank's pieces of
+    sampled tokens of the whole batch. Sharded over ranks, a unit holds this rank's pieces of
     the micro-batch, dummies included (`_rank_plan`)."""
 
     units: list[list[MicroBatch]]
