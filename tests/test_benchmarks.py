@@ -750,6 +750,13 @@ def smoke_engine_decode(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert [r["mode"] for r in _results(out)["results"]] == ["eager", "graph"]
 
 
+def smoke_episodes(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    small = "--problems 2 --episodes 2 --turns 2 --turn-tokens 2 --batches 1 --out"
+    assert _main("episodes.py", small, out) == 0
+    assert _results(out)["sampled_tokens_per_batch"] == 2 * 2 * 2 * 2
+
+
 def smoke_fleet_sim(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp / "r.json"
     small = "--servers 2 --groups-per-server 2 --group-size 2 --max-len 8 --max-batch 4"
@@ -838,6 +845,7 @@ SMOKE: dict[str, Callable[[Path, pytest.MonkeyPatch], None]] = {
     "attention_gpu.py": smoke_attention_gpu,
     "client_overhead.py": smoke_client_overhead,
     "engine_decode.py": smoke_engine_decode,
+    "episodes.py": smoke_episodes,
     "fleet_sim.py": smoke_fleet_sim,
     "gpu_session.sh": smoke_gpu_session,
     "iteration_times.py": smoke_iteration_times,
