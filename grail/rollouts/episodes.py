@@ -17,7 +17,8 @@ sampled:
     + sampled ids (turn 2) ...
 
 `sampled_mask` marks the sampled ids; everything else is context (attended to, never trained on,
-behaviour log-prob 0.0). The Sample's `completion_ids` is everything after the prompt.
+behaviour log-prob 0.0). The Sample's `completion_ids` is everything after the prompt; its `text`
+is the last answer (what extra reward functions score: data.rewards).
 
 Seeds. Episode i of problem p in round r samples turn 0 with `request_seed(base, r, p) + i`, the
 seed the single-turn path gives replicate i, and turn t with a stable hash of those; the built-in
@@ -300,7 +301,7 @@ class EpisodeRunner:
         components = dict.fromkeys(self.env.components, 0.0)
         turns = tool_calls = tool_errors = 0
         env_s = 0.0
-        finish, done = "stop", False
+        finish, done, answer = "stop", False, ""
         while not done:
             room = limits.max_tokens - len(prompt) - len(ids)
             if turns == limits.max_turns or room < 1:
@@ -311,7 +312,7 @@ class EpisodeRunner:
             ids += turn.token_ids
             mask += [1] * len(turn.token_ids)
             logprobs += turn.logprobs
-            finish = turn.finish_reason
+            finish, answer = turn.finish_reason, turn.text
             messages.append({"role": "assistant", "content": turn.text})
 
             started = time.perf_counter()
@@ -351,7 +352,7 @@ class EpisodeRunner:
             completion_ids=ids,
             behaviour_logprobs=logprobs,
             finish_reason=finish,
-            text=self.tokenizer.decode(ids),
+            text=answer,  # the last answer: what extra reward functions score
             reward=reward,
             components=components,
             success=success and done,

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from grail.core.threads import in_daemon_thread
-from grail.envs.base import Environment, Problem
+from grail.envs.base import Environment, Problem, Score
 from grail.envs.episodes import EpisodeEnvironment, is_episodic
-from grail.envs.rewards.plugins import RewardFunctions, score_completions
+from grail.envs.rewards.plugins import RewardFunctions, score_completions, with_extra_rewards
 from grail.inference.completions import SamplingParams
 from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, informative
 from grail.rollouts.episodes import EpisodeLimits, EpisodeRunner
@@ -128,6 +128,20 @@ class RolloutGenerator:
         )
         return RolloutBatch(groups)
 
+    def _score_episodes(self, groups: list[Group]) -> None:
+        """Add the extra rewards to every episode's, each called once on the batch with the
+        episodes' last answers as the completions (as TRL's reward functions get them)."""
+        samples = [s for g in groups for s in g.samples]
+        scores = with_extra_rewards(
+            self.env.name,
+            [g.problem for g in groups for _ in g.samples],
+            [s.text for s in samples],
+            [Score(s.reward, s.components, s.success) for s in samples],
+            self.extra_rewards,
+        )
+        for sample, score in zip(samples, scores, strict=True):
+            sample.reward, sample.components = score.reward, dict(score.components)
+
     async def generate_groups(
         self,
         problem_seeds: Sequence[int],
@@ -138,9 +152,12 @@ class RolloutGenerator:
     ) -> list[Group]:
         """`generate`'s scored groups, not yet a batch (dynamic sampling adds more rounds)."""
         if self.episodes is not None:
-            return await self.episodes.generate_groups(
+            groups = await self.episodes.generate_groups(
                 problem_seeds, replicas, round_index=round_index, on_progress=on_progress
             )
+            if self.extra_rewards is not None and len(self.extra_rewards) > 0:
+                await in_daemon_thread(self._score_episodes, groups, name="grail-scoring")
+            return groups
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         env: Environment = self.env  # type: ignore[assignment]  # single-turn from here on

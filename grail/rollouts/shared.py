@@ -46,9 +46,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grail.core.records import atomic_write_text
-from grail.envs.episodes import problem_maker
+from grail.envs.base import Problem
+from grail.envs.episodes import is_episodic, problem_maker, tools_of
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch
+from grail.rollouts.episodes import ChatRenderer
 from grail.rollouts.generation import render_prompt_ids
 
 if TYPE_CHECKING:
@@ -119,6 +121,18 @@ def identity(cfg: Config, weights: str, server: ServerManager) -> dict[str, Any]
 def rollout_key(ident: dict[str, Any]) -> str:
     canonical = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _prompt_ids(env: AnyEnvironment, tokenizer: Any, problem: Problem) -> list[int]:
+    """The ids generation sent first for `problem`: an episode's are rendered with the schemas
+    of the tools it offers (grail/rollouts/episodes.py), which the chat template writes too."""
+    if not is_episodic(env):
+        return render_prompt_ids(tokenizer, problem)
+    from grail.envs.tools import ToolBox
+
+    tools = tools_of(env.reset(problem.seed))  # type: ignore[union-attr]
+    schemas = ToolBox(tools).schemas if tools else None
+    return ChatRenderer(tokenizer).render(problem.prompt_messages, schemas, generation_prompt=True)
 
 
 class SharedRollouts:
@@ -240,7 +254,7 @@ class SharedRollouts:
 
     def _group(self, stored: dict[str, Any], env: AnyEnvironment, tokenizer: Any, i: int) -> Group:
         group = codec.group_from_json(stored, problem_maker(env), f"groups[{i}]")
-        if group.prompt_ids != render_prompt_ids(tokenizer, group.problem):
+        if group.prompt_ids != _prompt_ids(env, tokenizer, group.problem):
             raise Unusable(f"groups[{i}].prompt_ids differ from problem {group.problem.seed}'s")
         if len(group.samples) != self.cfg.data.rollouts_per_problem:
             raise Unusable(

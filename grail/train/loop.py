@@ -170,6 +170,7 @@ def run_iterations(
             checkpoint_s = time.perf_counter() - t0
 
             timings = {
+                **environment_time(rollouts.batch),
                 "generation_s": rollouts.generation_s,
                 "generation_wait_s": generation_wait_s + sync.generation_wait_s,
                 "overlap_s": overlap_s(sync.prefetched, (t_train, t_train + train_s)),
@@ -402,11 +403,18 @@ def batch_metrics(batch: RolloutBatch, zero_variance_group_frac: float) -> dict[
     }
 
 
+def environment_time(batch: RolloutBatch) -> dict[str, float]:
+    """`timings.env_s` of an episode batch: the environment's seconds (its steps and tools),
+    summed over episodes that ran concurrently, so it can exceed the generation time."""
+    stats = [s.episode for s in batch.samples if s.episode is not None]
+    return {"env_s": sum(e.env_s for e in stats)} if stats else {}
+
+
 def episode_metrics(samples: list[Sample]) -> dict[str, Any]:
     """An episode batch's record `episodes` (nothing for single completions): turns per
     episode, the tokens the policy sampled among the completion tokens, tool calls and the
-    policy's tool mistakes, episodes a budget ended, and the environment's time (summed over
-    episodes that ran concurrently, so it can exceed the generation time)."""
+    policy's tool mistakes, and episodes a budget ended (the environment's time is a timing:
+    `environment_time`)."""
     stats = [s.episode for s in samples if s.episode is not None]
     if not stats:
         return {}
@@ -419,7 +427,6 @@ def episode_metrics(samples: list[Sample]) -> dict[str, Any]:
             "tool_calls": sum(e.tool_calls for e in stats),
             "tool_errors": sum(e.tool_errors for e in stats),
             "truncated": sum(e.truncated for e in stats),
-            "env_s": sum(e.env_s for e in stats),
         }
     }
 

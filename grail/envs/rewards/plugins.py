@@ -383,6 +383,20 @@ def score_completions(
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
     scores = [env.score(p, c) for p, c in zip(problems, completions, strict=True)]
+    return with_extra_rewards(env.name, problems, completions, scores, extra_rewards, prompts)
+
+
+def with_extra_rewards(
+    env_name: str,
+    problems: Sequence[Problem],
+    completions: Sequence[str],
+    scores: Sequence[Score],
+    extra_rewards: RewardFunctions | None,
+    prompts: Sequence[str] | None = None,
+) -> list[Score]:
+    """`scores` (the environment's, one per completion) with each extra reward added, called
+    once on the whole batch (`score_completions`; an episode's completion is its last answer)."""
+    scores = list(scores)
     if extra_rewards is None or len(extra_rewards) == 0:
         return scores
     if prompts is None:
@@ -394,7 +408,7 @@ def score_completions(
     kwargs = reward_kwargs(problems)
     rewards = [s.reward for s in scores]
     components = [dict(s.components) for s in scores]
-    extra_rewards.check_names(env.name, list(dict.fromkeys(k for c in components for k in c)))
+    extra_rewards.check_names(env_name, list(dict.fromkeys(k for c in components for k in c)))
     for r in extra_rewards:
         values = call_reward_fn(
             r.spec,
