@@ -19,6 +19,7 @@ from grail.envs.copy_digits import CopyDigitsEnv
 from grail.envs.copy_turns import CopyTurnsEnv
 from grail.envs.episodes import AnyEnvironment
 from grail.envs.gsm8k import GSM8KEnv
+from grail.envs.lookup import LookupEnv
 from grail.envs.sat import SATEnv
 
 ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
@@ -28,6 +29,8 @@ ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     CopyDigitsEnv.name: CopyDigitsEnv,
     # The same over several turns: the multi-turn episode the tiny model learns on CPU.
     CopyTurnsEnv.name: CopyTurnsEnv,
+    # A tool task: the answer is only in what the episode's lookup tool returns.
+    LookupEnv.name: LookupEnv,
 }
 
 
