@@ -120,6 +120,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # 2-core CI-like machine; a file not listed runs after these, in its usual order.
 HEAVIEST_FILES = (
     "test_distributed_run.py",  # 232 s
+    "test_episode_runs.py",  # ~90 s (its module fixture starts five runs at once)
     "test_benchmarks.py",  # 199
     "test_train_loop.py",  # 184
     "test_cli.py",  # 157
