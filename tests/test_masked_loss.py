@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.batches import updated
 from torch import Tensor
 
 from grail.algo.grpo import GRPOLossConfig, grpo_loss, token_entropy, token_logprobs
@@ -20,7 +21,7 @@ from grail.envs.base import Problem
 from grail.models.loading import load_model
 from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train.microbatch import microbatches, pack_microbatch
-from grail.train.update import UpdateSettings, policy_update
+from grail.train.update import UpdateSettings
 
 TEMPERATURE = 0.8
 PACKED_TOKENS = 20  # train.micro_batch_tokens of the packed runs: several pieces per micro-batch
@@ -61,42 +62,6 @@ def _batch(groups: int, replicas: int, seed: int, masked: bool) -> RolloutBatch:
             samples.append(sample)
         out.append(Group(Problem(g, [], ""), prompt, samples))
     return RolloutBatch(out)
-
-
-def _update(
-    model: torch.nn.Module,
-    ref: torch.nn.Module | None,
-    batch: RolloutBatch,
-    settings: UpdateSettings,
-    adamw: bool = False,
-) -> tuple[dict[str, float | bool | None], list[Tensor]]:
-    """One policy_update; its metrics and the gradient of every optimizer step (before
-    clipping). SGD unless `adamw`."""
-    optimizer: torch.optim.Optimizer
-    if adamw:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    grads: list[Tensor] = []
-
-    def clip(c: float) -> Tensor:
-        grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), c)
-
-    metrics = policy_update(
-        model,
-        ref,
-        optimizer,
-        scheduler,
-        batch,
-        settings,
-        pad_token_id=0,
-        device=torch.device("cpu"),
-        backward=lambda loss: loss.backward(),
-        clip_grad_norm=clip,
-    )
-    return metrics, grads
 
 
 def _models(tiny_model_dir: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -160,7 +125,7 @@ def test_a_mask_of_all_sampled_tokens_is_bit_identical_to_none(
     results = []
     for batch in (plain, ones):
         model = copy.deepcopy(base)
-        metrics, grads = _update(model, ref, batch, settings, adamw=True)
+        metrics, grads = updated(model, ref, batch, settings, adamw=True)
         results.append((metrics, grads, [p.detach() for p in model.parameters()]))
     (want, want_grads, want_params), (got, got_grads, got_params) = results
     assert got == want  # every metric, to the bit (none is NaN here)
@@ -241,7 +206,7 @@ def test_a_masked_sample_is_trained_on_its_sampled_tokens_only(
     sampled = sum(s.num_sampled for s in batch.samples)
     assert sampled < sum(len(s.completion_ids) for s in batch.samples)  # context to leave out
     settings = _settings(loss, batch_size=9, grad_accum=1, tokens=tokens)
-    metrics, grads = _update(copy.deepcopy(base), ref, batch, settings)
+    metrics, grads = updated(copy.deepcopy(base), ref, batch, settings)
     assert metrics["num_tokens"] == sampled
     # By hand over the sampled tokens, and (what training on the context too would give, so
     # that the comparison can fail) over every completion token.
@@ -291,7 +256,7 @@ def test_the_mask_covers_the_sampled_positions_not_their_neighbours(
         batch = _probe_batch()
         if change is not None:
             change(batch.groups[0].samples[0])
-        metrics, grads = _update(copy.deepcopy(base), None, batch, settings)
+        metrics, grads = updated(copy.deepcopy(base), None, batch, settings)
         assert metrics["num_tokens"] == sum(s.num_sampled for s in batch.samples)
         return float(metrics["loss_total"]), grads[0]  # type: ignore[arg-type]
 

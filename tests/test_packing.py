@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.batches import updated
 from torch import Tensor
 
 from grail.algo.grpo import GRPOLossConfig, token_logprobs
@@ -26,7 +27,7 @@ from grail.train.packing import (
     resolve_micro_batch_tokens,
     split_by_tokens,
 )
-from grail.train.update import UpdateSettings, policy_update
+from grail.train.update import UpdateSettings
 
 
 def _sample(ids: list[int], advantage: float, gen: torch.Generator) -> Sample:
@@ -142,36 +143,6 @@ def test_packed_and_padded_log_probs_have_the_same_gradients(
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def _update(
-    model: torch.nn.Module,
-    ref: torch.nn.Module | None,
-    batch: RolloutBatch,
-    settings: UpdateSettings,
-) -> tuple[dict[str, float | bool | None], list[Tensor]]:
-    """One policy_update with plain SGD; the gradient of every optimizer step."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    grads: list[Tensor] = []
-
-    def clip(c: float) -> Tensor:
-        grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), c)
-
-    metrics = policy_update(
-        model,
-        ref,
-        optimizer,
-        scheduler,
-        batch,
-        settings,
-        pad_token_id=0,
-        device=torch.device("cpu"),
-        backward=lambda loss: loss.backward(),
-        clip_grad_norm=clip,
-    )
-    return metrics, grads
-
-
 @pytest.mark.parametrize(
     ("loss_type", "kl_coef", "entropy_coef", "grad_accum", "per_sample"),
     [
@@ -206,11 +177,11 @@ def test_packed_update_equals_the_padded_update(
     def settings(tokens: int) -> UpdateSettings:
         return UpdateSettings(loss, 1.0, 4, grad_accum, 1.0, micro_batch_tokens=tokens)
 
-    want, want_grads = _update(copy.deepcopy(base), ref, batch, settings(0))
+    want, want_grads = updated(copy.deepcopy(base), ref, batch, settings(0))
     policy, packed_ref = copy.deepcopy(base), copy.deepcopy(ref)
     if per_sample:
         assert use_packed_sdpa(policy) and (packed_ref is None or use_packed_sdpa(packed_ref))
-    got, got_grads = _update(policy, packed_ref, batch, settings(20))
+    got, got_grads = updated(policy, packed_ref, batch, settings(20))
     assert len(got_grads) == len(want_grads) == 4 // grad_accum
     for g, w in zip(got_grads, want_grads, strict=True):
         assert float((g - w).norm() / w.norm()) < 1e-5  # float rounding, elementwise near 0
@@ -283,11 +254,11 @@ def test_packed_update_equals_the_padded_update_with_context_tokens(
     def settings(tokens: int) -> UpdateSettings:
         return UpdateSettings(loss, 1.0, 4, grad_accum, 1.0, micro_batch_tokens=tokens)
 
-    want, want_grads = _update(copy.deepcopy(base), ref, batch, settings(0))
+    want, want_grads = updated(copy.deepcopy(base), ref, batch, settings(0))
     policy, packed_ref = copy.deepcopy(base), copy.deepcopy(ref)
     if per_sample:
         assert use_packed_sdpa(policy) and (packed_ref is None or use_packed_sdpa(packed_ref))
-    got, got_grads = _update(policy, packed_ref, batch, settings(20))
+    got, got_grads = updated(policy, packed_ref, batch, settings(20))
     assert len(got_grads) == len(want_grads) == 4 // grad_accum
     for g, w in zip(got_grads, want_grads, strict=True):
         assert float((g - w).norm() / w.norm()) < 1e-5  # float rounding, elementwise near 0

@@ -43,6 +43,7 @@ from grail.core.errors import UserError, first_line
 from grail.core.threads import DaemonWorkers
 from grail.envs.base import Problem
 from grail.envs.episodes import Episode, EpisodeEnvironment, Step, check_step, tools_of
+from grail.envs.tools import ToolBox, ToolTimeout, ToolTurn
 from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.batch import EpisodeStats, Group, Sample
 from grail.rollouts.seeds import request_seed, stable_hash
@@ -209,7 +210,8 @@ class TurnBatcher:
                 turn.done.set_result(completion)
 
     async def aclose(self) -> None:
-        """Cancel the requests still out (a failed or cancelled batch of episodes)."""
+        """Cancel the requests still out (a failed or cancelled batch of episodes); the batcher
+        takes the next batch's turns afterwards."""
         for task in list(self._running):
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
@@ -266,7 +268,6 @@ class EpisodeRunner:
             (problem, prompt), samples = runs[0][:2], [sample for _, _, sample in runs]
             return Group(problem=problem, prompt_ids=prompt, samples=samples)
 
-        self._turns = TurnBatcher(self.client)
         tasks = [asyncio.ensure_future(group(int(s))) for s in problem_seeds]
         try:
             return list(await asyncio.gather(*tasks))
@@ -368,11 +369,11 @@ class EpisodeRunner:
         except ValueError as exc:
             raise EnvironmentFailed(f"{exc} (turn {turn})") from exc
 
-    async def _tools(self, toolbox: Any, text: str, seed: int, turn: int) -> Any:
+    async def _tools(
+        self, toolbox: ToolBox | None, text: str, seed: int, turn: int
+    ) -> ToolTurn | None:
         if toolbox is None:
             return None
-        from grail.envs.tools import ToolTimeout
-
         try:
             return await toolbox.answer(text, self.limits.step_timeout_s)
         except ToolTimeout as exc:
@@ -403,10 +404,6 @@ class EpisodeRunner:
         return result
 
 
-def _toolbox(episode: Episode) -> Any:
+def _toolbox(episode: Episode) -> ToolBox | None:
     tools = tools_of(episode)
-    if not tools:
-        return None
-    from grail.envs.tools import ToolBox
-
-    return ToolBox(tools)
+    return ToolBox(tools) if tools else None

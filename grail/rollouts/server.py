@@ -201,8 +201,8 @@ def episode_limits(cfg: Config, tokenizer: Any) -> EpisodeLimits:
     max_tokens = data.max_episode_tokens or cfg.generation.max_model_len
     if max_tokens is None:
         # transformers sets a huge placeholder (~1e30) when a tokenizer names no length.
-        max_tokens = min(int(getattr(tokenizer, "model_max_length", 0) or 0), 2**31 - 1)
-        if max_tokens <= 0 or max_tokens >= 10**9:
+        max_tokens = int(getattr(tokenizer, "model_max_length", 0) or 0)
+        if not 0 < max_tokens < 10**9:
             max_tokens = DEFAULT_EPISODE_TOKENS
     return EpisodeLimits(data.max_turns, max_tokens, data.env_step_timeout_s)
 
