@@ -4,6 +4,7 @@ episodes at least 0.8x).
 
     uv run python benchmarks/episodes.py                    # 64 problems x 16 episodes of 4 turns
     uv run python benchmarks/episodes.py --problems 16 --batches 2
+    python3 benchmarks/episodes.py --device cuda --turn-tokens 32   # on a GPU: the graph decoder
 
 Episodes: copy_turns (grail/envs/copy_turns.py) with `--turns` turns, every turn exactly
 `--turn-tokens` tokens (ignore_eos), through the harness's turn loop (grail/rollouts/episodes.py).
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=4)
     parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--server-threads", type=int, default=1)
+    parser.add_argument("--server-threads", type=int, default=1, help="CPU only")
+    parser.add_argument("--device", default="cpu", help="the server's: cpu | cuda | cuda:N")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir,
         "tiny",
         log_dir=Path(tempfile.mkdtemp(prefix="grail-episodes-")),
-        threads=args.server_threads,
+        device=args.device,
+        threads=None if args.device.startswith("cuda") else args.server_threads,
     )
     with server:
         client = CompletionClient(server.base_url, "tiny", timeout=600)
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(
         "episodes",
         {
+            "device": args.device,
             "problems": args.problems,
             "episodes_per_problem": args.episodes,
             "turns": args.turns,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md in one go, for a GPU lent for a few minutes:
 #
-#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup attention mfu mfu_dense mfu_flex mfu_compile mfu15 mfu15_compile mfu15_flex decode loop tests tests_packing tests_flex
+#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]     # stages: setup attention mfu mfu16k_profile mfu_dense mfu_flex mfu_compile mfu15 mfu15_compile mfu15_flex decode decode_large loop loop15 fleet episodes tests tests_together tests_packing tests_flex
 #
 # Every stage runs under its own time limit (a hung stage loses only itself) and writes its log
 # to $OUT/<stage>.log (OUT defaults to /tmp/gpu-out); the last lines of each log are printed at
@@ -71,6 +71,9 @@ for s in "$@"; do
         mfu mfu_default 120 $A --profile                   # grail-train's defaults (packed sdpa, 4096)
         mfu mfu_16k 100 $A --micro-batch-tokens 16384 --batch-size 64
         ;;
+    mfu16k_profile)  # 16,384-token pieces, micro-batch 64, eager, with the profile of one update
+        mfu mfu_16k_profile 110 --json --warmup 2 --steps 4 --micro-batch-tokens 16384 --batch-size 64 --profile
+        ;;
     mfu_dense)  # before packed sdpa: the dense block-diagonal mask, 3.6% on an H200 (2026-11-26)
         mfu mfu_dense_mask 100 --json --warmup 2 --steps 4 --attn-implementation sdpa
         ;;
@@ -95,6 +98,14 @@ for s in "$@"; do
         stage decode 100 $PY benchmarks/engine_decode.py --preset mid --device cuda --shapes 8x8x256 --out "$OUT/decode_small.json"
         stage decode 100 $PY benchmarks/engine_decode.py --preset mid --device cuda --modes graph --shapes 64x16x512 --out "$OUT/decode_large.json"
         ;;
+    tests_together)  # the three files that run on one GPU, side by side (a log each): the
+        # correctness checks in the least device time; speed assertions in them get a shared GPU
+        stage tests_together 260 bash -c "T='-m pytest -p no:cacheprovider -v --tb=short -rfEs --durations=8 -o addopts='
+            $PY \$T tests/gpu/test_gpu_builtin.py >'$OUT/tests_builtin.log' 2>&1 &
+            $PY \$T tests/gpu/test_gpu_packing.py -k 'not flex' >'$OUT/tests_packing.log' 2>&1 &
+            $PY \$T tests/gpu/test_gpu_weight_transfer.py tests/gpu/test_gpu_backends.py tests/gpu/test_gpu_distributed.py >'$OUT/tests_weights.log' 2>&1 &
+            wait"
+        ;;
     tests)  # one pytest per file, each under its own limit, so a slow file cannot hide the others' failures
         T="-m pytest -p no:cacheprovider -v --tb=short -rfEs --durations=5 -o addopts="
         stage tests_weights 90 $PY $T tests/gpu/test_gpu_weight_transfer.py
@@ -114,6 +125,25 @@ for s in "$@"; do
         stage loop_mid_model 60 $PY -c "from grail.models.tiny import build_random_qwen2, MID_PRESET; build_random_qwen2('$RUNS/mid-model', seed=0, **MID_PRESET)"
         stage loop_mid 200 $PY -m grail.train.cli train.iterations=6 "model.train_id=$RUNS/mid-model" train.lr=1e-5 "hydra.run.dir=$RUNS/mid"
         stage loop_split 30 $PY benchmarks/iteration_times.py "$RUNS/default" "$RUNS/mid"
+        ;;
+    decode_large)  # the graph decoder at 64x16x512 only
+        stage decode_large 90 $PY benchmarks/engine_decode.py --preset mid --device cuda --modes graph --shapes 64x16x512 --out "$OUT/decode_large.json"
+        ;;
+    loop15)  # weight sync of the Qwen2.5-1.5B shape (its 512-token test vocabulary) in the loop
+        stage loop15_model 60 $PY -c "from train_step_gpu import SHAPES; from grail.models.tiny import build_random_qwen2; build_random_qwen2('$RUNS/m15', seed=0, **SHAPES['qwen2.5-1.5b'])"
+        stage loop15 200 $PY -m grail.train.cli train.iterations=4 "model.train_id=$RUNS/m15" train.lr=1e-5 data.problems_per_iteration=16 eval.interval=100 "hydra.run.dir=$RUNS/r15"
+        stage loop15_split 30 $PY benchmarks/iteration_times.py "$RUNS/r15"
+        ;;
+    fleet)  # one GPU: one built-in server beside the trainer, then two; the ~0.47B preset
+        # generating up to 128 tokens per rollout (a random model rarely samples its stop)
+        [ -d "$RUNS/mid-model" ] || stage loop_mid_model 60 $PY -c "from grail.models.tiny import build_random_qwen2, MID_PRESET; build_random_qwen2('$RUNS/mid-model', seed=0, **MID_PRESET)"
+        F="train.iterations=4 model.train_id=$RUNS/mid-model train.lr=1e-5 generation.max_new_tokens=128 eval.interval=100"
+        stage fleet_1 150 $PY -m grail.train.cli $F "hydra.run.dir=$RUNS/fleet1"
+        stage fleet_2 150 $PY -m grail.train.cli $F generation.servers=2 "hydra.run.dir=$RUNS/fleet2"
+        stage fleet_split 30 $PY benchmarks/iteration_times.py "$RUNS/fleet1" "$RUNS/fleet2"
+        ;;
+    episodes)  # multi-turn episodes against single-turn groups on the graph decoder (tiny model)
+        stage episodes 120 $PY benchmarks/episodes.py --device cuda --turn-tokens 32 --out "$OUT/episodes.json"
         ;;
     *) echo "unknown stage $s (see the top of this file)" ;;
     esac

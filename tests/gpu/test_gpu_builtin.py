@@ -88,6 +88,34 @@ def test_mid_size_model_iteration_on_cuda(tmp_path: Path, mid_model_dir: Path) -
     )
 
 
+@pytest.mark.parametrize(
+    ("env", "turns"),
+    [("copy_turns", 3), ("lookup", 2)],  # lookup: the tool path (its turn 1 is a tool call)
+)
+def test_episode_iterations_on_cuda(tmp_path: Path, env: str, turns: int) -> None:
+    """Multi-turn episodes through the graph decoder: each turn's request continues the
+    episode's token ids, the trainer's loss covers the sampled tokens only, and the server's
+    log-probs of them are the trainer's within bf16 rounding."""
+    _train(
+        tmp_path,
+        f"env={env}",
+        "train.iterations=2",
+        "gpu.strategy=single",
+        f"data.max_turns={turns}",
+        timeout=600,
+    )
+    for record in _check_run(tmp_path, 2):
+        episodes = record["episodes"]
+        assert 1 <= episodes["turns_mean"] <= turns, episodes
+        assert 0 < episodes["sampled_tokens"] == record["num_tokens"], (episodes, record)
+        # copy_turns' later turns hold the environment's tokens as context, not as loss
+        if env == "copy_turns":
+            assert episodes["sampled_tokens"] < record["tokens"]["completion"]
+        # mean |trainer - server| over the sampled tokens: bf16 server, bf16-autocast trainer
+        print(f"{env}: logprob_mismatch {record['logprob_mismatch']:.4f}, {episodes}")
+        assert record["logprob_mismatch"] < 0.2, record["logprob_mismatch"]
+
+
 @pytest.mark.parametrize("strategy", ["multi"])
 def test_two_gpu_layout_when_there_are_two(tmp_path: Path, strategy: str) -> None:
     import torch
