@@ -73,9 +73,16 @@ def _row_blocks(x: Tensor, chunk_size: int) -> Iterator[tuple[int, int, Tensor]]
 
 
 def _scaled(rows: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
-    """``rows / T`` in ``dtype`` as a [rows, V] tensor (a new one: the division copies)."""
-    z = rows.to(dtype) / temperature
-    return z.reshape(-1, z.shape[-1])
+    """``rows / T`` in ``dtype`` as a [rows, V] tensor, for reading only: at T = 1 it may be
+    ``rows`` itself. x / 1 is x exactly, and the division is a pass over [rows, 151,936] floats
+    that took 54 of the 833 ms of an update's GPU time on an H200 (docs/benchmarks.md)."""
+    z = rows.to(dtype)
+    return _unscale(z, temperature).reshape(-1, z.shape[-1])
+
+
+def _unscale(x: Tensor, temperature: float) -> Tensor:
+    """``x / T``, skipped at T = 1 (where it changes no bit)."""
+    return x if temperature == 1.0 else x / temperature
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -112,7 +119,7 @@ class _TokenLogprobs(torch.autograd.Function):
             p = torch.exp(_scaled(rows, lse.dtype, ctx.temperature) - lse[r0:r1].unsqueeze(-1))
             gz = -p * g[r0:r1].unsqueeze(-1)
             gz.scatter_add_(-1, flat_ids[r0:r1].unsqueeze(-1), g[r0:r1].unsqueeze(-1))
-            grad[r0:r1] = gz / ctx.temperature
+            grad[r0:r1] = _unscale(gz, ctx.temperature)
         return grad.view(b, t, v), None, None, None
 
 
@@ -147,7 +154,7 @@ class _TokenEntropy(torch.autograd.Function):
             logp = torch.log_softmax(_scaled(rows, acc, ctx.temperature), dim=-1)
             p = logp.exp()
             h = -(p * logp).sum(-1, keepdim=True)
-            grad[r0:r1] = (-p * (logp + h) * g[r0:r1].unsqueeze(-1)) / ctx.temperature
+            grad[r0:r1] = _unscale(-p * (logp + h) * g[r0:r1].unsqueeze(-1), ctx.temperature)
         return grad.view(b, t, v), None, None
 
 

@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from grail.algo.grpo import GRPOLossConfig
 from grail.envs.base import Problem
 from grail.models.loading import load_model
+from grail.models.packed_attention import use_packed_sdpa
 from grail.rollouts.batch import Group, RolloutBatch, Sample
 from grail.train.update import UpdateSettings, policy_update
 
@@ -42,6 +43,8 @@ def _gradient(
     torch.manual_seed(0)
     model = load_model(model_dir, dtype="float32", device=accelerator.device)
     model.set_attn_implementation(attention)
+    if tokens and attention == "sdpa":
+        use_packed_sdpa(model)  # as the trainer does for packed pieces (grail/train/trainer.py)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
