@@ -102,14 +102,14 @@ for s in "$@"; do
         # correctness checks in the least device time; speed assertions in them get a shared GPU.
         # A test stuck past --timeout fails with its stack instead of being killed with the stage
         # (2026-11-27: the lookup episode run was still going when the stage's 260 s ran out).
-        stage tests_together 260 bash -c "T='-m pytest -p no:cacheprovider -v --tb=short -rfEs --durations=8 --timeout=150 -o addopts='
+        stage tests_together 260 bash -c "T='-m pytest -p no:cacheprovider -v --tb=short -rfEs --durations=8 --timeout=200 -o addopts='
             $PY \$T tests/gpu/test_gpu_builtin.py >'$OUT/tests_builtin.log' 2>&1 &
             $PY \$T tests/gpu/test_gpu_packing.py -k 'not flex' >'$OUT/tests_packing.log' 2>&1 &
             $PY \$T tests/gpu/test_gpu_weight_transfer.py tests/gpu/test_gpu_backends.py tests/gpu/test_gpu_distributed.py >'$OUT/tests_weights.log' 2>&1 &
             wait"
         ;;
     tests)  # one pytest per file, each under its own limit, so a slow file cannot hide the others' failures
-        T="-m pytest -p no:cacheprovider -v --tb=short -rfEs --durations=5 --timeout=150 -o addopts="
+        T="-m pytest -p no:cacheprovider -v --tb=short -rfEs --durations=5 --timeout=200 -o addopts="
         stage tests_weights 90 $PY $T tests/gpu/test_gpu_weight_transfer.py
         stage tests_packing 90 $PY $T tests/gpu/test_gpu_packing.py -k "not flex"
         stage tests_builtin 150 $PY $T tests/gpu/test_gpu_builtin.py
