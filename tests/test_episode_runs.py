@@ -16,8 +16,8 @@ Each grail-train costs seconds of start-up, so the runs are few and combine chec
     two         train.processes=2, 1 iteration: iteration 0 as the sync run's
 
 Fast tests without a server: a study's store loads tool episodes (their prompts hold the tools'
-schemas); and, marked xfail (strict), what does not work yet: data.rewards are not applied to
-episodes, and a fleet does not keep an episode's turns on one server.
+schemas), data.rewards score episodes, and a fleet keeps an episode's turns on one server, also
+when that server is set aside mid-episode (the episode goes on, on another).
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ from grail.envs.base import Problem
 from grail.envs.episodes import Step
 from grail.envs.rewards.plugins import RewardFunctions
 from grail.inference.completions import Completion, SamplingParams
+from grail.inference.errors import ServerDiedError
 from grail.models.loading import load_tokenizer
 from grail.rollouts.batch import GeneratedBatch
 from grail.rollouts.episodes import EpisodeLimits, turn_seed
 from grail.rollouts.fleet import FleetClient
 from grail.rollouts.generation import RolloutGenerator, render_prompt_ids
+from grail.rollouts.seeds import request_seed
 from grail.rollouts.server import iteration_seeds
 from grail.rollouts.shared import SharedRollouts
 
@@ -310,7 +312,7 @@ def test_two_trainer_processes_train_episodes_as_one_does(runs: Runs) -> None:
     assert summary["status"] == "completed" and summary["trainer_processes"] == 2
 
 
-# ---- what does not work yet -----------------------------------------------------------------
+# ---- without a server -----------------------------------------------------------------------
 
 
 class Answering:
@@ -426,12 +428,6 @@ def test_extra_rewards_score_episodes(tiny_model_dir: Path) -> None:
         assert b.components["length_bonus"] > 0 and b.reward > a.reward
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a fleet routes each turn on its own (grail/rollouts/fleet.py FleetClient): an "
-    "episode's later turns go to whichever server the balancer picks, not to the one holding "
-    "its prefix in cache",
-)
 def test_a_fleet_keeps_an_episodes_turns_on_one_server(tiny_model_dir: Path) -> None:
     tokenizer = load_tokenizer(str(tiny_model_dir))
     seen: dict[int, int] = {}
@@ -444,3 +440,52 @@ def test_a_fleet_keeps_an_episodes_turns_on_one_server(tiny_model_dir: Path) -> 
     assert set(seen.values()) == {0, 1}  # both served
     moved = [s for s in firsts if seen[s] != seen[turn_seed(s, 1)]]
     assert not moved, f"{len(moved)} of {len(firsts)} episodes changed server between turns"
+
+
+class Dying(Answering):
+    """An `Answering` server that answers episodes' first turns (`firsts`: their seeds), then
+    dies at the first later turn it is sent, and fails every request from then on."""
+
+    def __init__(self, tokenizer: Any, seen: dict[int, int], server: int, firsts: set[int]):
+        super().__init__(tokenizer, seen, server)
+        self.firsts, self.dead = firsts, False
+
+    async def complete_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int],
+        on_done: Any = None,
+    ) -> list[list[Completion]]:
+        self.dead = self.dead or any(seed not in self.firsts for seed in seeds)
+        if self.dead:
+            raise ServerDiedError("the server died")
+        return await super().complete_many(prompts, n, sampling, seeds, on_done)
+
+
+def test_an_episode_whose_server_is_set_aside_finishes_on_another(tiny_model_dir: Path) -> None:
+    # Server 1 draws first turns, then dies at the second turn of its episodes: it is set aside,
+    # and those episodes go on on server 0 (re-pinned there: their third turns follow).
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    seen: dict[int, int] = {}
+    firsts = {request_seed(0, 0, problem) + i for problem in range(8) for i in range(4)}
+    aside: list[int] = []
+    dying = Dying(tokenizer, seen, 1, firsts)
+    fleet = FleetClient(
+        [Answering(tokenizer, seen, 0), dying],  # type: ignore[list-item]
+        window=2,
+        on_set_aside=aside.append,
+    )
+    generator = _generator(fleet, tokenizer, make_env("copy_turns", turns=3))
+
+    async def episodes() -> Any:
+        return await asyncio.wait_for(generator.generate(list(range(8)), 4), 30)
+
+    batch = asyncio.run(episodes())
+    assert all(s.episode is not None and s.episode.turns == 3 for s in batch.samples)
+    assert dying.dead and aside == [1] and set(seen) >= firsts  # a second turn reached it
+    moved = [seed for seed in firsts if seen[seed] == 1]
+    assert moved, "server 1 drew no first turn"
+    assert all(seen[turn_seed(seed, t)] == 0 for seed in moved for t in (1, 2))
+    assert fleet.server_records()[1]["failures"] >= 1

@@ -23,6 +23,7 @@ from grail.core.validate import validate
 from grail.inference.completions import Completion, GenerationError, SamplingParams
 from grail.inference.errors import ServerDiedError
 from grail.rollouts import fleet as fleet_module
+from grail.rollouts import sizing
 from grail.rollouts.balance import Balancer
 from grail.rollouts.fleet import Fleet, FleetClient
 from grail.train.cli import CONF_DIR
@@ -273,6 +274,32 @@ def test_a_server_set_aside_from_another_thread_hands_its_requests_over_at_once(
     assert slow.called_back == 2 and slow.prompts == [] and client.aside() == [1]
 
 
+def test_a_pinned_request_waits_for_its_server_and_moves_once_that_is_set_aside() -> None:
+    # An episode's later turns name the server holding their prefix: they go there, in requests
+    # of its size (here 4 prompts of n=64), even when its window (1) is full and the other server
+    # is faster and idle; once it dies, to the balancer's pick, which the answer names.
+    fast, slow = _FakeServer(0.00001), _FakeServer(0.00003)
+    client = FleetClient([fast, slow], window=1)  # type: ignore[list-item]
+    sampling = SamplingParams(max_tokens=1, temperature=1.0)
+    prompts, seeds = [[j, 7] for j in range(8)], [1000 + j for j in range(8)]
+    expected = [
+        [Completion([j, 1000 + j + i], [-0.5] * 2, "length", "") for i in range(64)]
+        for j in range(8)
+    ]
+
+    async def scenario() -> None:
+        client.new_batch(8, 64, sampling)
+        assert await client.complete_on(prompts, 64, sampling, seeds, 1) == (expected, [1] * 8)
+        assert slow.prompts == list(range(8)) and fast.prompts == []
+        slow.dead = True
+        assert await client.complete_on(prompts, 64, sampling, seeds, 1) == (expected, [0] * 8)
+        assert client.aside() == [1] and fast.prompts == list(range(8))
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    records = client.server_records()
+    assert [r["requests"] for r in records] == [2, 2] and records[1]["failures"] >= 1
+
+
 def test_a_request_any_server_would_refuse_is_not_retried_elsewhere() -> None:
     class Refusing(_FakeServer):
         async def complete_many(self, *args: Any, **kwargs: Any) -> list[list[Completion]]:
@@ -307,12 +334,12 @@ def test_a_fleet_it_cannot_run_is_refused_naming_the_key(
 
 def test_a_servers_window_is_two_of_its_batches_and_at_most_its_share() -> None:
     # The default job's shape on 2 servers: 64 prompts of 16 in requests of 8 prompts, 8 requests.
-    assert fleet_module.window_for(256, 16, 8, requests=8, servers=2) == 4
+    assert sizing.window_for(256, 16, 8, requests=8, servers=2) == 4
     # Large batches: two server batches of requests in flight (here 2 x 256 / (16 x 4) = 8).
-    assert fleet_module.window_for(256, 16, 4, requests=128, servers=2) == 8
+    assert sizing.window_for(256, 16, 4, requests=128, servers=2) == 8
     # A small batch (4 problems x 4 samples): its even share, not 128 requests, so that a
     # server measured a little faster by noise does not take the whole batch.
-    assert fleet_module.window_for(256, 4, 1, requests=4, servers=2) == 2
+    assert sizing.window_for(256, 4, 1, requests=4, servers=2) == 2
 
 
 def test_the_iteration_line_shows_the_fleet() -> None:

@@ -22,7 +22,7 @@ step: 5.3 ms against 3.1 ms for a nearly empty one; for a full window, also abou
 and the group then runs). The consequence that matters: a server measured at half speed, where any
 group takes twice as long, gets a group only when every faster server's window is full, and a third-
 speed one not even then: the group waits for a fast server's slot. The wait matters in small
-batches, where the window is capped at a server's even share (grail/rollouts/fleet.py `window_for`):
+batches, where the window is capped at a server's even share (`window_for`, rollouts/sizing.py):
 taking any free window gave a third-speed server its even share of every batch
 (tests/test_fleet.py). An idle fleet fills evenly, one group each in index order. The simulation
 (benchmarks/fleet_sim.py) is why: with a batch of 8 groups per server, (outstanding + cost) / speed

@@ -28,6 +28,11 @@ in flight, and the same config and seed give the same episodes.
 Concurrency. Every episode of the batch runs as its own task: a turn is sent the moment its
 environment has answered (no barrier per turn across the batch), and the client caps the
 requests in flight. A plain `step` runs in a daemon thread under `data.env_step_timeout_s`.
+
+A fleet. The balancer picks the server of an episode's first turn, and its later turns go to the
+server that answered the one before (`TurnBatcher`), which holds the episode's tokens so far in
+its prefix cache; one set aside passes its episodes to the balancer's choice, where they stay.
+A turn's seed does not depend on its server.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from grail.envs.episodes import Episode, EpisodeEnvironment, Step, check_step, t
 from grail.envs.tools import ToolBox, ToolTimeout, ToolTurn
 from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.batch import EpisodeStats, Group, Sample
+from grail.rollouts.fleet import FleetClient
 from grail.rollouts.seeds import request_seed, stable_hash
 
 if TYPE_CHECKING:
@@ -146,7 +152,7 @@ class ChatRenderer:
 class _Turn:
     prompt: list[int]
     seed: int
-    done: asyncio.Future[Completion]
+    done: asyncio.Future[tuple[Completion, int | None]]
 
 
 class TurnBatcher:
@@ -158,17 +164,36 @@ class TurnBatcher:
     at most `in_flight` requests run at once, each taking every queued turn of the same sampling
     settings (up to the client's request size): while requests are out, the turns that get
     ready meanwhile gather for the next. No turn waits for another episode's turn; the built-in
-    server is batch-invariant, so a turn's tokens do not depend on what it was sent with."""
+    server is batch-invariant, so a turn's tokens do not depend on what it was sent with.
+
+    With a fleet (`FleetClient`) a turn may name the server to send it to: the one that answered
+    its episode's earlier turns holds their tokens in its prefix cache (vLLM, SGLang). Turns
+    then share a request only with turns of the same settings bound for the same server, and
+    `in_flight` is per server (unbound turns, an episode's first, count as one more): a fleet of
+    eight would otherwise have at most four servers busy."""
 
     def __init__(self, client: Completer, in_flight: int = 4, most: int = 256) -> None:
         self.client, self.in_flight, self.most = client, in_flight, most
-        self._queue: dict[SamplingParams, list[_Turn]] = {}
-        self._running: set[asyncio.Task[None]] = set()
+        self._fleet = client if isinstance(client, FleetClient) else None
+        self._queue: dict[tuple[SamplingParams, int | None], list[_Turn]] = {}
+        self._running: dict[asyncio.Task[None], int | None] = {}  # each request's server
         self._kick_scheduled = False
 
-    async def complete(self, prompt: list[int], sampling: SamplingParams, seed: int) -> Completion:
-        done: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
-        self._queue.setdefault(sampling, []).append(_Turn(prompt, seed, done))
+    def new_batch(self, episodes: int, sampling: SamplingParams) -> None:
+        """A batch of `episodes` episodes starts. A fleet's balancer counts it as one batch of
+        their first turns (`FleetClient.new_batch`), not one batch per request of turns."""
+        if self._fleet is not None:
+            self._fleet.new_batch(episodes, 1, sampling)
+
+    async def complete(
+        self, prompt: list[int], sampling: SamplingParams, seed: int, server: int | None = None
+    ) -> tuple[Completion, int | None]:
+        """A turn's completion, sent to fleet server `server` (None: where the client routes
+        it), and the server that answered it (None from a client of one server)."""
+        done: asyncio.Future[tuple[Completion, int | None]]
+        done = asyncio.get_running_loop().create_future()
+        server = server if self._fleet is not None else None
+        self._queue.setdefault((sampling, server), []).append(_Turn(prompt, seed, done))
         if not self._kick_scheduled:  # turns that get ready in this pass of the loop go together
             self._kick_scheduled = True
             asyncio.get_running_loop().call_soon(self._kick)
@@ -176,28 +201,40 @@ class TurnBatcher:
 
     def _kick(self) -> None:
         self._kick_scheduled = False
-        while self._queue and len(self._running) < self.in_flight:
-            sampling, waiting = next(iter(self._queue.items()))
-            batch, rest = waiting[: self.most], waiting[self.most :]
-            if rest:
-                self._queue[sampling] = rest
-            else:
-                del self._queue[sampling]
-            batch = [t for t in batch if not t.done.cancelled()]
-            if batch:
-                task = asyncio.ensure_future(self._send(sampling, batch))
-                self._running.add(task)
-                task.add_done_callback(self._finished)
+        for key in list(self._queue):
+            server = key[1]
+            while key in self._queue and self._busy(server) < self.in_flight:
+                waiting = self._queue[key]
+                batch, rest = waiting[: self.most], waiting[self.most :]
+                if rest:
+                    self._queue[key] = rest
+                else:
+                    del self._queue[key]
+                batch = [t for t in batch if not t.done.cancelled()]
+                if batch:
+                    task = asyncio.ensure_future(self._send(key, batch))
+                    self._running[task] = server
+                    task.add_done_callback(self._finished)
+
+    def _busy(self, server: int | None) -> int:
+        return sum(1 for s in self._running.values() if s == server)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        self._running.discard(task)
+        self._running.pop(task, None)
         self._kick()
 
-    async def _send(self, sampling: SamplingParams, batch: list[_Turn]) -> None:
+    async def _send(self, key: tuple[SamplingParams, int | None], batch: list[_Turn]) -> None:
+        sampling, server = key
+        prompts, seeds = [t.prompt for t in batch], [t.seed for t in batch]
+        answered: Sequence[int | None]
         try:
-            results = await self.client.complete_many(
-                [t.prompt for t in batch], 1, sampling, [t.seed for t in batch]
-            )
+            if self._fleet is None:
+                results = await self.client.complete_many(prompts, 1, sampling, seeds)
+                answered = [None] * len(batch)
+            else:
+                results, answered = await self._fleet.complete_on(
+                    prompts, 1, sampling, seeds, server
+                )
         except BaseException as exc:
             for turn in batch:
                 if not turn.done.done():
@@ -205,9 +242,9 @@ class TurnBatcher:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
-        for turn, (completion,) in zip(batch, results, strict=True):
+        for turn, (completion,), where in zip(batch, results, answered, strict=True):
             if not turn.done.done():
-                turn.done.set_result(completion)
+                turn.done.set_result((completion, where))
 
     async def aclose(self) -> None:
         """Cancel the requests still out (a failed or cancelled batch of episodes); the batcher
@@ -259,6 +296,7 @@ class EpisodeRunner:
         `on_progress(1)` as each problem's episodes are all done."""
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
+        self._turns.new_batch(len(problem_seeds) * replicas, self.sampling)
 
         async def group(seed: int) -> Group:
             first = request_seed(self.base_seed, round_index, seed)
@@ -303,12 +341,15 @@ class EpisodeRunner:
         turns = tool_calls = tool_errors = 0
         env_s = 0.0
         finish, done, answer = "stop", False, ""
+        server: int | None = None  # a fleet's: the one holding this episode's turns so far
         while not done:
             room = limits.max_tokens - len(prompt) - len(ids)
             if turns == limits.max_turns or room < 1:
                 break
             sampling = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, room))
-            turn = await self._turns.complete(prompt + ids, sampling, turn_seed(first_seed, turns))
+            turn, server = await self._turns.complete(
+                prompt + ids, sampling, turn_seed(first_seed, turns), server
+            )
             turns += 1
             ids += turn.token_ids
             mask += [1] * len(turn.token_ids)

@@ -10,7 +10,10 @@ client's attempts) to come back. One whose server died (`ServerDiedError`, or no
 client's retries) or that missed that deadline (the server is hung: stopped, deadlocked; its
 retries would hold the batch for several timeouts while the others idle) is counted as that
 server's failure, the server is set aside, and the requests it holds, this one and the others,
-go to the servers that answer at once; the batch ends with no group lost or sent twice. With
+go to the servers that answer at once; the batch ends with no group lost or sent twice. A
+request may name its server instead (`complete_on`: an episode's later turns, on the server that
+holds its prefix in cache); it waits for a slot in that server's window, and goes where the
+balancer picks only when that server fails or is set aside. With
 every server set aside the request fails with `ServerDiedError`, which the run's recovery
 handles as for one server.
 
@@ -43,7 +46,6 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -59,32 +61,11 @@ from grail.inference.process import ServerManager, SyncResult
 from grail.inference.weights.policy import Weights
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts.balance import Balancer
+from grail.rollouts.sizing import group_cost, request_size
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# A batch goes in at least this many requests per server, so that the balancer has requests to
-# move: with one request per server a slow server would hold its whole share to the end.
-REQUESTS_PER_SERVER = 4
-
-
-def request_size(most: int, prompts: int, servers: int) -> int:
-    """Prompts in one request of a batch of `prompts`: at most `most` (what one server takes in
-    one request), but few enough that each of `servers` gets `REQUESTS_PER_SERVER` requests."""
-    spread = math.ceil(prompts / (REQUESTS_PER_SERVER * servers))
-    return max(1, min(most, spread))
-
-
-def window_for(batch_sequences: int, n: int, per_request: int, requests: int, servers: int) -> int:
-    """Requests one server may have in flight: about twice its batch (`batch_sequences`
-    sequences), in requests of `per_request` prompts of n samples, but no more than its even
-    share of a batch of `requests`. A request holds its slot until its longest sample ends, so a
-    window of one batch kept the simulated engine half full (docs/benchmarks.md, "A fleet of
-    servers, simulated"). The cap: with a window larger than the batch, measured speeds that
-    differ by noise alone sent a small batch to one server (4 x 4 samples all went to the first)."""
-    batches = math.ceil(2 * batch_sequences / (n * per_request))
-    return max(1, min(batches, math.ceil(requests / servers)))
 
 
 def is_server_fault(exc: BaseException) -> bool:
@@ -107,6 +88,11 @@ def _seen(call: asyncio.Future[Any]) -> None:
     that asyncio does not log it as never retrieved."""
     if not call.cancelled():
         call.exception()
+
+
+def _check_seeds(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> None:
+    if len(seeds) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -163,25 +149,58 @@ class FleetClient:
     ) -> list[list[Completion]]:
         """As `CompletionClient.complete_many`: n completions of each prompt, in input order,
         sample i of prompt j seeded `seeds[j] + i`; the requests spread over the fleet."""
-        if len(seeds) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
+        _check_seeds(prompts, seeds)
+        self.new_batch(len(prompts), n, sampling)
+        groups, _ = await self.complete_on(prompts, n, sampling, seeds, None, on_done)
+        return groups
+
+    def new_batch(self, prompts: int, n: int, sampling: SamplingParams) -> None:
+        """A batch of `prompts` prompts of n samples starts (`Balancer.new_batch`, in the
+        requests `complete_many` would send them in). `complete_on` does not begin one: an
+        episode batch sends its turns over many calls, and a batch per call would probe a slow
+        server at each of them."""
+        if prompts:
+            per_request = self.prompts_per_request(n, prompts)
+            requests = -(-prompts // per_request)
+            self.balancer.new_batch(requests, group_cost(n, sampling) * per_request)
+
+    async def complete_on(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: Sequence[int],
+        server: int | None,
+        on_done: Callable[[int], None] | None = None,
+    ) -> tuple[list[list[Completion]], list[int]]:
+        """`complete_many`'s groups, within the current batch (`new_batch`), and the server that
+        answered each prompt. With `server`, every request goes to that server (it holds the
+        prompts' prefixes in its cache: an episode's earlier turns), waiting for a slot in its
+        window, unless it is set aside or fails: then, as any request, to the server the
+        balancer picks. Without, the requests spread over the fleet as `complete_many`'s."""
+        _check_seeds(prompts, seeds)
+        if server is not None and not 0 <= server < len(self.clients):
+            raise ValueError(f"server {server} is not in this fleet of {len(self.clients)}")
         if not prompts:
-            return []
+            return [], []
         if self._loop is None:  # where `set_aside` from another thread calls requests back
             self._loop = asyncio.get_running_loop()
-        # Expected tokens of one prompt's group: what the balancer weighs requests by.
-        group_cost = n * (sampling.max_tokens or 1)
-        per_request = self.prompts_per_request(n, len(prompts))
-        requests = -(-len(prompts) // per_request)
-        self.balancer.new_batch(requests, group_cost * per_request)
-        return await in_requests(
-            len(prompts),
-            per_request,
-            lambda start, stop: self._send(
-                prompts[start:stop], n, sampling, seeds[start:stop], group_cost
-            ),
-            on_done,
+        per_prompt = group_cost(n, sampling)
+        per_request = (
+            self.prompts_per_request(n, len(prompts))
+            if server is None
+            else self.clients[server].prompts_per_request(n)  # one request, one answer's wait
         )
+        answered = [0] * len(prompts)
+
+        async def send(start: int, stop: int) -> list[list[Completion]]:
+            groups, where = await self._send(
+                prompts[start:stop], n, sampling, seeds[start:stop], per_prompt, server
+            )
+            answered[start:stop] = [where] * (stop - start)
+            return groups
+
+        return await in_requests(len(prompts), per_request, send, on_done), answered
 
     async def _send(
         self,
@@ -189,19 +208,22 @@ class FleetClient:
         n: int,
         sampling: SamplingParams,
         seeds: Sequence[int],
-        group_cost: float,
-    ) -> list[list[Completion]]:
-        """One request on the server the balancer picks; on another when that server fails,
-        misses the request's deadline, or is set aside meanwhile."""
-        cost = group_cost * len(prompts)
+        per_prompt: float,
+        pinned: int | None = None,
+    ) -> tuple[list[list[Completion]], int]:
+        """One request on `pinned` or the server the balancer picks; on another (the balancer's)
+        when that server fails, misses the request's deadline, or is set aside meanwhile. The
+        groups, and the server that answered them."""
+        cost = per_prompt * len(prompts)
         while True:
-            server = await self._acquire(cost)
+            server = await self._acquire(cost, pinned)
             t0 = time.perf_counter()
             try:
                 groups = await self._call(server, prompts, n, sampling, seeds)
             except _Moved:
                 self.balancer.failed(server, cost)
                 await self._notify()
+                pinned = None
                 continue
             except Exception as exc:
                 if not is_server_fault(exc):  # any server would refuse it: the batch fails
@@ -211,6 +233,7 @@ class FleetClient:
                 self.balancer.failed(server, cost)
                 self._set_aside(server, exc)
                 await self._notify()
+                pinned = None
                 continue
             except BaseException:  # cancelled: its work is no longer in flight
                 self.balancer.withdrawn(server, cost)
@@ -218,7 +241,7 @@ class FleetClient:
             tokens = sum(len(c.token_ids) for group in groups for c in group)
             self.balancer.finished(server, cost, tokens=tokens, seconds=time.perf_counter() - t0)
             await self._notify()
-            return groups
+            return groups, server
 
     async def _call(
         self,
@@ -253,18 +276,25 @@ class FleetClient:
             raise _Moved
         return call.result()
 
-    async def _acquire(self, cost: float) -> int:
+    async def _acquire(self, cost: float, pinned: int | None = None) -> int:
         changed = self._condition()
+        balancer = self.balancer
         async with changed:
             while True:
-                if not self.balancer.usable():
+                usable = balancer.usable()
+                if not usable:
                     raise ServerDiedError(
                         f"every server of the fleet ({len(self.clients)}) is set aside: "
                         "none answers"
                     )
-                server = self.balancer.choose(cost)
+                if pinned is not None and pinned in usable:
+                    # It waits for a slot there: on another server it would miss the cache.
+                    free = balancer.loads[pinned].in_flight < balancer.window
+                    server = pinned if free else None
+                else:
+                    server = balancer.choose(cost)
                 if server is not None:
-                    self.balancer.started(server, cost)
+                    balancer.started(server, cost)
                     return server
                 await changed.wait()
 

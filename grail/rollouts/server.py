@@ -47,9 +47,10 @@ from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
 from grail.rollouts.episodes import EpisodeLimits
-from grail.rollouts.fleet import Fleet, FleetClient, request_size, window_for
+from grail.rollouts.fleet import Fleet, FleetClient
 from grail.rollouts.generation import RolloutGenerator, fill_informative, sampling_params
 from grail.rollouts.seeds import stable_hash
+from grail.rollouts.sizing import request_size, window_for
 
 if TYPE_CHECKING:
     from grail.core.config import Config
