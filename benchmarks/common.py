@@ -24,6 +24,18 @@ from rich.table import Table
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def print_profile(run: Any, on_cuda: bool, rows: int = 30) -> None:
+    """`run()` once under torch.profiler: its operators by self device (or CPU) time, to stderr
+    (the CUDA kernels of every thread, an engine's worker included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        run()
+    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=rows), file=sys.stderr)
+
+
 def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, min, max and the interquartile range of repeated timings."""
     if not values:

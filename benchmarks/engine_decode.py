@@ -25,13 +25,15 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import machine, print_table, write_results
+from common import machine, print_profile, print_table, write_results
 
 from grail.inference.builtin.engine import Engine
 from grail.inference.builtin.sampling import SamplingParams
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--reps", type=int, default=1, help="timed runs per mode and shape")
+    parser.add_argument(
+        "--profile", action="store_true", help="one more run per shape under torch.profiler"
+    )
     parser.add_argument("--no-warmup", action="store_true", help="time the first run too")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/)")
@@ -119,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.no_warmup:
                         run_once(engine, prompts, n, tokens)
                     timed = [run_once(engine, prompts, n, tokens) for _ in range(args.reps)]
+                    if args.profile:
+                        print(f"profile of {mode} {shape}:", file=sys.stderr)
+                        on_cuda = str(args.device).startswith("cuda")
+                        print_profile(partial(run_once, engine, prompts, n, tokens), on_cuda)
                     seconds = statistics.median(s for s, _ in timed)
                     completion = prompts_n * n * tokens
                     steps = decode_steps(prompts_n, n, tokens, args.max_batch_size)

@@ -73,6 +73,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common import print_profile
+
 from grail.models.tiny import MID_PRESET, TINY_PRESET
 
 # Peak dense bf16 tensor-core TFLOP/s (vendor datasheets, without sparsity), by a fragment of
@@ -285,17 +287,6 @@ def _parser() -> argparse.ArgumentParser:
         "--device", default="cuda:0", help="cpu runs the same code (a smoke test, no MFU)"
     )
     return parser
-
-
-def print_profile(update: Any, on_cuda: bool, rows: int = 30) -> None:
-    """One update under torch.profiler: its operators by self device (or CPU) time, to stderr."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with profile(activities=activities) as prof:
-        update()
-    key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=rows), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

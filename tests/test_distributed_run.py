@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 def test_two_ranks_train_as_one_process_does(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
-    code, out, _ = grail_train(one, "train.iterations=3")
+    code, out, _ = grail_train(one, "train.iterations=1")  # only its iteration 0 is compared
     assert code == 0, out[-3000:]
     code, out, _ = grail_train(two, "train.iterations=3", *TWO)
     assert code == 0, out[-3000:]
