@@ -24,12 +24,12 @@ How the workloads were made equal (TRL's name in brackets where it differs):
   [gradient_checkpointing=False; TRL defaults to True], on CPU [use_cpu=True;
   CUDA_VISIBLE_DEVICES is emptied for every arm].
 - Prompts: iteration i trains on exactly the problem seeds
-  `grail.rollouts.server.iteration_seeds(cfg, i)` of the copy_digits task. TRL's dataset holds
-  those seeds' `prompt_messages` in that order (iteration 0's problems, then iteration 1's, ...)
-  with shuffling off [shuffle_dataset=False],
-  so TRL's generation batch i holds the same problems as our iteration i; the TRL arm fails
-  unless its reward function saw exactly those seeds, each G times, in step i. Both render the
-  messages with the tokenizer's chat template and add_generation_prompt=True.
+  `grail.rollouts.server.iteration_seeds(cfg.data, i)` of the copy_digits task. TRL's dataset
+  holds those seeds' `prompt_messages` in that order (iteration 0's problems, then iteration
+  1's, ...) with shuffling off [shuffle_dataset=False], so TRL's generation batch i holds the
+  same problems as our iteration i; the TRL arm fails unless its reward function saw exactly
+  those seeds, each G times, in step i. Both render the messages with the tokenizer's chat
+  template and add_generation_prompt=True.
 - Reward: the environment's own `score(problem(seed), completion).reward` in both; TRL gets it
   as its one reward function (the seed is a dataset column passed to the function).
 - Sampling: G completions per prompt [num_generations]; at most `--max-new-tokens` tokens
@@ -320,7 +320,7 @@ def train_seeds(w: Workload) -> list[list[int]]:
     from grail.rollouts.server import iteration_seeds
 
     cfg = _compose(ours_overrides(w, "sync", "tiny"))
-    return [iteration_seeds(cfg, i) for i in range(w.iterations)]
+    return [iteration_seeds(cfg.data, i) for i in range(w.iterations)]
 
 
 def trl_rows(w: Workload) -> list[dict[str, Any]]:

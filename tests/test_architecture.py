@@ -3,7 +3,8 @@ it, no modules import each other in a circle, and the console scripts point at f
 
 Layers (docs/architecture.md): core -> algo / envs / models -> inference -> rollouts -> service /
 tinker -> study -> train -> report. Imports under `if TYPE_CHECKING:` count too: a type that must
-come from a higher layer is a sign the value travels the wrong way.
+come from a higher layer is a sign the value travels the wrong way. The whole run config,
+`grail.core.config.Config`, is imported only in core/ and train/.
 """
 
 from __future__ import annotations
@@ -79,6 +80,35 @@ def test_modules_import_only_their_own_layer_or_below() -> None:
             if mine is not None and theirs is not None and theirs > mine:
                 upward.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
     assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+# The packages that may name the whole run config: its schema, and the layer that owns the run.
+CONFIG_PACKAGES = {"core", "train"}
+
+
+def test_only_core_and_train_import_the_whole_config() -> None:
+    """Below train/ a function takes the sections it reads (DataConfig, ...: allowed) or a
+    settings object train/ builds from the Config (`grail.train.components.rollout_settings`), so
+    what it depends on shows in its signature; report/ reads what runs left on disk."""
+    whole = []
+    for name, path in sorted(_modules().items()):
+        parts = name.split(".")
+        if len(parts) > 1 and parts[1] in CONFIG_PACKAGES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            names = {alias.name for alias in node.names}
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            # The module itself (`import grail.core.config`, `from grail.core import config`)
+            # would reach the Config as well.
+            if (
+                (module == "grail.core.config" and names & {"Config", "*"})
+                or (module == "grail.core" and "config" in names)
+                or (module is None and "grail.core.config" in names)
+            ):
+                whole.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not whole, "the whole Config imported outside core/ and train/:\n" + "\n".join(whole)
 
 
 def test_no_import_circles() -> None:

@@ -307,7 +307,7 @@ def test_vs_trl_dataset_is_the_harness_seeds_in_order() -> None:
     w = vs_trl.Workload(problems=5, group_size=2, iterations=3, micro_batch=5)
     rows = vs_trl.trl_rows(w)
     cfg = _compose_ours(vs_trl.ours_overrides(w, "sync", "tiny"))
-    expected = [s for i in range(3) for s in iteration_seeds(cfg, i)]
+    expected = [s for i in range(3) for s in iteration_seeds(cfg.data, i)]
     assert [r["seed"] for r in rows] == expected and len(set(expected)) == 15
     env = make_env("copy_digits")
     assert rows[7]["prompt"] == env.problem(expected[7]).prompt_messages

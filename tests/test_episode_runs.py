@@ -402,18 +402,18 @@ def test_a_stored_batch_of_tool_episodes_loads(tiny_model_dir: Path, tmp_path: P
     tokenizer = load_tokenizer(str(tiny_model_dir))
     data = DataConfig(environment="with_tool", problems_per_iteration=2, rollouts_per_problem=2)
     cfg, env = Config(data=data), WithTool()
-    seeds = iteration_seeds(cfg, 0)
+    seeds = iteration_seeds(cfg.data, 0)
     batch = asyncio.run(_generator(Answering(tokenizer), tokenizer, env).generate(seeds, 2))
     generated = GeneratedBatch(batch, 0, 1.0, 0.0, 1.0)
     plain = render_prompt_ids(tokenizer, batch.groups[0].problem)
     assert len(batch.groups[0].prompt_ids) > len(plain)  # the tool's schema is in the prompt
-    store = SharedRollouts(cfg, tmp_path, {"test": True})
+    store = SharedRollouts(cfg.data, tmp_path, {"test": True})
     assert store.get(lambda: generated, env, tokenizer, seeds) is generated
 
     def never() -> GeneratedBatch:
         raise AssertionError("the stored batch should have been loaded, not generated")
 
-    loaded = SharedRollouts(cfg, tmp_path, {"test": True}).get(never, env, tokenizer, seeds)
+    loaded = SharedRollouts(cfg.data, tmp_path, {"test": True}).get(never, env, tokenizer, seeds)
     assert loaded.reused is not None and loaded.batch.groups == batch.groups
 
 

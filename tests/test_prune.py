@@ -42,6 +42,7 @@ from grail.study.prune import (
     setting_label,
     storage_path,
 )
+from grail.study.rungs import Judge
 from grail.study.runs import run_status
 from grail.study.sweep import Action, RunRecord, decide
 from grail.train.cli import CONF_DIR
@@ -65,12 +66,27 @@ def _evaluate(run_dir: Path, iteration: int, success: float) -> None:
     write_metrics(path, eval_record(iteration, success, success), "eval")
 
 
+def _trial(
+    cfg: Config, run_dir: Path, start: int, judge: Judge | None = None
+) -> RunTrial | NoPruning:
+    """`open_trial` given what the loop gives it of `cfg`."""
+    return open_trial(
+        cfg.prune,
+        run_dir,
+        start,
+        study_dir=cfg.study_dir,
+        seed=cfg.seed,
+        iterations=cfg.train.iterations,
+        judge=judge,
+    )
+
+
 def _open(cfg: Config, run_dir: Path, lr: str, start: int = 0) -> RunTrial:
     """The trial of a run of setting train.lr=`lr` on cfg.seed, as the loop opens it: Hydra's
     overrides file first (the setting is read from it)."""
     if not (run_dir / ".hydra" / "overrides.yaml").exists():
         write_hydra(run_dir, [f"train.lr={lr}", f"seed={cfg.seed}"], 8)
-    trial = open_trial(cfg, run_dir, start)
+    trial = _trial(cfg, run_dir, start)
     assert isinstance(trial, RunTrial)
     return trial
 
@@ -292,7 +308,7 @@ def test_a_decision_survives_a_kill_before_the_checkpoint(tmp_path: Path) -> Non
     def no_judge(values: object) -> list[object]:
         raise AssertionError("a resumed run asked again")
 
-    resumed = open_trial(cfg[2], run_dir, 1, judge=no_judge)  # type: ignore[arg-type]
+    resumed = _trial(cfg[2], run_dir, 1, judge=no_judge)  # type: ignore[arg-type]
     assert isinstance(resumed, RunTrial) and resumed.number == trial.number
     _evaluate(run_dir, 1, 0.1)
     assert resumed.should_prune(1)
@@ -305,9 +321,9 @@ def test_pruning_off_clears_an_old_record_on_a_fresh_start(tmp_path: Path) -> No
     run_dir.mkdir()
     (run_dir / PRUNE_TRIAL).write_text('{"pruned": {"iteration": 1}}')
     cfg = _config(tmp_path, pruner=None)
-    assert isinstance(open_trial(cfg, run_dir, 3), NoPruning)  # a resume keeps it
+    assert isinstance(_trial(cfg, run_dir, 3), NoPruning)  # a resume keeps it
     assert (run_dir / PRUNE_TRIAL).exists()
-    assert isinstance(open_trial(cfg, run_dir, 0), NoPruning)
+    assert isinstance(_trial(cfg, run_dir, 0), NoPruning)
     assert not (run_dir / PRUNE_TRIAL).exists()
     assert not (tmp_path / "optuna").exists()  # no storage touched
 

@@ -22,6 +22,7 @@ from grail.envs import make_env
 from grail.rollouts.batch import GeneratedBatch, Group, Resampling, RolloutBatch
 from grail.rollouts.server import iteration_seeds
 from grail.rollouts.shared import SharedRollouts, identity, rollout_key, weights_digest
+from grail.train.components import rollout_settings
 
 # ---- the key --------------------------------------------------------------------------------
 
@@ -47,7 +48,9 @@ def _weights(directory: Path, content: bytes = b"weights") -> Path:
 
 
 def _key(cfg: Config, weights: Path, server: Any = None) -> str:
-    return rollout_key(identity(cfg, weights_digest(weights), server or _server()))
+    return rollout_key(
+        identity(rollout_settings(cfg), weights_digest(weights), server or _server())
+    )
 
 
 def test_key_changes_with_what_determines_the_batch(tmp_path: Path) -> None:
@@ -115,7 +118,7 @@ def _generated(cfg: Config, env: Any, tokenizer: Any) -> GeneratedBatch:
     text that JSON must escape."""
     rng = random.Random(0)
     groups = []
-    for seed in iteration_seeds(cfg, 0):
+    for seed in iteration_seeds(cfg.data, 0):
         problem = env.problem(seed)
         samples = [awkward_sample(rng) for _ in range(cfg.data.rollouts_per_problem)]
         prompt_ids = CharTokenizer().apply_chat_template(problem.prompt_messages)
@@ -124,7 +127,7 @@ def _generated(cfg: Config, env: Any, tokenizer: Any) -> GeneratedBatch:
 
 
 def _store(cfg: Config, study: Path) -> SharedRollouts:
-    return SharedRollouts(cfg, study, {"format": 1, "test": True})
+    return SharedRollouts(cfg.data, study, {"format": 1, "test": True})
 
 
 def _stored_file(study: Path) -> Path:
@@ -138,7 +141,7 @@ def _never() -> GeneratedBatch:
 
 def test_a_stored_batch_loads_exactly_whatever_this_run_scales_rewards_by(tmp_path: Path) -> None:
     cfg, env, tok = _config(), make_env("copy_digits"), CharTokenizer()
-    seeds = iteration_seeds(cfg, 0)
+    seeds = iteration_seeds(cfg.data, 0)
     original = _generated(cfg, env, tok)
     first = _store(cfg, tmp_path).get(lambda: original, env, tok, seeds)
     assert first is original and first.reused is None
@@ -164,8 +167,8 @@ def test_a_dynamic_sampling_batch_keeps_what_resampling_did(tmp_path: Path) -> N
     original.resampling = Resampling(
         extra_rounds=2, generated_groups=7, dropped_groups=4, kept_groups=3
     )
-    _store(cfg, tmp_path).get(lambda: original, env, tok, iteration_seeds(cfg, 0))
-    loaded = _store(cfg, tmp_path).get(_never, env, tok, iteration_seeds(cfg, 0))
+    _store(cfg, tmp_path).get(lambda: original, env, tok, iteration_seeds(cfg.data, 0))
+    loaded = _store(cfg, tmp_path).get(_never, env, tok, iteration_seeds(cfg.data, 0))
     assert loaded.resampling == original.resampling
     assert loaded.batch.groups == original.batch.groups
 
@@ -185,7 +188,7 @@ def test_a_bad_store_file_is_ignored_and_generated_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Any
 ) -> None:
     cfg, env, tok = _config(), make_env("copy_digits"), CharTokenizer()
-    seeds = iteration_seeds(cfg, 0)
+    seeds = iteration_seeds(cfg.data, 0)
     original = _generated(cfg, env, tok)
     _store(cfg, tmp_path).get(lambda: original, env, tok, seeds)
     path = _stored_file(tmp_path)

@@ -149,11 +149,12 @@ def test_resampled_seeds_are_new_stable_and_from_the_training_pool() -> None:
         data=DataConfig(environment="copy_digits", train_seed_start=50, num_train_seeds=40)
     )
     used = set(range(50, 60))
-    seeds = resample_seeds(cfg, 3, 1, 12, used)
+    data, seed = cfg.data, cfg.seed
+    seeds = resample_seeds(data, seed, 3, 1, 12, used)
     assert len(seeds) == len(set(seeds)) == 12
     assert all(50 <= s < 90 and s not in range(50, 60) for s in seeds)
     assert used == set(range(50, 60)) | set(seeds)
-    assert resample_seeds(cfg, 3, 1, 12, set(range(50, 60))) == seeds  # stable
-    assert resample_seeds(cfg, 3, 2, 12, set(range(50, 60))) != seeds  # another round
-    tiny = Config(data=DataConfig(environment="copy_digits", num_train_seeds=3))
-    assert len(resample_seeds(tiny, 0, 1, 5, {0, 1, 2})) == 5  # a pool too small repeats
+    assert resample_seeds(data, seed, 3, 1, 12, set(range(50, 60))) == seeds  # stable
+    assert resample_seeds(data, seed, 3, 2, 12, set(range(50, 60))) != seeds  # another round
+    tiny = DataConfig(environment="copy_digits", num_train_seeds=3)
+    assert len(resample_seeds(tiny, seed, 0, 1, 5, {0, 1, 2})) == 5  # a pool too small repeats

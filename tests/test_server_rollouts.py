@@ -19,7 +19,7 @@ from grail.models.loading import load_tokenizer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch
 from grail.rollouts.server import ServerRollouts, iteration_seeds
-from grail.train.components import server_and_syncer_from_config
+from grail.train.components import rollout_settings, server_and_syncer_from_config
 from grail.train.trainer import assign_advantages
 
 
@@ -42,7 +42,13 @@ def _source(
     env = make_env("copy_digits")
     server, syncer = server_and_syncer_from_config(cfg, weights, run_dir, cuda_available=False)
     return ServerRollouts(
-        cfg, server, env, env, load_tokenizer(str(weights)), syncer=syncer, extra_rewards=rewards
+        rollout_settings(cfg),
+        server,
+        env,
+        env,
+        load_tokenizer(str(weights)),
+        syncer=syncer,
+        extra_rewards=rewards,
     )
 
 
@@ -74,8 +80,8 @@ def sync_batches(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 def test_sync_batches_are_the_iterations_problems_in_order(sync_batches: list) -> None:
     first, second, evaluation = sync_batches
     cfg = _config()
-    assert [g.problem.seed for g in first.batch.groups] == iteration_seeds(cfg, 0)
-    assert [g.problem.seed for g in second.batch.groups] == iteration_seeds(cfg, 1)
+    assert [g.problem.seed for g in first.batch.groups] == iteration_seeds(cfg.data, 0)
+    assert [g.problem.seed for g in second.batch.groups] == iteration_seeds(cfg.data, 1)
     assert (first.policy_version, second.policy_version) == (0, 1)
     for group in first.batch.groups:
         assert len(group.samples) == 4
@@ -109,7 +115,7 @@ def test_pipelined_source_generates_ahead_and_syncs_after_it(
     # Same seeds and the same weights: the same batches as synchronous mode.
     assert _contents(first) == _contents(sync_batches[0])
     assert _contents(second) == _contents(sync_batches[1])
-    assert [g.problem.seed for g in third.batch.groups] == iteration_seeds(cfg, 2)
+    assert [g.problem.seed for g in third.batch.groups] == iteration_seeds(cfg.data, 2)
 
 
 def test_a_killed_server_is_restarted_and_the_batch_repeated(
@@ -162,7 +168,7 @@ def test_dynamic_sampling_trains_on_groups_with_signal_only(
     assert r.kept_groups == len(groups) <= cfg.data.problems_per_iteration
     assert r.generated_groups == r.kept_groups + r.dropped_groups
     assert assign_advantages(groups, "group")["zero_variance_group_frac"] == 0.0
-    own = iteration_seeds(cfg, 0)
+    own = iteration_seeds(cfg.data, 0)
     seeds = [g.problem.seed for g in groups]
     first_round = [s for s in seeds if s in own]
     assert first_round == [s for s in own if s in first_round]  # in the iteration's order

@@ -27,6 +27,7 @@ from grail.rollouts.generation import render_prompt_ids
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
 from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceSample
+from grail.service.source import to_group
 from grail.service.store import LedgerStore
 
 KEY = "sk-test"
@@ -47,6 +48,12 @@ def pushed(version: int, size: int, reward: float = 1.0) -> PushedGroup:
         version,
         [ServiceSample("", [7], [-1.0], "stop", "x", reward + i, None) for i in range(size)],
     )
+
+
+def masked(version: int, mask: list[int]) -> PushedGroup:
+    group = pushed(version, 2)
+    group.samples[1].sampled_mask = mask
+    return group
 
 
 def state(ledger: Ledger) -> str:
@@ -170,6 +177,8 @@ def test_pushed_groups_are_checked_whole_and_all_or_nothing() -> None:
         (pushed(1, 2), 409, "older than service.max_staleness=1"),
         (pushed(3, 2, reward=math.nan), 400, "finite"),
         (bad_logprobs, 400, "2 logprobs for 1 token_ids"),
+        (masked(3, [1, 0]), 400, "a sampled_mask of 2 for 1 token_ids"),
+        (masked(3, [0]), 400, "a sampled_mask with no 1"),
     ]
     for bad, status, match in cases:
         with pytest.raises(APIError, match=match) as excinfo:
@@ -390,6 +399,38 @@ def test_pushed_groups_are_queued_with_their_version(
     assert core.ledger.queue[0].samples[0].text == core.decode([5, 6])
     info = client.get("/v1/info", headers=AUTH).json()
     assert info["model"] == "policy" and info["rollouts_per_problem"] == 2
+
+
+def test_a_pushed_episode_trains_on_its_sampled_tokens_only(
+    service: tuple[TestClient, ServiceCore],
+) -> None:
+    """Atropos' shape: an environment that ran its own agent loop pushes each episode whole,
+    with a mask of the tokens its policy sampled; the rest (tool results, the template's glue)
+    is context, with no behaviour log-prob, as in the harness's own episodes."""
+    client, core = service
+    episode = {
+        "token_ids": [5, 6, 7, 8, 9],
+        "logprobs": [-0.1, -0.2, -9.0, -9.0, -0.3],  # the environment's tokens: any number
+        "sampled_mask": [1, 1, 0, 0, 1],
+        "reward": 1.0,
+    }
+    plain = {"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "reward": 0.0}
+    group = {"prompt_ids": [1, 2], "policy_version": 0, "completions": [episode, plain]}
+    answer = client.post("/v1/groups", headers=AUTH, json={"groups": [group]})
+    assert answer.status_code == 200, answer.text
+    (queued,) = core.ledger.queue
+    assert Ledger.from_json(core.ledger.to_json()).queue == [queued]  # kept across a restart
+    first, second = to_group(queued).samples
+    assert first.sampled_mask == [1, 1, 0, 0, 1] and first.num_sampled == 3
+    assert first.behaviour_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    assert second.sampled_mask is None and second.num_sampled == 2
+
+    for bad in ([1, 2, 0, 0, 1], [1, 1]):  # not 0 or 1; not one per token
+        wrong = {**group, "completions": [{**episode, "sampled_mask": bad}, plain]}
+        answer = client.post("/v1/groups", headers=AUTH, json={"groups": [wrong]})
+        assert answer.status_code == 400, answer.text
+        assert "sampled_mask" in answer.text
+    assert len(core.ledger.queue) == 1
 
 
 def test_weight_changes_wait_for_completions_in_flight_and_hold_new_ones(

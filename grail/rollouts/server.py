@@ -53,9 +53,10 @@ from grail.rollouts.seeds import stable_hash
 from grail.rollouts.sizing import request_size, window_for
 
 if TYPE_CHECKING:
-    from grail.core.config import Config
+    from grail.core.config import DataConfig, EvalConfig, GenerationConfig
     from grail.envs.episodes import AnyEnvironment
     from grail.envs.rewards.plugins import RewardFunctions
+    from grail.rollouts.settings import RolloutSettings
     from grail.rollouts.shared import SharedRollouts
 
 log = logging.getLogger(__name__)
@@ -133,50 +134,50 @@ class _Prefetch:
     future: concurrent.futures.Future[GeneratedBatch]
 
 
-def iteration_seeds(cfg: Config, iteration: int) -> list[int]:
+def iteration_seeds(data: DataConfig, iteration: int) -> list[int]:
     """The training problem seeds of an iteration, wrapping around the training pool."""
-    per_iter, pool = cfg.data.problems_per_iteration, cfg.data.num_train_seeds
+    per_iter, pool = data.problems_per_iteration, data.num_train_seeds
     start = iteration * per_iter
-    return [cfg.data.train_seed_start + (start + i) % pool for i in range(per_iter)]
+    return [data.train_seed_start + (start + i) % pool for i in range(per_iter)]
 
 
 def resample_seeds(
-    cfg: Config, iteration: int, round_number: int, count: int, used: set[int]
+    data: DataConfig, seed: int, iteration: int, round_number: int, count: int, used: set[int]
 ) -> list[int]:
     """`count` more training problem seeds for dynamic sampling's extra round `round_number` of
     `iteration`: drawn from the training pool by a hash of (seed, iteration, round, k), so a run
     and its resumption draw the same ones, skipping seeds in `used` (this iteration's so far,
     to which they are added) unless the pool is too small to avoid them."""
-    start, pool = cfg.data.train_seed_start, cfg.data.num_train_seeds
+    start, pool = data.train_seed_start, data.num_train_seeds
     drawn: list[int] = []
     for k in range(count * 16 + 64):
         if len(drawn) == count:
             break
-        seed = start + stable_hash(f"resample:{cfg.seed}:{iteration}:{round_number}:{k}") % pool
-        if seed not in used or len(used) >= pool:
-            used.add(seed)
-            drawn.append(seed)
+        problem = start + stable_hash(f"resample:{seed}:{iteration}:{round_number}:{k}") % pool
+        if problem not in used or len(used) >= pool:
+            used.add(problem)
+            drawn.append(problem)
     return drawn
 
 
-def completion_client(cfg: Config, server: ServerManager) -> CompletionClient:
+def completion_client(generation: GenerationConfig, server: ServerManager) -> CompletionClient:
     """A client of the run's inference server, with the run's timeouts and concurrency."""
     return CompletionClient(
         server.base_url,
         server.model_name,
         api_key=server.api_key,
-        timeout=cfg.generation.request_timeout_s,
-        max_concurrency=cfg.generation.max_concurrency,
+        timeout=generation.request_timeout_s,
+        max_concurrency=generation.max_concurrency,
         liveness_check=server.check_alive,
         backend=server.kind,  # type: ignore[arg-type]
     )
 
 
-def fleet_client(cfg: Config, fleet: Fleet) -> FleetClient:
+def fleet_client(settings: RolloutSettings, fleet: Fleet) -> FleetClient:
     """The client of a fleet: one `completion_client` per server; each server may hold about two
     of its batches of the run's training requests, at most its share of them (`window_for`)."""
-    clients = [completion_client(cfg, server) for server in fleet.servers]
-    n, problems = cfg.data.rollouts_per_problem, cfg.data.problems_per_iteration
+    clients = [completion_client(settings.generation, server) for server in fleet.servers]
+    n, problems = settings.data.rollouts_per_problem, settings.data.problems_per_iteration
     per_request = request_size(clients[0].prompts_per_request(n), problems, len(clients))
     requests = -(-problems // per_request)
     window = window_for(clients[0].max_batch_sequences, n, per_request, requests, len(clients))
@@ -195,11 +196,11 @@ def fleet_delta(
     ]
 
 
-def episode_limits(cfg: Config, tokenizer: Any) -> EpisodeLimits:
+def episode_limits(settings: RolloutSettings, tokenizer: Any) -> EpisodeLimits:
     """An episode's budgets (data.max_turns, data.max_episode_tokens; null: the server's context,
     generation.max_model_len, else the tokenizer's model_max_length) and its step deadline."""
-    data = cfg.data
-    max_tokens = data.max_episode_tokens or cfg.generation.max_model_len
+    data = settings.data
+    max_tokens = data.max_episode_tokens or settings.generation.max_model_len
     if max_tokens is None:
         # transformers sets a huge placeholder (~1e30) when a tokenizer names no length.
         max_tokens = int(getattr(tokenizer, "model_max_length", 0) or 0)
@@ -208,8 +209,8 @@ def episode_limits(cfg: Config, tokenizer: Any) -> EpisodeLimits:
     return EpisodeLimits(data.max_turns, max_tokens, data.env_step_timeout_s)
 
 
-def eval_seeds(cfg: Config) -> list[int]:
-    return list(range(cfg.eval.id_seed_start, cfg.eval.id_seed_start + cfg.eval.num_ids))
+def eval_seeds(evaluation: EvalConfig) -> list[int]:
+    return list(range(evaluation.id_seed_start, evaluation.id_seed_start + evaluation.num_ids))
 
 
 def _no_progress(_description: str, _total: int) -> Callable[[int], None]:
@@ -227,7 +228,7 @@ class ServerRollouts:
 
     def __init__(
         self,
-        cfg: Config,
+        settings: RolloutSettings,
         server: ServerManager,
         env: AnyEnvironment,
         eval_env: AnyEnvironment,
@@ -242,7 +243,7 @@ class ServerRollouts:
     ) -> None:
         """`state`: what a checkpoint kept of this source (`state()`), to resume from. `fleet`:
         several servers (`generation.servers`), `server` and `syncer` being its first."""
-        self.cfg = cfg
+        self.settings = settings
         self.server = server
         self._fleet = fleet
         # How each sync hands over the weights: the run's route, disk as the fallback.
@@ -253,7 +254,7 @@ class ServerRollouts:
         self._tokenizer = tokenizer
         self._extra_rewards = extra_rewards
         self._progress = progress
-        self._sampling = sampling_params(cfg.generation)
+        self._sampling = sampling_params(settings.generation)
         # A batch generated before a checkpoint (pipelined), or one generating now.
         self._ready: GeneratedBatch | None = self._pending_from(state or {})
         self._prefetch: _Prefetch | None = None
@@ -269,19 +270,19 @@ class ServerRollouts:
             self._events = EventLoopThread()
             if self._fleet is None:
                 self.server.launch()
-                self._client = completion_client(self.cfg, self.server)
+                self._client = completion_client(self.settings.generation, self.server)
             else:
                 self._fleet.launch()
-                self._client = fleet_client(self.cfg, self._fleet)
+                self._client = fleet_client(self.settings, self._fleet)
             self._generator, self._eval_generator = (
                 RolloutGenerator(
                     env,
                     self._tokenizer,
                     self._client,
                     self._sampling,
-                    base_seed=self.cfg.seed,
+                    base_seed=self.settings.seed,
                     extra_rewards=self._extra_rewards,
-                    episodes=episode_limits(self.cfg, self._tokenizer),
+                    episodes=episode_limits(self.settings, self._tokenizer),
                 )
                 for env in (self._env, self._eval_env)
             )
@@ -323,7 +324,7 @@ class ServerRollouts:
             batch = self._collect()
         else:
             batch = self._generate_now(iteration, policy_version)
-        if self.cfg.train.pipeline and iteration + 1 < self.cfg.train.iterations:
+        if self.settings.pipeline and iteration + 1 < self.settings.iterations:
             self._start_prefetch(iteration + 1, policy_version)
         return batch
 
@@ -346,8 +347,8 @@ class ServerRollouts:
         generator = self._eval_generator
         return self._with_recovery(
             lambda: generator.generate(
-                eval_seeds(self.cfg),
-                self.cfg.eval.replicates,
+                eval_seeds(self.settings.eval),
+                self.settings.eval.replicates,
                 round_index=EVAL_ROUND,
                 on_progress=on_progress,
             )
@@ -365,7 +366,7 @@ class ServerRollouts:
         # Only a pipelined run trains on it: resumed without pipelining, a run generates each
         # batch with the weights it trains (the pending one was one update behind).
         pending = state.get("pending")
-        if pending is None or not self.cfg.train.pipeline:
+        if pending is None or not self.settings.pipeline:
             return None
         return codec.from_json(pending, problem_maker(self._env), "pending")
 
@@ -374,8 +375,8 @@ class ServerRollouts:
     async def _training_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:
         generator = self._generator
         assert generator is not None, "use ServerRollouts as a context manager"
-        data = self.cfg.data
-        seeds = iteration_seeds(self.cfg, iteration)
+        data = self.settings.data
+        seeds = iteration_seeds(data, iteration)
         started = time.perf_counter()
         fleet_before = self._fleet_records()
 
@@ -392,7 +393,9 @@ class ServerRollouts:
             used = set(seeds)
 
             async def more(round_number: int, count: int) -> list[Group]:
-                extra = resample_seeds(self.cfg, iteration, round_number, count, used)
+                extra = resample_seeds(
+                    data, self.settings.seed, iteration, round_number, count, used
+                )
                 return await generate(extra, f"resample {round_number}")
 
             groups, resampling = await fill_informative(
@@ -418,8 +421,8 @@ class ServerRollouts:
         fleet it routes as the run's own client does, and a server either sets aside is set
         aside for both (`Fleet.connect`)."""
         if self._fleet is None:
-            return completion_client(self.cfg, self.server)
-        return fleet_client(self.cfg, self._fleet)
+            return completion_client(self.settings.generation, self.server)
+        return fleet_client(self.settings, self._fleet)
 
     def _with_recovery(
         self,
@@ -436,12 +439,12 @@ class ServerRollouts:
             return wait(attempts.pop()) if attempts else events.run(make())
 
         if self._fleet is not None:
-            return self._fleet.call_with_recovery(attempt, self.cfg.generation.max_restarts)
+            return self._fleet.call_with_recovery(attempt, self.settings.generation.max_restarts)
         # The syncer's recovery writes the weights a fast route served before the restart.
         return call_with_recovery(
             self.server,
             attempt,
-            max_restarts=self.cfg.generation.max_restarts,
+            max_restarts=self.settings.generation.max_restarts,
             recover=self._syncer.recover,
         )
 
@@ -452,7 +455,7 @@ class ServerRollouts:
         # Only a fresh run's first batch: the one generated by the initial weights (policy 0).
         # Pipelined runs too: their batch 0 is generated here, before any prefetch, just the same.
         if self._shared is not None and iteration == 0 and policy_version == 0:
-            seeds = iteration_seeds(self.cfg, 0)
+            seeds = iteration_seeds(self.settings.data, 0)
             return self._shared.get(generate, self._env, self._tokenizer, seeds)
         return generate()
 

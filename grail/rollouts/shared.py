@@ -54,9 +54,10 @@ from grail.rollouts.episodes import ChatRenderer
 from grail.rollouts.generation import render_prompt_ids
 
 if TYPE_CHECKING:
-    from grail.core.config import Config
+    from grail.core.config import DataConfig
     from grail.envs.episodes import AnyEnvironment
     from grail.inference.process import ServerManager
+    from grail.rollouts.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
 
@@ -88,20 +89,20 @@ def weights_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def identity(cfg: Config, weights: str, server: ServerManager) -> dict[str, Any]:
+def identity(settings: RolloutSettings, weights: str, server: ServerManager) -> dict[str, Any]:
     """What iteration 0's batch depends on (see the module docstring); `weights`: the
     `weights_digest` of the directory the server starts from."""
     import torch
     import transformers
 
     generation = {
-        k: v for k, v in asdict(cfg.generation).items() if k not in _IGNORED_GENERATION_KEYS
+        k: v for k, v in asdict(settings.generation).items() if k not in _IGNORED_GENERATION_KEYS
     }
     return {
         "format": FORMAT,
-        "seed": cfg.seed,
+        "seed": settings.seed,
         "weights": weights,
-        "data": {k: v for k, v in asdict(cfg.data).items() if k not in _IGNORED_DATA_KEYS},
+        "data": {k: v for k, v in asdict(settings.data).items() if k not in _IGNORED_DATA_KEYS},
         "generation": generation,
         "server": {
             "backend": server.kind,
@@ -139,23 +140,24 @@ class SharedRollouts:
     """Iteration 0's batch in a study's store: loaded when a run of the study stored it under
     this run's key, else generated (by `get`'s callback) and stored."""
 
-    def __init__(self, cfg: Config, study_dir: Path, ident: dict[str, Any]) -> None:
-        self.cfg = cfg
+    def __init__(self, data: DataConfig, study_dir: Path, ident: dict[str, Any]) -> None:
+        self.data = data
         self.identity = ident
         self.key = rollout_key(ident)
         self.path = study_dir / ROLLOUTS_DIR / f"{self.key}.json"
 
     @classmethod
     def for_run(
-        cls, cfg: Config, weights_dir: Path, server: ServerManager
+        cls, settings: RolloutSettings, weights_dir: Path, server: ServerManager
     ) -> SharedRollouts | None:
         """The store of this run's study, or None when `study_dir` is unset or
         `data.reuse_initial_rollouts` is off. Call before the server starts: `weights_dir` must
         hold what it starts from."""
-        if cfg.study_dir is None or not cfg.data.reuse_initial_rollouts:
+        if settings.study_dir is None or not settings.data.reuse_initial_rollouts:
             return None
         t0 = time.perf_counter()
-        shared = cls(cfg, Path(cfg.study_dir), identity(cfg, weights_digest(weights_dir), server))
+        ident = identity(settings, weights_digest(weights_dir), server)
+        shared = cls(settings.data, Path(settings.study_dir), ident)
         log.debug("iteration-0 rollout key %s (%.2f s)", shared.key, time.perf_counter() - t0)
         return shared
 
@@ -228,7 +230,7 @@ class SharedRollouts:
     def _decode(
         self, stored: Any, env: AnyEnvironment, tokenizer: Any, expected_seeds: list[int]
     ) -> tuple[list[Group], Resampling | None, float]:
-        data = self.cfg.data
+        data = self.data
         if not isinstance(stored, dict):
             raise Unusable("not a JSON object")
         if stored.get("format") != FORMAT or stored.get("key") != self.key:
@@ -256,10 +258,8 @@ class SharedRollouts:
         group = codec.group_from_json(stored, problem_maker(env), f"groups[{i}]")
         if group.prompt_ids != _prompt_ids(env, tokenizer, group.problem):
             raise Unusable(f"groups[{i}].prompt_ids differ from problem {group.problem.seed}'s")
-        if len(group.samples) != self.cfg.data.rollouts_per_problem:
-            raise Unusable(
-                f"groups[{i}].samples is not {self.cfg.data.rollouts_per_problem} samples"
-            )
+        if len(group.samples) != self.data.rollouts_per_problem:
+            raise Unusable(f"groups[{i}].samples is not {self.data.rollouts_per_problem} samples")
         return group
 
     @contextlib.contextmanager

@@ -82,6 +82,9 @@ class PushedCompletion(BaseModel):
     success: bool | None = None
     finish_reason: Literal["stop", "length"] = "stop"
     text: str | None = None
+    # An episode (Atropos' masks): 1 for each token the policy sampled, 0 for the environment's
+    # and the template's tokens between turns (context the loss never covers). Absent: all 1.
+    sampled_mask: list[Literal[0, 1]] | None = None
 
 
 class PushedGroupItem(BaseModel):
@@ -249,6 +252,7 @@ async def groups(req: GroupsRequest, core: Core) -> dict[str, Any]:
                 text=c.text if c.text is not None else core.decode(c.token_ids),
                 reward=c.reward,
                 success=c.success,
+                sampled_mask=None if c.sampled_mask is None else [int(b) for b in c.sampled_mask],
             )
             for i, c in enumerate(g.completions)
         ]

@@ -42,6 +42,9 @@ class ServiceSample:
     text: str
     reward: float | None = None
     success: bool | None = None  # the client's verdict; absent: reward > 0
+    # A pushed episode's: 1 where the policy sampled the token, 0 for context between its turns
+    # (grail.rollouts.batch.Sample.sampled_mask). None: every token was sampled.
+    sampled_mask: list[int] | None = None
 
 
 @dataclass
@@ -221,6 +224,21 @@ class Ledger:
                 )
             for lp in sample.logprobs:
                 check_finite(lp, f"{where}.logprobs")
+            mask = sample.sampled_mask
+            if mask is not None and len(mask) != len(sample.token_ids):
+                raise APIError(
+                    f"a sampled_mask of {len(mask)} for {len(sample.token_ids)} token_ids: one "
+                    "0 or 1 per token",
+                    400,
+                    f"{where}.sampled_mask",
+                )
+            if mask is not None and not any(mask):
+                raise APIError(
+                    "a sampled_mask with no 1: the policy sampled none of these tokens, so there "
+                    "is nothing to train on",
+                    400,
+                    f"{where}.sampled_mask",
+                )
             reward = math.nan if sample.reward is None else sample.reward
             check_finite(reward, f"{where}.reward")
 

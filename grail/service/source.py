@@ -46,7 +46,7 @@ from grail.service.ledger import Ledger, ServiceGroup
 from grail.service.store import SNAPSHOT, LedgerStore
 
 if TYPE_CHECKING:
-    from grail.core.config import Config
+    from grail.core.config import ServiceConfig
     from grail.rollouts.server import ProgressFactory
 
 log = logging.getLogger("grail.service")
@@ -64,19 +64,23 @@ class ServiceError(UserError):
 
 class ServiceRollouts:
     """A context manager: entering starts the inference server and then the service; leaving
-    (also on Ctrl-C or an error) stops both."""
+    (also on Ctrl-C or an error) stops both. The run's seed, data and generation settings are
+    `inner`'s, so the service and the evaluation cannot disagree on them."""
 
     def __init__(
         self,
-        cfg: Config,
+        service: ServiceConfig,
         run_dir: Path,
         inner: ServerRollouts,
         tokenizer: Any,
         *,
+        resume: bool,
         start_iteration: int,
         progress: ProgressFactory,
     ) -> None:
-        self.cfg, self.inner, self.tokenizer = cfg, inner, tokenizer
+        self.service, self.inner, self.tokenizer = service, inner, tokenizer
+        self.settings = inner.settings
+        self.resume = resume
         self.dir = run_dir / SERVICE_DIR
         self.start_iteration = start_iteration
         self._progress = progress
@@ -103,15 +107,15 @@ class ServiceRollouts:
         self.close()
 
     def _start(self) -> None:
-        cfg, server = self.cfg, self.inner.server
+        service, settings, server = self.service, self.settings, self.inner.server
         self.store = LedgerStore(self.dir)
         ledger = self._load_ledger()
         self.store.snapshot(ledger)  # the journal starts from the (rewound) state
-        api_key = cfg.service.api_key or f"sk-{secrets.token_urlsafe(24)}"
+        api_key = service.api_key or f"sk-{secrets.token_urlsafe(24)}"
         client = self.inner.another_client()
         if isinstance(client, FleetClient):
             self._fleet_seen = client.server_records()
-        sampling = sampling_params(cfg.generation)
+        sampling = sampling_params(settings.generation)
         self.core = ServiceCore(
             ledger,
             self.store,
@@ -119,21 +123,21 @@ class ServiceRollouts:
             sampling,
             self.tokenizer,
             model_name=server.model_name,
-            base_seed=cfg.seed,
-            iterations=cfg.train.iterations,
+            base_seed=settings.seed,
+            iterations=settings.iterations,
             info={
                 # For environments that sample from the inference server themselves (/v1/groups).
                 # A fleet's first server (each serves the same weights).
                 "inference_url": server.base_url,
                 "inference_api_key": server.api_key,
-                "problems_per_iteration": cfg.data.problems_per_iteration,
+                "problems_per_iteration": settings.data.problems_per_iteration,
             },
         )
-        app = create_app(self.core, api_key, cfg.service.max_body_bytes)
+        app = create_app(self.core, api_key, service.max_body_bytes)
         config = uvicorn.Config(
             app,
-            host=cfg.service.host,
-            port=cfg.service.port,
+            host=service.host,
+            port=service.port,
             log_level="warning",
             timeout_graceful_shutdown=5,
         )
@@ -144,8 +148,8 @@ class ServiceRollouts:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise ServiceError(
-                    f"the service did not start listening on {cfg.service.host}:"
-                    f"{cfg.service.port} (service.host, service.port) within "
+                    f"the service did not start listening on {service.host}:"
+                    f"{service.port} (service.host, service.port) within "
                     f"{_START_TIMEOUT_S:g} s: is the port taken? (service.port=0 picks a "
                     "free one)"
                 )
@@ -171,19 +175,19 @@ class ServiceRollouts:
 
     def _load_ledger(self) -> Ledger:
         """A fresh ledger, or with resume=true the saved one, rewound to the checkpoint."""
-        cfg = self.cfg
+        data, max_staleness = self.settings.data, self.service.max_staleness
         path = self.dir / SNAPSHOT
         assert self.store is not None  # opened by _start
-        ledger = self.store.load() if cfg.resume else None
+        ledger = self.store.load() if self.resume else None
         if ledger is None:
-            return Ledger(cfg.data.rollouts_per_problem, cfg.service.max_staleness)
-        if ledger.group_size != cfg.data.rollouts_per_problem:
+            return Ledger(data.rollouts_per_problem, max_staleness)
+        if ledger.group_size != data.rollouts_per_problem:
             raise ServiceError(
                 f"{path} holds groups of {ledger.group_size} samples, but "
-                f"data.rollouts_per_problem={cfg.data.rollouts_per_problem}: resume with the "
+                f"data.rollouts_per_problem={data.rollouts_per_problem}: resume with the "
                 "run's own settings"
             )
-        ledger.max_staleness = cfg.service.max_staleness
+        ledger.max_staleness = max_staleness
         again = ledger.rewind(self.start_iteration)
         log.info(
             "service ledger %s: %d groups queued (%d taken by iterations after the checkpoint, "
@@ -210,11 +214,11 @@ class ServiceRollouts:
 
     def next_batch(self, iteration: int, policy_version: int) -> GeneratedBatch:
         core = self._core()
-        n = self.cfg.data.problems_per_iteration
+        n = self.settings.data.problems_per_iteration
         advance = self._progress(f"iter {iteration:03d} groups", n)
         started = time.perf_counter()
         try:
-            groups = self._call(core.take(n, iteration, self.cfg.service.wait_timeout_s, advance))
+            groups = self._call(core.take(n, iteration, self.service.wait_timeout_s, advance))
         except WaitTimeout as exc:
             raise ServiceError(str(exc)) from None
         finished = time.perf_counter()
@@ -292,12 +296,19 @@ def to_group(group: ServiceGroup) -> Group:
     samples = [
         Sample(
             completion_ids=s.token_ids,
-            behaviour_logprobs=s.logprobs,
+            # Context tokens get 0.0, as the harness's own episodes give them: no behaviour
+            # policy sampled them, and whatever a client sent there must not reach a metric.
+            behaviour_logprobs=(
+                s.logprobs
+                if s.sampled_mask is None
+                else [lp if m else 0.0 for lp, m in zip(s.logprobs, s.sampled_mask, strict=True)]
+            ),
             finish_reason=s.finish_reason,
             text=s.text,
             reward=float(s.reward if s.reward is not None else 0.0),
             components={},
             success=bool(s.success) if s.success is not None else (s.reward or 0.0) > 0,
+            sampled_mask=s.sampled_mask,
         )
         for s in group.samples
     ]

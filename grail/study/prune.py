@@ -43,7 +43,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grail.core.config import Config, PruneConfig
+from grail.core.config import PruneConfig
 from grail.core.errors import ConfigError
 from grail.core.records import PRUNE_TRIAL, atomic_write_text, metric_records, read_json
 from grail.study.rungs import Judge, Prune, RunCurve, judge_rung, latest_rung, spent_alpha
@@ -277,35 +277,43 @@ class RunTrial:
 
 
 def open_trial(
-    cfg: Config, run_dir: Path, start_iteration: int, judge: Judge | None = None
+    prune: PruneConfig,
+    run_dir: Path,
+    start_iteration: int,
+    *,
+    study_dir: str | None,
+    seed: int,
+    iterations: int,
+    judge: Judge | None = None,
 ) -> RunTrial | NoPruning:
     """The trial of the run in `run_dir` that starts at `start_iteration` (0: fresh, else resumed
     after a checkpoint): its own trial when it has one still running, else a new one labelled with
-    the run's setting (from `.hydra/overrides.yaml`) and seed, given the evaluations already on
-    disk. NoPruning with pruning off. `judge`: the verdicts' judge unless given (tests)."""
+    the run's setting (from `.hydra/overrides.yaml`) and `seed`, given the evaluations already on
+    disk. NoPruning with pruning off. `iterations`: train.iterations. `judge`: the verdicts' judge
+    unless given (tests)."""
     path = run_dir / PRUNE_TRIAL
-    if cfg.prune.pruner is None:
+    if prune.pruner is None:
         if start_iteration == 0:  # a fresh start: an old attempt's record says nothing about it
             path.unlink(missing_ok=True)
         return NoPruning()
-    if cfg.study_dir is None:  # validate() says so first; kept for callers that skip it
-        raise ConfigError(f"prune.pruner={cfg.prune.pruner} needs study_dir")
+    if study_dir is None:  # validate() says so first; kept for callers that skip it
+        raise ConfigError(f"prune.pruner={prune.pruner} needs study_dir")
     from optuna.trial import TrialState
 
-    study = open_study(cfg.study_dir)
-    journal = storage_path(cfg.study_dir).absolute()
+    study = open_study(study_dir)
+    journal = storage_path(study_dir).absolute()
     old = read_json(path) or {}
     if old.get("study") == study.study_name and old.get("storage") == str(journal):
         try:
             trial = RunTrial(
                 run_dir,
-                cfg.prune,
+                prune,
                 study,
                 old["trial"],
                 journal,
                 old.get("pruned"),
                 judge,
-                cfg.train.iterations,
+                iterations,
             )
         except KeyError:  # the storage lost it (the journal removed): a new trial below
             log.warning(
@@ -319,14 +327,14 @@ def open_trial(
                 trial.fail()  # this run starts over: the old attempt's trial ends here
     trial = RunTrial(
         run_dir,
-        cfg.prune,
+        prune,
         study,
         study.ask().number,
         journal,
         judge=judge,
-        iterations=cfg.train.iterations,
+        iterations=iterations,
     )
-    trial.label(setting_label(read_overrides(run_dir)), str(cfg.seed))
+    trial.label(setting_label(read_overrides(run_dir)), str(seed))
     trial.save()
     trial.backfill(start_iteration)
     log.info(
@@ -335,6 +343,6 @@ def open_trial(
         study.study_name,
         journal,
         trial.setting,
-        cfg.seed,
+        seed,
     )
     return trial

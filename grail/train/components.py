@@ -3,8 +3,8 @@ the weight route its backend takes and the syncer that owns it, the rollout sour
 or the service's fed by clients), the environments and the metric loggers. With
 `generation.urls` the servers are the user's (`external_server_and_syncer`), which grail checks
 and syncs but never starts or stops. The layers below take the values they need, not the Config:
-the inference servers their sizes and places, the objective its `GRPOLossConfig`; the rollout
-sources read the data, eval and generation sections they serve.
+the inference servers their sizes and places, the objective its `GRPOLossConfig`, the rollout
+sources their `RolloutSettings` (`rollout_settings`), the service its `ServiceConfig`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from grail.inference.weights.route import RouteChoice, resolve_route
 from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts.fleet import Fleet
 from grail.rollouts.server import ServerRollouts
+from grail.rollouts.settings import RolloutSettings
 from grail.rollouts.shared import SharedRollouts
 from grail.service.source import ServiceRollouts
 from grail.train.checkpoint import CheckpointRef
@@ -87,11 +88,12 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     server, syncer = members[0]
     # A fresh run's iteration 0 may come from its study's store, keyed by these initial weights.
     fresh = trainer.start_iteration == 0
-    shared = SharedRollouts.for_run(cfg, weights_dir, server) if fresh else None
+    settings = rollout_settings(cfg)
+    shared = SharedRollouts.for_run(settings, weights_dir, server) if fresh else None
 
     display = Display()
     server_rollouts = ServerRollouts(
-        cfg,
+        settings,
         server,
         env,
         eval_env,
@@ -110,14 +112,28 @@ def build_run(cfg: Config, run_dir: Path, resume_from: CheckpointRef | None) -> 
     source: ServerRollouts | ServiceRollouts = server_rollouts
     if cfg.mode == "service":  # clients send the prompts and rewards (grail/service/)
         source = ServiceRollouts(
-            cfg,
+            cfg.service,
             run_dir,
             server_rollouts,
             trainer.tokenizer,
+            resume=cfg.resume,
             start_iteration=trainer.start_iteration,
             progress=display.task,
         )
     return RunParts(trainer, source, extra_rewards, display)
+
+
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    """What the rollout sources read of `cfg` (grail/rollouts/settings.py)."""
+    return RolloutSettings(
+        seed=cfg.seed,
+        data=cfg.data,
+        generation=cfg.generation,
+        eval=cfg.eval,
+        pipeline=cfg.train.pipeline,
+        iterations=cfg.train.iterations,
+        study_dir=cfg.study_dir,
+    )
 
 
 def open_loggers(cfg: Config, run_dir: Path) -> MetricLoggers:

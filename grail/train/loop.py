@@ -139,7 +139,14 @@ def run_iterations(
     if cfg.eval.enabled and not eval_metrics_path(run_dir, -1).exists():
         recorder.evaluate(source, -1)
 
-    trial = open_trial(cfg, run_dir, trainer.start_iteration)  # the pruner's (prune.pruner)
+    trial = open_trial(  # the pruner's (prune.pruner)
+        cfg.prune,
+        run_dir,
+        trainer.start_iteration,
+        study_dir=cfg.study_dir,
+        seed=cfg.seed,
+        iterations=cfg.train.iterations,
+    )
     staged: Path | None = None  # a checkpoint written but not yet committed
     try:
         for iteration in range(trainer.start_iteration, cfg.train.iterations):
