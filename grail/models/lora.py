@@ -21,9 +21,6 @@ from peft import PeftModel, get_peft_model
 from grail.core.config import LoraConfig
 from grail.core.errors import ConfigError
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
 
 def peft_config(lora: LoraConfig) -> PeftLoraConfig:
     return PeftLoraConfig(
@@ -84,10 +81,6 @@ def with_new_adapter(model: torch.nn.Module, lora: LoraConfig) -> PeftModel:
 def with_saved_adapter(model: torch.nn.Module, adapter_dir: Path) -> PeftModel:
     """`model` frozen under the trainable adapter saved in `adapter_dir` (a resumed run)."""
     return PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
-
-
-def is_adapter_dir(path: Path) -> bool:
-    return (path / ADAPTER_CONFIG).is_file()
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from grail.algo.logprobs import token_logprobs
 from grail.core.records import atomic_write_text
+from grail.models.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from grail.tinker import losses
 from grail.tinker.checkpoints import run_dir_of
 from grail.tinker.errors import NotFound, UserFault
@@ -46,9 +47,7 @@ from grail.tinker.wire import Datum
 
 log = logging.getLogger(__name__)
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE = (
-    "adapter_config.json", "adapter_model.safetensors", "optimizer.pt",
-)  # fmt: skip
+OPTIMIZER_STATE = "optimizer.pt"
 LORA_SPEC = "tinker_lora.json"  # the SDK's LoRA settings the adapter was made from
 # LoRA's scale is alpha / rank; a fixed alpha keeps the update size of a learning rate the same
 # across ranks at rank 32 (the SDK's default rank) and scales it by 32 / rank elsewhere.

@@ -9,7 +9,7 @@ from peft import PeftModel
 
 from grail.core.disk import writing
 from grail.core.records import follow_umask
-from grail.models.lora import ADAPTER_CONFIG, is_adapter_dir
+from grail.models.adapter_files import ADAPTER_CONFIG, is_adapter_dir
 
 
 def export_merged(

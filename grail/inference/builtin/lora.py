@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 
 from grail.inference.builtin.weights import WeightUpdateError, read_checked
-from grail.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
+from grail.models.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
 
 __all__ = ["is_adapter_dir", "read_adapter", "add_lora_layers", "copy_adapter"]
 
@@ -45,6 +44,9 @@ def adapter_settings(path: Path) -> dict[str, Any]:
 
 def add_lora_layers(model: torch.nn.Module, settings: dict[str, Any]) -> None:
     """Give `model` peft LoRA layers shaped as `settings` (an adapter_config.json) says."""
+    # Here, not at the top: a server with no adapter never imports peft (models/adapter_files.py).
+    from peft import LoraConfig, inject_adapter_in_model
+
     config = LoraConfig(
         r=settings["r"],
         lora_alpha=settings["lora_alpha"],
