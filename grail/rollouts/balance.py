@@ -148,8 +148,7 @@ class Balancer:
         _check_cost(cost)
         while self._probes:
             probe = self._probes.pop(0)
-            load = self.loads[probe]
-            if load.usable and load.in_flight < self.window and load.batch_groups == 0:
+            if self.has_room(probe) and self.loads[probe].batch_groups == 0:
                 return probe  # the module's "Probes"
         measured = [load.tokens_per_s for load in self.loads if load.tokens_per_s is not None]
         unknown = sum(measured) / len(measured) if measured else 1.0
@@ -223,6 +222,11 @@ class Balancer:
         that would measure it again."""
         load = self._load(server)
         load.usable, load.tokens_per_s = True, None
+
+    def has_room(self, server: int) -> bool:
+        """Whether `server` takes a group now: not set aside, and a free slot in its window."""
+        load = self._load(server)
+        return load.usable and load.in_flight < self.window
 
     def usable(self) -> list[int]:
         """The servers not set aside, in index order."""

@@ -289,8 +289,7 @@ class FleetClient:
                     )
                 if pinned is not None and pinned in usable:
                     # It waits for a slot there: on another server it would miss the cache.
-                    free = balancer.loads[pinned].in_flight < balancer.window
-                    server = pinned if free else None
+                    server = pinned if balancer.has_room(pinned) else None
                 else:
                     server = balancer.choose(cost)
                 if server is not None:
