@@ -157,12 +157,16 @@ def run(
                       f"({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
             if it == args.iterations:
                 break
-            params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
             groups = []
             for k in range(args.problems):
                 seed = it * args.problems + k
                 problem, ids = prompt_tokens(tokenizer, env, seed)
                 prompt = types.ModelInput.from_ints(ids)
+                # A seed per request: the same --seed gives the same samples, so the same curve
+                # (grail-tinker's kernels are pinned: --reproducible), whatever the batching.
+                params = types.SamplingParams(
+                    max_tokens=args.max_tokens, temperature=1.0, seed=args.seed * 1_000_003 + seed
+                )
                 groups.append((problem, ids, sampler.sample(prompt, args.group, params)))
             data, rewards = [], []
             for problem, ids, future in groups:

@@ -23,6 +23,11 @@ from typing import TYPE_CHECKING
 
 from grail.core.choices import BACKENDS
 from grail.core.errors import UserError
+from grail.core.reproducible import (
+    REPRODUCIBLE_THREADS,
+    apply_reproducible_env,
+    check_torch_honours,
+)
 
 if TYPE_CHECKING:
     from grail.tinker.sampler import SampleEngine
@@ -110,7 +115,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     p.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 under --reproducible, as grail-train's "
+        "reproducible=true; torch's choice otherwise)",
+    )
+    p.add_argument(
+        "--reproducible",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch's AVX2 CPU kernels and MKL's COMPATIBLE branch, as grail-train's "
+        "reproducible=true pins them: the same numbers on any x86-64 CPU with AVX2 "
+        "(grail/core/reproducible.py); --no-reproducible lets the machine's kernels decide",
     )
     p.add_argument("--log-level", default="warning")  # fmt: skip
     return p.parse_args(argv)
@@ -172,6 +189,11 @@ def is_loopback(host: str) -> bool:
 
 def serve(args: argparse.Namespace) -> None:
     check_args(args)
+    if args.reproducible:  # before torch's first operation, when torch and MKL read them; a
+        # sampler server started below inherits them
+        apply_reproducible_env(os.environ)
+        if args.threads is None:
+            args.threads = REPRODUCIBLE_THREADS
     # Heavy imports after the argument checks, so that --help and bad flags answer at once.
     import torch
     import uvicorn
@@ -187,6 +209,10 @@ def serve(args: argparse.Namespace) -> None:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # check_torch_honours raises a ConfigError (a UserError: one line from main) for other kernels
+    kernels = (
+        check_torch_honours() if args.reproducible else torch.backends.cpu.get_cpu_capability()
+    )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise TinkerArgsError(f"--device {args.device}: CUDA is not available on this machine")
     model_dir = _model_dir(args.model, TINY_MODEL_NAME, ensure_tiny_model)
@@ -219,7 +245,8 @@ def serve(args: argparse.Namespace) -> None:
             )  # fmt: skip
             print(
                 f"grail-tinker: serving {name!r} ({model_dir}) on http://{args.host}:{args.port}, "
-                f"run dir {run_dir}, sampler {args.sampler} "
+                f"run dir {run_dir}, sampler {args.sampler}, CPU kernels {kernels}"
+                f"{' (pinned: --reproducible)' if args.reproducible else ''} "
                 f"(loaded in {time.perf_counter() - start:.1f} s)",
                 flush=True,
             )
