@@ -117,25 +117,30 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # sent the few-but-long run tests to the end, where one worker ran them while the other sat idle:
 # the last 5% of a run took 3 of its 17.5 minutes). Longest first is the classic schedule that
 # keeps that tail short. Seconds per file measured with `uv run pytest --durations=150` on the
-# 2-core CI-like machine; a file not listed runs after these, in its usual order.
+# 2-core CI-like machine; a file not listed runs after these, in its usual order. The files whose
+# tests start from `warm_base` (lora, service, tinker) stand apart: the first builds it (~80 s),
+# and a worker that asks while the other builds waits idle (test_service's setup waited 40 s when
+# it came right after test_lora).
 HEAVIEST_FILES = (
-    "test_distributed_run.py",  # 232 s
-    "test_episode_runs.py",  # ~90 s (its module fixture starts five runs at once)
-    "test_benchmarks.py",  # 199
-    "test_train_loop.py",  # 184
-    "test_cli.py",  # 157
-    "test_lora.py",  # 150
-    "test_service.py",  # 132
-    "test_resume.py",  # 84
-    "test_two_nodes.py",  # 83
-    "test_fleet.py",  # 70
-    "test_external_servers.py",  # 49
-    "test_sweep.py",  # 45
-    "test_server_rollouts.py",  # 44
-    "test_server_hardening.py",  # 43
-    "test_race.py",  # 42
-    "test_prune.py",  # 38
-    "test_fingerprint.py",  # 38
+    "test_distributed_run.py",  # 247 s
+    "test_benchmarks.py",  # 204
+    "test_lora.py",  # 134 (builds the warm base)
+    "test_train_loop.py",  # 169
+    "test_episode_runs.py",  # 110 (its module fixture starts five runs at once)
+    "test_service.py",  # 114
+    "test_cli.py",  # 99
+    "test_two_nodes.py",  # 78
+    "test_resume.py",  # 76
+    "test_fleet.py",  # 71
+    "test_packing.py",  # 48
+    "test_external_servers.py",  # 47
+    "test_server_rollouts.py",  # 46
+    "test_server_hardening.py",  # 46
+    "test_race.py",  # 43
+    "test_rollout_reuse.py",  # 40
+    "test_prune.py",  # 36
+    "test_tinker.py",  # 36
+    "test_fingerprint.py",  # 33
 )
 
 

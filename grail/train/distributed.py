@@ -61,7 +61,10 @@ from grail.core.nodes import NodePlan, NodesDiffer, config_differences, shared_s
 from grail.core.placement import trainer_processes
 from grail.core.records import held_for_the_ranks
 from grail.train.resume import Resume
-from grail.train.sharded import PeersLost, Stop, collective, follow, send, setup_rank
+
+# grail.train.sharded (the ranks' trainer: LoRA, transformers, torch's distributed checkpoint) is
+# imported inside the rank's functions: the agent, grail-train's own process, imports this module
+# only to `launch`, and skipped ~3 s of imports on every start (`python -X importtime`).
 
 log = logging.getLogger("grail.train")
 
@@ -101,6 +104,8 @@ def _nodes_agree(cfg: Config) -> None:
     anything else: each node's first rank raises `NodesDiffer` naming the keys that differ (rank
     0 reports it, the other nodes' agents in `raise_failure`), the others end as bystanders. The
     ranks of one node share the config their agent gave them."""
+    from grail.train.sharded import PeersLost, collective
+
     world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if world == local:
         return
@@ -149,6 +154,7 @@ def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | 
     Ctrl-C while the rank imports waits, pending, for the `try`; SIGTERM ends it at once and
     silently (its default action)."""
     from grail.train.reporting import interrupt_exit_code, report_run_error
+    from grail.train.sharded import PeersLost, Stop, follow, send, setup_rank
 
     rank = int(os.environ["RANK"])
     _log_to(rank, log_file)
