@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,37 +161,54 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 WARM_BASE_SUCCESS = 0.3
 
 
+def built_once(
+    tmp_path_factory: pytest.TempPathFactory,
+    testrun_uid: str,
+    name: str,
+    build: Callable[[Path], Any],
+) -> Path:
+    """`build(run_dir)` once per test run, whichever xdist worker asks first (the others wait on
+    the lock, then read what it built): a reference run every worker's tests assert on."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # every xdist worker's base's parent
+    run_dir = shared / f"{name}-{testrun_uid}"
+    with FileLock(str(shared / f"{name}-{testrun_uid}.lock"), timeout=900):
+        if not (run_dir / "built").exists():
+            build(run_dir)
+            (run_dir / "built").touch()
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def warm_base(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -> Path:
     """A base that knows its tokens and has begun to stop after them: the default job's first
     checkpoint (every 4 iterations) whose held-out success reaches `WARM_BASE_SUCCESS`
-    (helpers/warm_base.py). Built once
-    per test run, whichever worker asks first (the others wait on the lock): the LoRA, service and
-    Tinker learning tests start from it."""
-    from filelock import FileLock
+    (helpers/warm_base.py). Built once per test run (`built_once`): the LoRA, service and Tinker
+    learning tests start from it."""
     from helpers.warm_base import build_warm_base, first_reaching
 
-    shared = tmp_path_factory.getbasetemp().parent  # every xdist worker's base's parent
-    run_dir = shared / f"warm-base-{testrun_uid}"
-    with FileLock(str(shared / f"warm-base-{testrun_uid}.lock"), timeout=900):
-        if not (run_dir / "built").exists():
-            build_warm_base(run_dir, WARM_BASE_SUCCESS)
-            (run_dir / "built").touch()
+    run_dir = built_once(
+        tmp_path_factory,
+        testrun_uid,
+        "warm-base",
+        lambda path: build_warm_base(path, WARM_BASE_SUCCESS),
+    )
     base = first_reaching(run_dir, WARM_BASE_SUCCESS)
     return run_dir / "checkpoints" / f"iter_{base:03d}"
 
 
 @pytest.fixture(scope="session")
-def one_server_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def one_server_run(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -> Path:
     """The short default job (helpers/short_runs.py) with the one server grail starts: what a
-    fleet and servers started by hand must reproduce."""
+    fleet and servers started by hand must reproduce. Built once per test run (`built_once`)."""
     from helpers.short_runs import short_config
 
     from grail.train.loop import run
 
-    run_dir = tmp_path_factory.mktemp("one-server")
-    run(short_config(), run_dir)
-    return run_dir
+    return built_once(
+        tmp_path_factory, testrun_uid, "one-server", lambda path: run(short_config(), path)
+    )
 
 
 @pytest.fixture(scope="session")
