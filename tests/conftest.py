@@ -212,6 +212,21 @@ def one_server_run(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -
 
 
 @pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -> Path:
+    """grail-train on the SMALL workload (helpers/grail_process.py) for one iteration in one
+    trainer process, evaluation off: the iteration 0 that two ranks and two nodes must compute
+    as one process does (their tests compare its update, which neither the length of the run,
+    evaluation nor the collective timeout changes). Built once per test run (`built_once`)."""
+    from helpers.rank_runs import grail_train
+
+    def build(run_dir: Path) -> None:
+        code, out, _ = grail_train(run_dir, "train.iterations=1", "eval.enabled=false")
+        assert code == 0, out[-3000:]
+
+    return built_once(tmp_path_factory, testrun_uid, "one-process", build)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, built once into the user cache ($GRAIL_CACHE_DIR or ~/.cache/grail) so
     repeated test runs reuse it; a session temp dir when that cache is not writable."""

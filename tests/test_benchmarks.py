@@ -802,6 +802,15 @@ def smoke_study(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert [s["runs"] for s in _results(out)["studies"]] == [2, 2]
 
 
+def smoke_suite_cpu(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp / "r.json"
+    inner = ["--", "tests/test_codec.py", "-n", "0", "-q", "-p", "no:cacheprovider"]
+    assert _main("suite_cpu.py", "--top 2 --out", out, *inner) == 0
+    results = _results(out)
+    assert results["tests"] > 0 and results["pytest_exit_code"] == 0
+    assert list(results["files"]) == ["tests/test_codec.py"] and results["cpu_s"] > 0
+
+
 def smoke_tinker_overhead(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp / "r.json"
     _main("tinker_overhead.py", "--rounds 1 --warmup 0 --shapes call --out", out)
@@ -854,6 +863,7 @@ SMOKE: dict[str, Callable[[Path, pytest.MonkeyPatch], None]] = {
     "seeds.py": smoke_seeds,
     "service.py": smoke_service,
     "study.py": smoke_study,
+    "suite_cpu.py": smoke_suite_cpu,
     "tinker_overhead.py": smoke_tinker_overhead,
     "tinker_wire.py": smoke_tinker_wire,
     "train_step_gpu.py": smoke_train_step_gpu,
