@@ -23,10 +23,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
-
-import torch
-import uvicorn
+from typing import TYPE_CHECKING, Any
 
 from grail.core.errors import ConfigError
 from grail.core.http_api import is_loopback
@@ -38,20 +35,26 @@ from grail.inference.builtin.admission import (
     QUEUED_BATCHES,
     Limits,
 )
-from grail.inference.builtin.app import create_app
-from grail.inference.builtin.engine import Engine
+
+if TYPE_CHECKING:
+    import uvicorn
+
+# torch, transformers, uvicorn and the engine are imported in `main` once the flags are checked,
+# so that --help and a bad flag answer at once (they took ~6 s of imports).
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, announcing readiness once the socket listens."""
+def _ready_server(config: uvicorn.Config, ready_line: str) -> uvicorn.Server:
+    """uvicorn's server, printing `ready_line` (`{url}` filled in) once the socket listens."""
+    import uvicorn
 
-    ready_line = ""
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and not self.should_exit:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(ready_line.format(url=f"http://{host}:{port}"), flush=True)
 
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        if self.started and not self.should_exit:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            print(self.ready_line.format(url=f"http://{host}:{port}"), flush=True)
+    return Server(config)
 
 
 def _positive(text: str) -> int:
@@ -185,10 +188,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if refused is not None:
         print(f"grail-serve: {refused}", file=sys.stderr, flush=True)
         return 2
+    if args.threads is not None and args.threads < 1:
+        print(f"grail-serve: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    import torch
     import transformers
+    import uvicorn
+
+    from grail.inference.builtin.app import create_app
+    from grail.inference.builtin.engine import Engine
 
     transformers.utils.logging.disable_progress_bar()
     if key is None and not is_loopback(args.host):
@@ -198,8 +209,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.host,
         )
     if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if args.reproducible:
         try:
@@ -246,16 +255,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=5,
     )
-    server = _Server(config)
     invariance = (
         f"batch-invariant (row quantum {engine.row_quantum})"
         if engine.batch_invariant
         else "not batch-invariant"
     )
-    server.ready_line = (
+    server = _ready_server(
+        config,
         f"grail-serve ready: model '{name}' at {{url}} "
         f"({engine.device}, {str(engine.dtype).removeprefix('torch.')}, {invariance}, "
-        f"max_model_len {engine.max_model_len})"
+        f"max_model_len {engine.max_model_len})",
     )
     # Everything loaded so far (torch, transformers, the model) lives as long as the process: take
     # it out of the garbage collector's view. Otherwise every full collection walks its ~400k
