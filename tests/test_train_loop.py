@@ -216,12 +216,18 @@ def test_ctrl_c_stops_the_run_and_its_server(tmp_path: Path, pipeline: bool) -> 
 
 
 def test_fresh_run_refuses_a_directory_that_holds_a_run(full_run: Path) -> None:
+    """Refused before anything is written: the metrics, and `.hydra/`, which says how the run was
+    configured (a resume and grail-report read it; the refused start once wrote its own config
+    there, so a later resume=true would have continued with train.iterations=7)."""
     before = sorted(p.name for p in (full_run / "metrics").iterdir())
-    proc = train_process(full_run, "train.iterations=4")
+    hydra = {p.name: p.read_bytes() for p in (full_run / ".hydra").iterdir()}
+    proc = train_process(full_run, "train.iterations=7")
     out = finish(proc)
-    assert proc.returncode != 0
-    assert "resume=true" in out, out[-3000:]
+    assert proc.returncode == 1
+    assert "already holds the metrics of a run" in out and "resume=true" in out, out[-3000:]
     assert sorted(p.name for p in (full_run / "metrics").iterdir()) == before  # nothing lost
+    assert {p.name: p.read_bytes() for p in (full_run / ".hydra").iterdir()} == hydra
+    assert "started builtin server" not in out
 
 
 # --- pipelined mode (train.pipeline=true): one step off-policy ------------------------------------

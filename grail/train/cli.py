@@ -69,7 +69,7 @@ from grail.train.reporting import (
     resume_command,
 )
 from grail.train.reporting import report as _report
-from grail.train.resume import Resume, plan_resume
+from grail.train.resume import Resume, RunDirNotEmpty, plan_resume, refuse_a_fresh_start_over_a_run
 
 ConfigStore.instance().store(name="offline_grpo_schema", node=Config)
 # Before torch loads (this module imports it only inside the run): threads that sleep when they
@@ -197,6 +197,8 @@ def train_job(cfg: DictConfig) -> None:
             # (_other_node) leaves the directory to node 0.
             resume = _plan_resume(cfg, run_dir, hydra_cfg, multirun, require_run=not multirun)
             if resume is None:
+                if not cfg.resume:  # before .hydra/ is written over another run's
+                    refuse_a_fresh_start_over_a_run(run_dir)
                 save_hydra_files(run_dir, cfg, hydra_cfg)
             else:
                 cfg = resume.config
@@ -204,12 +206,13 @@ def train_job(cfg: DictConfig) -> None:
                 sweep_job.sweep_job(cfg, run_dir, hydra_cfg, resume, plan)
             else:
                 _single_run(cfg, run_dir, hydra_cfg, resume, plan)
-    except RunDirLocked as exc:
+    except (RunDirLocked, RunDirNotEmpty) as exc:
         if not multirun:
             _report(str(exc), exc)
             sys.exit(1)
-        # The directory belongs to the process running there: this job writes nothing into it (no
-        # "failed" summary), and the sweep goes on; SweepOutcome lists the run if it never ends.
+        # The directory belongs to the process running there, or holds a run a fresh job must
+        # not overwrite: this job writes nothing into it (no "failed" summary), and the sweep goes
+        # on; SweepOutcome lists the run if it never ends.
         _report(f"sweep job {int(hydra_cfg.job.num)} not run: {exc}", exc)
     except DiskFullError as exc:  # writing .hydra/, or in a sweep (_single_run reports its own)
         if multirun:

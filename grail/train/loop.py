@@ -24,7 +24,6 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 
 from grail.core.config import Config
-from grail.core.errors import UserError
 from grail.core.placement import trainer_ranks
 from grail.core.records import (
     CHECKPOINTS_DIR,
@@ -56,14 +55,10 @@ from grail.train.components import build_run, open_loggers
 from grail.train.display import Display
 from grail.train.evaluate import eval_metrics
 from grail.train.loggers import MetricLoggers
-from grail.train.resume import Resume
+from grail.train.resume import Resume, refuse_a_fresh_start_over_a_run
 from grail.train.trainer import Trainer
 
 log = logging.getLogger("grail.train")
-
-
-class RunDirNotEmpty(UserError, FileExistsError):
-    """A fresh run into a directory that already holds a run's metrics."""
 
 
 def run(cfg: Config, run_dir: Path, resume: Resume | None = None) -> dict[str, Any]:
@@ -244,11 +239,7 @@ def resume_point(cfg: Config, run_dir: Path) -> CheckpointRef | None:
     stale = sorted(metrics_dir.glob("*.json"))
     if resume_from is None and stale:
         if not cfg.resume:
-            raise RunDirNotEmpty(
-                f"{run_dir} already holds the metrics of a run ({len(stale)} files in "
-                f"{metrics_dir}); rerun with resume=true to continue it, or use a new "
-                "hydra.run.dir"
-            )
+            refuse_a_fresh_start_over_a_run(run_dir)
         log.warning(
             "resume=true but no complete checkpoint in %s: starting over",
             run_dir / CHECKPOINTS_DIR,

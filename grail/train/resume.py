@@ -32,9 +32,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grail.core.config import Config
-from grail.core.errors import ConfigError, first_line
+from grail.core.errors import ConfigError, UserError, first_line
 from grail.core.records import (
     LAUNCH_KEYS,
+    METRICS_DIR,
     SECRET_FILE_MODE,
     atomic_write_text,
     holds_secrets,
@@ -43,6 +44,25 @@ from grail.core.records import (
 
 HYDRA_DIR = ".hydra"
 CONFIG_FILE = "config.yaml"
+
+
+class RunDirNotEmpty(UserError, FileExistsError):
+    """A fresh run into a directory that already holds a run's metrics."""
+
+
+def refuse_a_fresh_start_over_a_run(run_dir: Path) -> None:
+    """A fresh start (no `resume=true`) refuses a directory that holds a run's metrics: raise
+    RunDirNotEmpty naming it. grail-train asks before it writes anything there (`.hydra/` says
+    how that run was configured: a resume and grail-report read it), the loop again for runs
+    started in-process."""
+    metrics_dir = run_dir / METRICS_DIR
+    stale = sorted(metrics_dir.glob("*.json")) if metrics_dir.is_dir() else []
+    if stale:
+        raise RunDirNotEmpty(
+            f"{run_dir} already holds the metrics of a run ({len(stale)} files in "
+            f"{metrics_dir}); rerun with resume=true to continue it, or use a new hydra.run.dir"
+        )
+
 
 # The keys a resume may change (a key, or a section and every key under it). Each says how the run
 # goes on, never what it computes: the metrics of the iterations a resume trains are the ones the
