@@ -67,14 +67,14 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
 def summarize(records: list[dict[str, Any]], top: int) -> dict[str, Any]:
     for r in records:
         r["cpu_s"] = r["own_cpu_s"] + r["children_cpu_s"]
-    files: dict[str, float] = collections.Counter()
+    files: collections.Counter[str] = collections.Counter()
     for r in records:
         files[r["test"].split("::")[0]] += r["cpu_s"]
     tests = sorted(records, key=lambda r: -r["cpu_s"])
     return {
         "tests": len(records),
         "cpu_s": sum(r["cpu_s"] for r in records),
-        "files": dict(collections.Counter(files).most_common()),
+        "files": dict(files.most_common()),
         "top_tests": tests[:top],
     }
 

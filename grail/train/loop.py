@@ -235,11 +235,11 @@ def resume_point(cfg: Config, run_dir: Path) -> CheckpointRef | None:
     its parts anew."""
     metrics_dir = run_dir / METRICS_DIR
     metrics_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.resume:
+        refuse_a_fresh_start_over_a_run(run_dir)
     resume_from = latest_checkpoint(run_dir / CHECKPOINTS_DIR) if cfg.resume else None
     stale = sorted(metrics_dir.glob("*.json"))
-    if resume_from is None and stale:
-        if not cfg.resume:
-            refuse_a_fresh_start_over_a_run(run_dir)
+    if resume_from is None and stale:  # resume=true, nothing to resume from
         log.warning(
             "resume=true but no complete checkpoint in %s: starting over",
             run_dir / CHECKPOINTS_DIR,
