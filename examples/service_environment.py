@@ -1,5 +1,5 @@
-"""An environment process for the trainer as a service, Atropos-style: it samples from the
-trainer's inference server itself, scores with its own copy of grail-train's default task
+"""An environment process for the trainer as a service, Atropos-style: it samples its groups
+through the service's /v1/turns, scores them with its own copy of grail-train's default task
 (copy_digits), and pushes whole scored groups to the trainer, purely over HTTP.
 
     uv run grail-train mode=service                      # terminal 1: the trainer, waiting
@@ -9,25 +9,20 @@ trainer's inference server itself, scores with its own copy of grail-train's def
 GRAIL_SERVICE_URL and GRAIL_SERVICE_API_KEY, work too.) It stops when the run has taken all its
 batches (or the service is gone), and prints what it pushed and how fast.
 
-The protocol: GET /v1/info once (the inference server's URL and key, the model, the group size
-and the run's sampling settings). Then, per group: GET /v1/status, wait while a batch's worth of
-groups is already queued (`queued_groups`: more would wait and may go stale; see --backlog), and
-keep its `policy_version`, read BEFORE sampling; POST {inference_url}/chat/completions with the
-problem's messages, n = rollouts_per_problem, the run's temperature, top_p, top_k and max_tokens,
-`logprobs: true` and `return_token_ids: true`; score the choices; POST /v1/groups with the
-prompt's token ids (the server's rendering, `prompt_token_ids`), each completion's token ids,
-behaviour log-probabilities, reward, success and finish reason, and that version. A 409 means the
-group came too late (older than service.max_staleness allows): it is counted and dropped.
+The protocol: GET /v1/info once (the group size, the batch size). Then, per group: GET
+/v1/status and wait while a batch's worth of groups is already queued (`queued_groups`: more
+would wait and may go stale; see --backlog); POST /v1/turns with the problem's messages and n =
+rollouts_per_problem: the service samples them with the run's settings and answers with the
+prompt's token ids, the policy version that sampled them, and each choice's token ids and
+behaviour log-probabilities; score the choices; POST /v1/groups with those ids, log-probs and
+version, and each completion's reward, success and finish reason. The service checks that every
+pushed token is one it sampled (service.check_spans). A 409 means the group came too late (older
+than service.max_staleness allows): it is counted and dropped.
 
-Caveat: the trainer may sync new weights between the status read and the sampling. The group is
-then sent with a version one older than the weights that sampled it. That is safe: the trainer
-corrects for the behaviour policy with the log-probabilities sent (importance sampling), and
-service.max_staleness bounds how old a version it accepts; at worst the group is refused (409),
-or dropped when a batch is taken, one step early. Sampling with other settings than /v1/info's
-would make the log-probabilities those of another policy: this environment uses the run's.
-
-Your own environment replaces `make_env("copy_digits")` (its prompts and its scorer) and keeps
-the protocol.
+An agent loop of several turns does the same per turn: POST /v1/turns with the episode's token
+ids so far (n=1), append the environment's tokens, and push the episode with a sampled_mask
+(docs/service.md). Your own environment replaces `make_env("copy_digits")` (its prompts and its
+scorer) and keeps the protocol.
 """
 
 from __future__ import annotations
@@ -45,10 +40,6 @@ from typing import Any
 import httpx
 
 from grail.envs import make_env
-
-# How long a worker waits for the inference server to come back (a weight sync by restart)
-# while the service still runs.
-INFERENCE_RETRY_S = 120.0
 
 
 @dataclass
@@ -89,73 +80,39 @@ def service_status(service: httpx.Client) -> dict[str, Any]:
 
 
 def sample(
-    inference: httpx.Client,
-    service: httpx.Client,
-    info: dict[str, Any],
-    messages: list[dict[str, str]],
-    seed: int,
+    service: httpx.Client, messages: list[dict[str, str]], group_size: int
 ) -> dict[str, Any]:
-    """One group of the problem from the inference server, with the run's sampling settings.
-    While the server is unreachable or busy (503) and the service still runs, retry."""
-    s = info["sampling"]
-    body = {
-        "model": info["model"],
-        "messages": messages,
-        "n": info["rollouts_per_problem"],
-        "max_tokens": s["max_tokens"],
-        "temperature": s["temperature"],
-        "top_p": s["top_p"],
-        "top_k": s["top_k"],
-        "seed": seed,  # sample i gets seed + i
-        "logprobs": True,
-        "return_token_ids": True,
-    }
-    deadline = time.monotonic() + INFERENCE_RETRY_S
-    while True:
-        try:
-            answer = inference.post("/chat/completions", json=body)
-            if answer.status_code != 503:
-                return answer.raise_for_status().json()
-            problem = f"503 {answer.text[:200]}"
-        except httpx.TransportError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        service_status(service)  # raises Finished when the run is over: the server went with it
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"the inference server failed for {INFERENCE_RETRY_S:g} s: {problem}"
-            )
-        time.sleep(0.5)
+    """One group of the problem from /v1/turns, sampled with the run's settings."""
+    try:
+        answer = service.post("/v1/turns", json={"messages": messages, "n": group_size})
+    except httpx.TransportError:
+        raise Finished from None  # the service has stopped: the run is over
+    if answer.status_code == 503:  # the run has taken all its batches
+        raise Finished
+    return answer.raise_for_status().json()
 
 
-def to_group(
-    answer: dict[str, Any], version: int, env: Any, problem: Any, group_size: int
-) -> dict[str, Any]:
-    """A chat completion answer as a scored /v1/groups group."""
+def to_group(answer: dict[str, Any], env: Any, problem: Any, group_size: int) -> dict[str, Any]:
+    """A /v1/turns answer as a scored /v1/groups group."""
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     if len(choices) != group_size:
         raise RuntimeError(f"asked for {group_size} completions, got {len(choices)}")
     completions = []
     for choice in choices:
-        token_ids = choice["token_ids"]
-        # The behaviour log-probabilities: log-softmax(logits / T) of each sampled token.
-        logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-        if len(logprobs) != len(token_ids):
-            raise RuntimeError(f"{len(token_ids)} token ids but {len(logprobs)} logprobs")
-        text = choice["message"]["content"]
-        score = env.score(problem, text)
+        score = env.score(problem, choice["text"])
         completions.append(
             {
-                "token_ids": token_ids,
-                "logprobs": logprobs,
+                "token_ids": choice["token_ids"],
+                "logprobs": choice["logprobs"],  # the behaviour policy's, as sampled
                 "reward": score.reward,
                 "success": score.success,
                 "finish_reason": choice["finish_reason"],
-                "text": text,
+                "text": choice["text"],
             }
         )
     return {
         "prompt_ids": answer["prompt_token_ids"],
-        "policy_version": version,
+        "policy_version": answer["policy_version"],  # the weights that sampled the group
         "completions": completions,
     }
 
@@ -172,11 +129,9 @@ def worker(
     tally: Tally,
 ) -> None:
     env = make_env("copy_digits")  # the environment's own task: its prompts and its scorer
-    service = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
-    inference = httpx.Client(
-        base_url=info["inference_url"],
-        headers={"Authorization": f"Bearer {info['inference_api_key']}"},
-        timeout=300,
+    # A turns request waits while the trainer syncs weights: allow for a sync by restart.
+    service = httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=300
     )
     group_size = int(info["rollouts_per_problem"])
     seed = seed_start + number
@@ -186,10 +141,9 @@ def worker(
             if status["queued_groups"] >= backlog:  # the next batch is there: more would wait
                 time.sleep(0.1)
                 continue
-            version = int(status["policy_version"])  # before sampling: the weights that sample
             problem = env.problem(seed)
-            answer = sample(inference, service, info, problem.prompt_messages, seed * group_size)
-            group = to_group(answer, version, env, problem, group_size)
+            answer = sample(service, problem.prompt_messages, group_size)
+            group = to_group(answer, env, problem, group_size)
             seed += workers
             try:
                 pushed = service.post("/v1/groups", json={"groups": [group]})
@@ -214,7 +168,6 @@ def worker(
     finally:
         stop.set()  # one worker seeing the end stops the others
         service.close()
-        inference.close()
 
 
 def main(argv: list[str] | None = None) -> None:

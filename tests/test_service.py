@@ -9,7 +9,7 @@ import math
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,14 @@ from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.generation import render_prompt_ids
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
-from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceSample
+from grail.service.ledger import (
+    Ledger,
+    PushedGroup,
+    RewardEntry,
+    ServiceSample,
+    sampled_spans,
+    span_key,
+)
 from grail.service.source import to_group
 from grail.service.store import LedgerStore
 
@@ -156,7 +163,7 @@ def test_staleness_refuses_late_rewards_expires_samples_and_drops_old_groups() -
 def test_taken_groups_come_back_in_order_on_rewind_until_a_checkpoint_covers_them() -> None:
     ledger = Ledger(group_size=2, max_staleness=5)
     for _ in range(5):
-        ledger.add_groups([pushed(0, 2)])
+        ledger.add_groups([pushed(0, 2)], check_spans=False)
     first, second = ledger.take(2, 0), ledger.take(2, 1)
     assert first is not None and second is not None and len(ledger.queue) == 1
     ledger.checkpointed(0)
@@ -182,11 +189,86 @@ def test_pushed_groups_are_checked_whole_and_all_or_nothing() -> None:
     ]
     for bad, status, match in cases:
         with pytest.raises(APIError, match=match) as excinfo:
-            ledger.add_groups([pushed(3, 2), bad])  # a good group before the bad one
+            # a good group before the bad one
+            ledger.add_groups([pushed(3, 2), bad], check_spans=False)
         assert status_of(excinfo) == status
         assert json.loads(state(ledger))["queue"] == json.loads(before)["queue"]
-    (group,) = ledger.add_groups([pushed(2, 2)])
+    (group,) = ledger.add_groups([pushed(2, 2)], check_spans=False)
     assert group.source == "groups" and group.samples[1].id == f"{group.id}-s1"
+
+
+def turn_group(ledger: Ledger, prompt: list[int], episodes: list[list[int]]) -> PushedGroup:
+    """Record the episodes' sampled turns as /v1/turns would, and push the episodes: each is a
+    list of token ids where negative ids stand for the environment's tokens between turns."""
+    samples = []
+    for episode in episodes:
+        ids, mask, lps = [], [], []
+        for token in episode:
+            sampled = token >= 0
+            ids.append(abs(token))
+            mask.append(int(sampled))
+            lps.append(-0.1 * len(ids) if sampled else 0.0)
+        for start, end in sampled_spans(mask, len(ids)):
+            key = span_key([*prompt, *ids[:start]], ids[start:end])
+            ledger.record_turns(ledger.new_turn_number(), [key], [lps[start:end]])
+        samples.append(ServiceSample("", ids, lps, "stop", "", 1.0, None, mask))
+    return PushedGroup(prompt, ledger.policy_version, samples)
+
+
+def test_checked_spans_are_turns_the_service_sampled_each_spent_once() -> None:
+    ledger = Ledger(group_size=2, max_staleness=1)
+    group = turn_group(ledger, [1, 2], [[5, 6, -7, 8], [5, 9]])  # a 2-turn episode, a 1-turn one
+    assert sampled_spans(group.samples[0].sampled_mask, 4) == [(0, 2), (3, 4)]
+    assert sum(len(r) for r in ledger.turns.values()) == 3
+
+    def tampered(change: Callable[[PushedGroup], None]) -> PushedGroup:
+        copy = PushedGroup.__new__(PushedGroup)
+        copy.__dict__ = json.loads(json.dumps(_asdict(group)))
+        copy.samples = [ServiceSample(**s) for s in copy.samples]  # type: ignore[arg-type]
+        change(copy)
+        return copy
+
+    def other_token(g: PushedGroup) -> None:
+        g.samples[0].token_ids[3] = 4
+
+    def other_logprob(g: PushedGroup) -> None:
+        g.samples[1].logprobs[0] = -0.3
+
+    def other_context(g: PushedGroup) -> None:
+        g.samples[0].token_ids[2] = 3  # the environment's token: the next turn's context
+
+    def untrusted_version(g: PushedGroup) -> None:
+        g.policy_version = 1
+
+    cases = [
+        (other_token, "completions.0: tokens 3..3 [(]sampled, by the mask[)] are not a turn"),
+        (other_logprob, "completions.1: tokens 0..1 [(]sampled, by the mask[)] carry other"),
+        (other_context, "completions.0: tokens 3..3"),
+        (untrusted_version, "policy_version 1 is newer than version 0, which sampled"),
+    ]
+    ledger.policy_version = 1  # the turns were sampled by version 0
+    before = state(ledger)
+    for change, match in cases:
+        with pytest.raises(APIError, match=match) as excinfo:
+            ledger.add_groups([tampered(change)], check_spans=True)
+        assert status_of(excinfo) == 400
+        assert state(ledger) == before  # refused whole: no turn spent
+    ledger.policy_version = 0
+    with pytest.raises(APIError, match="service.check_spans=false to trust"):
+        ledger.add_groups([pushed(0, 2)], check_spans=True)  # never sampled here
+
+    (queued,) = ledger.add_groups([group], check_spans=True)
+    assert queued.samples[0].sampled_mask == [1, 1, 0, 1] and ledger.turns == {}
+    with pytest.raises(APIError, match="or one already pushed"):
+        ledger.add_groups([group], check_spans=True)  # each turn trains once
+
+    # Two turns with the same tokens after the same context are two records: both usable.
+    twice = turn_group(ledger, [3], [[5], [5]])
+    assert len(ledger.turns) == 1 and ledger.add_groups([twice], check_spans=True)
+    # Turns no group used before they went stale expire, counted.
+    turn_group(ledger, [4], [[6], [7]])
+    ledger.advance(2)
+    assert ledger.turns == {} and ledger.counters.expired_turns == 2
 
 
 def test_the_journal_replays_to_the_state_a_killed_process_had(tmp_path: Path) -> None:
@@ -202,8 +284,20 @@ def test_the_journal_replays_to_the_state_a_killed_process_had(tmp_path: Path) -
     entries = [RewardEntry(group.samples[0].id, 0.25, True)]
     live.add_rewards(entries)
     store.append({"op": "rewards", "entries": [[e.id, e.reward, e.success] for e in entries]})
-    live.add_groups([pushed(0, 2)])
+    live.add_groups([pushed(0, 2)], check_spans=False)
     store.append({"op": "groups", "groups": [_asdict(pushed(0, 2))]})
+    # Turns, and a checked group that spends one of them.
+    keys = [span_key([9], [5]), span_key([9], [6])]
+    for number, key in enumerate(keys):
+        live.record_turns(number, [key], [[-0.5]])
+        store.append({"op": "turns", "number": number, "keys": [key], "logprobs": [[-0.5]]})
+    checked = PushedGroup([9], 0, [ServiceSample("", [5], [-0.5], "stop", "", 1.0, None)] * 2)
+    with pytest.raises(APIError, match="or one already pushed"):  # only one turn [5]
+        live.add_groups([checked], check_spans=True)
+    checked.samples[1] = ServiceSample("", [6], [-0.5], "stop", "", 0.0, None)
+    live.add_groups([checked], check_spans=True)
+    store.append({"op": "groups", "groups": [_asdict(checked)], "check_spans": True})
+    assert live.next_turn == 2 and live.turns == {}
     live.take(1, 0)
     store.append({"op": "take", "count": 1, "iteration": 0})
     live.advance(1)
@@ -251,7 +345,9 @@ def tokenizer(tiny_model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def make_core(tmp_path: Path, tokenizer: Any, group_size: int = 2) -> ServiceCore:
+def make_core(
+    tmp_path: Path, tokenizer: Any, group_size: int = 2, check_spans: bool = False
+) -> ServiceCore:
     store = LedgerStore(tmp_path)
     ledger = Ledger(group_size=group_size, max_staleness=1)
     store.snapshot(ledger)
@@ -265,6 +361,7 @@ def make_core(tmp_path: Path, tokenizer: Any, group_size: int = 2) -> ServiceCor
         base_seed=0,
         iterations=3,
         info={"rollouts_per_problem": group_size},
+        check_spans=check_spans,
     )
 
 
@@ -431,6 +528,64 @@ def test_a_pushed_episode_trains_on_its_sampled_tokens_only(
         assert answer.status_code == 400, answer.text
         assert "sampled_mask" in answer.text
     assert len(core.ledger.queue) == 1
+
+
+def test_an_episode_of_turns_sampled_here_is_checked_and_trained(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """A client running its own agent loop: each turn from /v1/turns (the run's sampling
+    settings, its own seed), the environment's tokens between turns, the episode pushed in
+    Atropos' shape; with service.check_spans the service takes it only as it sampled it."""
+    core = make_core(tmp_path, tokenizer, check_spans=True)
+    with TestClient(create_app(core, KEY, max_body_bytes=4096)) as client:
+        problem = make_env("copy_digits").problem(3)
+        first = client.post(
+            "/v1/turns", headers=AUTH, json={"messages": problem.prompt_messages, "n": 2}
+        )
+        assert first.status_code == 200, first.text
+        body = first.json()
+        prompt = body["prompt_token_ids"]
+        assert prompt == render_prompt_ids(tokenizer, problem) and body["policy_version"] == 0
+        (a, b) = body["choices"]
+        assert (a["token_ids"], a["logprobs"], b["token_ids"]) == ([10], [-0.5], [11])
+        feedback = [20, 21]  # the environment's answer to episode a's first turn
+        second = client.post(
+            "/v1/turns", headers=AUTH, json={"prompt": [*prompt, 10, *feedback]}
+        ).json()
+        (c,) = second["choices"]
+        fake: FakeClient = core.client  # type: ignore[assignment]
+        assert fake.requests[1][:2] == ([*prompt, 10, *feedback], 1)
+        assert fake.requests[0][2] != fake.requests[1][2]  # every request its own seed
+        episode = {
+            "token_ids": [10, *feedback, *c["token_ids"]],
+            "logprobs": [-0.5, 0.0, 0.0, *c["logprobs"]],
+            "sampled_mask": [1, 0, 0, 1],
+            "reward": 1.0,
+        }
+        single = {"token_ids": [11], "logprobs": [-0.5], "reward": 0.0}
+        group = {"prompt_ids": prompt, "policy_version": 0, "completions": [episode, single]}
+        forged = {**group, "completions": [episode, {**single, "token_ids": [12]}]}
+        refused = client.post("/v1/groups", headers=AUTH, json={"groups": [forged]})
+        assert refused.status_code == 400, refused.text
+        assert "groups.0.completions.1: tokens 0..0" in refused.json()["error"]["message"]
+        answer = client.post("/v1/groups", headers=AUTH, json={"groups": [group]})
+        assert answer.status_code == 200, answer.text
+        (queued,) = core.ledger.queue
+        assert to_group(queued).samples[0].num_sampled == 2
+        again = client.post("/v1/groups", headers=AUTH, json={"groups": [group]})
+        assert again.status_code == 400 and "already pushed" in again.text
+        assert client.get("/v1/info", headers=AUTH).json()["rollouts_per_problem"] == 2
+        for bad, match in (
+            ({"prompt": [1], "n": 3}, "1 to data.rollouts_per_problem=2"),
+            ({"prompt": [1], "n": 0}, "n=0"),
+            ({"prompt": [1], "temperature": 0.5}, "temperature: sampling settings"),
+            ({"prompt": [1], "tools": []}, "/v1/turns takes prompt or messages"),
+        ):
+            answer = client.post("/v1/turns", headers=AUTH, json=bad)
+            assert answer.status_code == 400 and match in answer.text, answer.text
+    # The turns and the spent ones survive a restart (the journal).
+    reloaded = LedgerStore(tmp_path).load()
+    assert reloaded is not None and reloaded.to_json() == core.ledger.to_json()
 
 
 def test_weight_changes_wait_for_completions_in_flight_and_hold_new_ones(

@@ -1,5 +1,6 @@
 """examples/service_environment.py against a real `grail-train mode=service`: an environment that
-samples from the trainer's inference server itself and pushes scored groups (/v1/groups)."""
+samples its groups through /v1/turns, scores them itself and pushes them (/v1/groups), each
+token checked against what the service sampled (service.check_spans, the default)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def trainer(tmp_path: Path) -> Iterator[ServiceRun]:
 @pytest.mark.timeout(120)
 def test_an_environment_that_samples_itself_trains_the_policy(trainer: ServiceRun) -> None:
     """Every group the trainer takes is one the environment pushed, and the behaviour
-    log-probabilities it sent (the inference server's, read from chat completions) are the trained
+    log-probabilities it sent (the inference server's, as /v1/turns returned them) are the trained
     policy's: the trainer's own log-probabilities of those tokens agree with them."""
     trainer.connect(timeout_s=60).close()
     env = subprocess.run(

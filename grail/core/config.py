@@ -263,6 +263,11 @@ class ServiceConfig:
     # v + max_staleness; a queued group older than that when a batch is taken is dropped.
     max_staleness: int = 1
     max_body_bytes: int = 8 * 2**20  # larger request bodies get 413 before they are read
+    # Every sampled span of a pushed group (/v1/groups) must be a turn this run's /v1/turns
+    # sampled, with its log-probs: the run trains only on what its own server produced, with the
+    # run's sampling settings. false: trust pushed tokens (an environment that samples from the
+    # inference server itself, Atropos-style).
+    check_spans: bool = True
     # How long an iteration waits for its groups before the run stops with an error (null: for
     # ever): a run whose clients went away ends instead of holding its GPU.
     wait_timeout_s: float | None = 3600.0

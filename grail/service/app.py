@@ -5,9 +5,12 @@ environments push groups they sampled and scored themselves. docs/service.md has
   (= ``data.rollouts_per_problem``), ``model`` (optional): the OpenAI completions answer, plus
   ``policy_version``, ``group_id`` and per choice ``id`` and ``token_ids``.
 - ``POST /v1/rewards`` ``{"rewards": [{"id", "reward", "success"?}, ...]}`` -> ``{"accepted"}``.
+- ``POST /v1/turns`` ``{"prompt": token ids | text}`` or ``{"messages": [...]}``, ``n`` (1 to
+  ``data.rollouts_per_problem``, default 1): turns for the client's own groups or episodes,
+  ``policy_version``, ``prompt_token_ids`` and per choice ``token_ids`` and ``logprobs``.
 - ``POST /v1/groups`` ``{"groups": [{"prompt_ids", "policy_version", "completions": [{"token_ids",
-  "logprobs", "reward", "success"?, "finish_reason"?, "text"?}]}]}`` -> ``{"accepted",
-  "group_ids"}``.
+  "logprobs", "reward", "success"?, "finish_reason"?, "text"?, "sampled_mask"?}]}]}`` ->
+  ``{"accepted", "group_ids"}``; with ``service.check_spans`` each sampled span must be a turn.
 - ``GET /v1/status``, ``GET /v1/info``; ``GET /health`` (no key).
 
 Every route but /health needs ``Authorization: Bearer <service.api_key>`` (401). Errors use the
@@ -60,6 +63,10 @@ class CompletionsRequest(BaseModel):
     n: int | None = None
     model: str | None = None
     user: str | None = None  # the OpenAI SDK's optional end-user tag: accepted, unused
+
+
+class TurnsRequest(CompletionsRequest):
+    """As `CompletionsRequest`, with `n` from 1 (the default) to data.rollouts_per_problem."""
 
 
 class RewardItem(BaseModel):
@@ -169,8 +176,10 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.post("/v1/completions")
-async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
+def _prompt_ids(req: CompletionsRequest, core: ServiceCore, route: str) -> list[int]:
+    """The request's prompt as token ids, once its fields are checked (APIError naming the
+    first bad one): no sampling settings, the served model, exactly one of prompt and
+    messages."""
     extra = sorted(req.model_extra or {})
     sampling = [k for k in extra if k in SAMPLING_FIELDS]
     if sampling:
@@ -183,12 +192,24 @@ async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
         )
     if extra:
         raise APIError(
-            f"unknown field(s) {', '.join(extra)}; this route takes prompt or messages, n, model",
+            f"unknown field(s) {', '.join(extra)}; {route} takes prompt or messages, n, model",
             400,
             extra[0],
         )
     if req.model is not None and req.model != core.model_name:
         raise APIError(f"The model `{req.model}` does not exist.", 404, "model")
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("send exactly one of prompt and messages", 400, "prompt")
+    if req.messages is not None:
+        return core.render_messages([m.model_dump() for m in req.messages])
+    if isinstance(req.prompt, str):
+        return core.tokenize(req.prompt)
+    return core.check_token_ids(list(req.prompt or []), "prompt")
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
+    prompt_ids = _prompt_ids(req, core, "this route")
     if req.n is not None and req.n != core.group_size:
         raise APIError(
             f"n={req.n}, but a group here is data.rollouts_per_problem={core.group_size} "
@@ -196,14 +217,6 @@ async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
             400,
             "n",
         )
-    if (req.prompt is None) == (req.messages is None):
-        raise APIError("send exactly one of prompt and messages", 400, "prompt")
-    if req.messages is not None:
-        prompt_ids = core.render_messages([m.model_dump() for m in req.messages])
-    elif isinstance(req.prompt, str):
-        prompt_ids = core.tokenize(req.prompt)
-    else:
-        prompt_ids = core.check_token_ids(list(req.prompt or []), "prompt")
     group = await core.complete(prompt_ids)
     completion_tokens = sum(len(s.token_ids) for s in group.samples)
     return {
@@ -228,6 +241,43 @@ async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": completion_tokens,
             "total_tokens": len(prompt_ids) * len(group.samples) + completion_tokens,
+        },
+    }
+
+
+@router.post("/v1/turns")
+async def turns(req: TurnsRequest, core: Core) -> dict[str, Any]:
+    prompt_ids = _prompt_ids(req, core, "/v1/turns")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= core.group_size:
+        raise APIError(
+            f"n={n}: a turns request samples 1 to data.rollouts_per_problem={core.group_size} "
+            "turns (a group's first turns at once, or one episode's next)",
+            400,
+            "n",
+        )
+    version, samples = await core.turns(prompt_ids, n)
+    completion_tokens = sum(len(c.token_ids) for c in samples)
+    return {
+        "object": "turns",
+        "created": int(time.time()),
+        "model": core.model_name,
+        "policy_version": version,
+        "prompt_token_ids": prompt_ids,
+        "choices": [
+            {
+                "index": i,
+                "token_ids": c.token_ids,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+                "text": c.text,
+            }
+            for i, c in enumerate(samples)
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) * n + completion_tokens,
         },
     }
 

@@ -14,20 +14,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, astuple
 from typing import Any
 
 from grail.core.http_api import APIError
 from grail.inference.client import Completer
-from grail.inference.completions import GenerationError, SamplingParams
+from grail.inference.completions import Completion, GenerationError, SamplingParams
 from grail.rollouts.seeds import request_seed
-from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceGroup
+from grail.service.ledger import Ledger, PushedGroup, RewardEntry, ServiceGroup, span_key
 from grail.service.store import LedgerStore
 
 log = logging.getLogger(__name__)
 
-SERVICE_ROUND = -2  # request seeds of the service's completions (training rounds are >= 0)
+# Request seeds of the service's completions and turns (training rounds are >= 0, evaluation -1).
+SERVICE_ROUND = -2
+TURNS_ROUND = -3
 
 
 class WaitTimeout(Exception):
@@ -47,12 +49,14 @@ class ServiceCore:
         base_seed: int,
         iterations: int,
         info: dict[str, Any],
+        check_spans: bool,
     ) -> None:
         self.ledger, self.store = ledger, store
         self.client, self.sampling, self.tokenizer = client, sampling, tokenizer
         self.model_name, self.base_seed = model_name, base_seed
         self.iterations = iterations
         self._info = info
+        self.check_spans = check_spans  # service.check_spans: pushed spans must be our turns
         self._vocab_size = len(tokenizer)
         self._in_flight = 0  # completions being sampled now
         self._paused = False  # new completions wait: the weights are changing
@@ -81,19 +85,10 @@ class ServiceCore:
 
     async def complete(self, prompt_ids: list[int]) -> ServiceGroup:
         """Sample a group of the prompt with the current weights and hand it out."""
-        async with self.changed:
-            await self.changed.wait_for(lambda: not self._paused)
-            self._refuse_when_finished()
-            self._in_flight += 1
-        try:
+        async with self._sampling():
             number = self.ledger.new_group_number()
             seed = request_seed(self.base_seed, SERVICE_ROUND, number)
-            try:
-                samples = await self.client.complete(
-                    prompt_ids, self.group_size, self.sampling, seed
-                )
-            except GenerationError as exc:
-                raise APIError(f"the inference server failed: {exc}", 502) from exc
+            samples = await self._sample(prompt_ids, self.group_size, seed)
             # Registered before the count drops: the weights (and version) cannot change
             # between sampling and handing out.
             outputs = [(c.token_ids, c.logprobs, c.finish_reason, c.text) for c in samples]
@@ -101,11 +96,23 @@ class ServiceCore:
             self.store.append(
                 {"op": "hand_out", "number": number, "prompt_ids": prompt_ids, "samples": outputs}
             )
-        finally:
-            async with self.changed:
-                self._in_flight -= 1
-                self.changed.notify_all()
         return group
+
+    async def turns(self, prompt_ids: list[int], n: int) -> tuple[int, list[Completion]]:
+        """Sample `n` turns after `prompt_ids` with the current weights, for a client that
+        pushes them in its own groups (/v1/groups); kept for service.check_spans. Returns the
+        policy version that sampled them, and them."""
+        async with self._sampling():
+            number = self.ledger.new_turn_number()
+            samples = await self._sample(
+                prompt_ids, n, request_seed(self.base_seed, TURNS_ROUND, number)
+            )
+            version = self.ledger.policy_version
+            keys = [span_key(prompt_ids, c.token_ids) for c in samples]
+            logprobs = [c.logprobs for c in samples]
+            self.ledger.record_turns(number, keys, logprobs)
+            self.store.append({"op": "turns", "number": number, "keys": keys, "logprobs": logprobs})
+        return version, samples
 
     async def add_rewards(self, entries: list[RewardEntry]) -> int:
         with self._journal_refusals():
@@ -117,8 +124,14 @@ class ServiceCore:
     async def add_groups(self, groups: list[PushedGroup]) -> list[ServiceGroup]:
         self._refuse_when_finished()
         with self._journal_refusals():
-            added = self.ledger.add_groups(groups)
-        self.store.append({"op": "groups", "groups": [asdict(g) for g in groups]})
+            added = self.ledger.add_groups(groups, check_spans=self.check_spans)
+        self.store.append(
+            {
+                "op": "groups",
+                "groups": [asdict(g) for g in groups],
+                "check_spans": self.check_spans,
+            }
+        )
         await self._notify()
         return added
 
@@ -251,6 +264,27 @@ class ServiceCore:
         self.store.snapshot(self.ledger)
 
     # -- internals ------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _sampling(self) -> AsyncIterator[None]:
+        """Around a sampling request: it waits while the weights change, and a weight change
+        waits for it (`pause`)."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self._paused)
+            self._refuse_when_finished()
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            async with self.changed:
+                self._in_flight -= 1
+                self.changed.notify_all()
+
+    async def _sample(self, prompt_ids: list[int], n: int, seed: int) -> list[Completion]:
+        try:
+            return await self.client.complete(prompt_ids, n, self.sampling, seed)
+        except GenerationError as exc:
+            raise APIError(f"the inference server failed: {exc}", 502) from exc
 
     def _refuse_when_finished(self) -> None:
         if self._finished:

@@ -15,12 +15,21 @@ taken; both are counted.
 Sample ids carry their group's version and number, "v{version}-g{group}-s{index}", so that a
 reward for a sample the ledger no longer keeps (its group trained long ago) still gets the right
 answer: 409 stale, not 404 unknown.
+
+Turns: `/v1/turns` samples for clients that build their own groups or episodes and push them. The
+ledger keeps what each turn produced, keyed by the tokens before it and its own tokens
+(`span_key`), until a pushed group uses it or it goes stale. With `service.check_spans` every
+sampled span of a pushed completion (each run of 1s in its `sampled_mask`; the whole completion
+without one) must be such a turn, with its log-probabilities: the service then trains only on
+tokens its inference server produced, under the version that produced them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -45,6 +54,14 @@ class ServiceSample:
     # A pushed episode's: 1 where the policy sampled the token, 0 for context between its turns
     # (grail.rollouts.batch.Sample.sampled_mask). None: every token was sampled.
     sampled_mask: list[int] | None = None
+
+
+@dataclass
+class TurnRecord:
+    """What one turn sampled by `/v1/turns` produced, beside its key (`span_key`)."""
+
+    policy_version: int
+    logprobs: list[float]
 
 
 @dataclass
@@ -87,6 +104,7 @@ class Counters:
     rejected_stale_rewards: int = 0
     expired_samples: int = 0  # handed out, never rewarded before they went stale
     dropped_stale_groups: int = 0  # complete, but too old by the time a batch was taken
+    expired_turns: int = 0  # sampled by /v1/turns, in no pushed group before they went stale
 
 
 def sample_id(version: int, group: int, index: int) -> str:
@@ -97,12 +115,36 @@ def group_id(version: int, group: int) -> str:
     return f"v{version}-g{group:06d}"
 
 
+def span_key(context_ids: Sequence[int], span_ids: Sequence[int]) -> str:
+    """The key of a sampled span: its tokens and every token before it (prompt included), so
+    that a span matches only where the server produced it."""
+    digest = hashlib.sha256(len(context_ids).to_bytes(8, "little"))
+    digest.update(array("q", context_ids).tobytes())
+    digest.update(array("q", span_ids).tobytes())
+    return digest.hexdigest()
+
+
+def sampled_spans(mask: Sequence[int] | None, length: int) -> list[tuple[int, int]]:
+    """The [start, end) runs of 1s in a sampled mask (the whole completion without one)."""
+    if mask is None:
+        return [(0, length)]
+    spans, start = [], None
+    for i, bit in enumerate([*mask, 0]):
+        if bit and start is None:
+            start = i
+        elif not bit and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
 @dataclass
 class Ledger:
     group_size: int  # data.rollouts_per_problem
     max_staleness: int  # service.max_staleness
     policy_version: int = 0
     next_group: int = 0
+    next_turn: int = 0
     open: dict[str, ServiceGroup] = field(default_factory=dict)  # awaiting rewards
     queue: list[ServiceGroup] = field(default_factory=list)  # complete, oldest first
     # Groups a batch took, by iteration, until a checkpoint covers that iteration: a run resumed
@@ -112,6 +154,9 @@ class Ledger:
     # reward for one of their samples is "already rewarded", not "unknown".
     closed: dict[str, int] = field(default_factory=dict)  # group id -> policy version
     counters: Counters = field(default_factory=Counters)
+    # What /v1/turns sampled and no pushed group has used yet, by `span_key` (several turns may
+    # share a key: the same tokens sampled twice after the same context).
+    turns: dict[str, list[TurnRecord]] = field(default_factory=dict)
 
     # -- what clients do --------------------------------------------------------------------
 
@@ -120,6 +165,21 @@ class Ledger:
         number = self.next_group
         self.next_group += 1
         return number
+
+    def new_turn_number(self) -> int:
+        """The number of the next `/v1/turns` request (part of its sampling seed)."""
+        number = self.next_turn
+        self.next_turn += 1
+        return number
+
+    def record_turns(
+        self, number: int, keys: Sequence[str], logprobs: Sequence[list[float]]
+    ) -> None:
+        """Keep what turn request `number` (from `new_turn_number`) sampled with the current
+        policy: one `span_key` and its log-probabilities per sample."""
+        self.next_turn = max(self.next_turn, number + 1)
+        for key, lps in zip(keys, logprobs, strict=True):
+            self.turns.setdefault(key, []).append(TurnRecord(self.policy_version, list(lps)))
 
     def hand_out(
         self,
@@ -167,13 +227,21 @@ class Ledger:
                 self._enqueue(self.open.pop(gid))
         return len(targets)
 
-    def add_groups(self, groups: Sequence[PushedGroup]) -> list[ServiceGroup]:
+    def add_groups(self, groups: Sequence[PushedGroup], *, check_spans: bool) -> list[ServiceGroup]:
         """Queue groups an environment sampled and scored itself: all of them or, when one is
-        bad, none (APIError naming what is wrong)."""
+        bad, none (APIError naming what is wrong). `check_spans` (service.check_spans): every
+        sampled span must be a turn `/v1/turns` produced; the turns used are then spent."""
         if not groups:
             raise APIError("groups is empty: send at least one group", 400, "groups")
         for k, group in enumerate(groups):
             self._check_group(group, f"groups.{k}")
+        if check_spans:
+            for key, used in self._turns_used(groups).items():
+                left = [r for i, r in enumerate(self.turns[key]) if i not in used]
+                if left:
+                    self.turns[key] = left
+                else:
+                    del self.turns[key]
         added = []
         for group in groups:
             number = self.new_group_number()
@@ -242,6 +310,52 @@ class Ledger:
             reward = math.nan if sample.reward is None else sample.reward
             check_finite(reward, f"{where}.reward")
 
+    def _turns_used(self, groups: Sequence[PushedGroup]) -> dict[str, set[int]]:
+        """The turn records the groups' sampled spans are, by key and index; APIError naming
+        the first span that is not a turn of this service (or not with its log-probs), or a
+        group whose policy_version is newer than a turn it holds."""
+        used: dict[str, set[int]] = {}
+        for k, group in enumerate(groups):
+            for i, sample in enumerate(group.samples):
+                where = f"groups.{k}.completions.{i}"
+                ids = sample.token_ids
+                for start, end in sampled_spans(sample.sampled_mask, len(ids)):
+                    key = span_key([*group.prompt_ids, *ids[:start]], ids[start:end])
+                    records = self.turns.get(key, [])
+                    taken = used.setdefault(key, set())
+                    lps = sample.logprobs[start:end]
+                    index = next(
+                        (j for j, r in enumerate(records) if j not in taken and r.logprobs == lps),
+                        None,
+                    )
+                    span = f"tokens {start}..{end - 1}"
+                    if index is None:
+                        why = (
+                            "carry other logprobs than /v1/turns returned for them"
+                            if len(records) > len(taken)
+                            else "are not a turn this run's /v1/turns sampled after the tokens "
+                            "before them (or one already pushed, or gone stale)"
+                        )
+                        raise APIError(
+                            f"{where}: {span} (sampled, by the mask) {why}; service.check_spans "
+                            "trains only on what this run's inference server produced: sample "
+                            "each turn with POST /v1/turns and push its token_ids and logprobs "
+                            "as returned, or set service.check_spans=false to trust pushed tokens",
+                            400,
+                            f"{where}.token_ids",
+                        )
+                    taken.add(index)
+                    version = records[index].policy_version
+                    if group.policy_version > version:
+                        raise APIError(
+                            f"groups.{k}.policy_version {group.policy_version} is newer than "
+                            f"version {version}, which sampled {where} {span}: send the oldest "
+                            "version that sampled any of the group's turns",
+                            400,
+                            f"groups.{k}.policy_version",
+                        )
+        return used
+
     # -- what the trainer does ------------------------------------------------------------
 
     def take(self, count: int, iteration: int) -> list[ServiceGroup] | None:
@@ -264,6 +378,13 @@ class Ledger:
                 self.counters.expired_samples += sum(s.reward is None for s in group.samples)
                 del self.open[gid]
         self.closed = {g: v for g, v in self.closed.items() if not self.too_stale(v)}
+        for key, records in list(self.turns.items()):
+            fresh = [r for r in records if not self.too_stale(r.policy_version)]
+            self.counters.expired_turns += len(records) - len(fresh)
+            if fresh:
+                self.turns[key] = fresh
+            else:
+                del self.turns[key]
 
     def checkpointed(self, iteration: int) -> None:
         """A checkpoint now holds every update up to `iteration`: a resume never goes back
@@ -306,11 +427,16 @@ class Ledger:
             max_staleness=data["max_staleness"],
             policy_version=data["policy_version"],
             next_group=data["next_group"],
+            next_turn=data.get("next_turn", 0),  # absent from ledgers saved before /v1/turns
             open={g.id: g for g in groups(list(data["open"].values()))},
             queue=groups(data["queue"]),
             taken={int(i): groups(items) for i, items in data["taken"].items()},
             closed=dict(data["closed"]),
             counters=Counters(**data["counters"]),
+            turns={
+                key: [TurnRecord(**r) for r in records]
+                for key, records in data.get("turns", {}).items()
+            },
         )
 
     # -- internals --------------------------------------------------------------------------

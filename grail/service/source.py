@@ -131,7 +131,9 @@ class ServiceRollouts:
                 "inference_url": server.base_url,
                 "inference_api_key": server.api_key,
                 "problems_per_iteration": settings.data.problems_per_iteration,
+                "check_spans": service.check_spans,
             },
+            check_spans=service.check_spans,
         )
         app = create_app(self.core, api_key, service.max_body_bytes)
         config = uvicorn.Config(

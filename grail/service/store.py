@@ -97,6 +97,8 @@ def replay(ledger: Ledger, event: dict[str, Any]) -> None:
         ledger.hand_out(event["number"], event["prompt_ids"], samples)
     elif op == "rewards":
         ledger.add_rewards([RewardEntry(*entry) for entry in event["entries"]])
+    elif op == "turns":
+        ledger.record_turns(event["number"], event["keys"], event["logprobs"])
     elif op == "groups":
         ledger.add_groups(
             [
@@ -104,7 +106,10 @@ def replay(ledger: Ledger, event: dict[str, Any]) -> None:
                     g["prompt_ids"], g["policy_version"], [ServiceSample(**s) for s in g["samples"]]
                 )
                 for g in event["groups"]
-            ]
+            ],
+            # The check it passed, so that it spends the same turns again (absent: before
+            # service.check_spans, when pushed groups were not checked).
+            check_spans=event.get("check_spans", False),
         )
     elif op == "take":
         ledger.take(event["count"], event["iteration"])
