@@ -126,8 +126,9 @@ class ServiceRollouts:
             base_seed=settings.seed,
             iterations=settings.iterations,
             info={
-                # For environments that sample from the inference server themselves (/v1/groups).
-                # A fleet's first server (each serves the same weights).
+                # For environments that sample from the inference server themselves
+                # (service.check_spans=false); a fleet's first server (each serves the same
+                # weights).
                 "inference_url": server.base_url,
                 "inference_api_key": server.api_key,
                 "problems_per_iteration": settings.data.problems_per_iteration,
