@@ -17,19 +17,17 @@ reward per id (all of a group at once, or one by one).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 
 from grail.envs import make_env
+from grail.service.endpoint import add_endpoint_arguments, endpoint_from_arguments
 
 
 @dataclass
@@ -39,19 +37,6 @@ class Tally:
     stale: int = 0
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def read_endpoint(path: Path, timeout_s: float) -> tuple[str, str]:
-    """(url, key) from the service's endpoint file, waiting for the service to write it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            data = json.loads(path.read_text())
-            return str(data["url"]), str(data["api_key"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            if time.monotonic() > deadline:
-                sys.exit(f"no service endpoint at {path} after {timeout_s:g} s")
-            time.sleep(0.2)
 
 
 def worker(
@@ -114,19 +99,11 @@ def worker(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--endpoint", type=Path, help="the service's endpoint.json")
-    parser.add_argument("--url", default=os.environ.get("GRAIL_SERVICE_URL"))
-    parser.add_argument("--api-key", default=os.environ.get("GRAIL_SERVICE_API_KEY"))
+    add_endpoint_arguments(parser)
     parser.add_argument("--workers", type=int, default=8, help="groups in flight at once")
     parser.add_argument("--seed-start", type=int, default=0, help="first problem seed")
-    parser.add_argument("--wait", type=float, default=300, help="seconds to wait for the service")
     args = parser.parse_args(argv)
-    if args.endpoint is not None:
-        url, api_key = read_endpoint(args.endpoint, args.wait)
-    elif args.url and args.api_key:
-        url, api_key = args.url, args.api_key
-    else:
-        parser.error("give --endpoint, or --url and --api-key")
+    url, api_key = endpoint_from_arguments(parser, args)
 
     headers = {"Authorization": f"Bearer {api_key}"}
     info = httpx.get(f"{url}/v1/info", headers=headers, timeout=30).raise_for_status().json()

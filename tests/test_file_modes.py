@@ -24,7 +24,7 @@ from grail.core.records import (
     follow_umask,
     holds_secrets,
 )
-from grail.service.source import write_endpoint
+from grail.service.endpoint import write_endpoint
 from grail.train.cli import save_hydra_files
 from grail.train.resume import Resume
 

@@ -519,8 +519,9 @@ def test_a_pushed_episode_trains_on_its_sampled_tokens_only(
     assert Ledger.from_json(core.ledger.to_json()).queue == [queued]  # kept across a restart
     first, second = to_group(queued).samples
     assert first.sampled_mask == [1, 1, 0, 0, 1] and first.num_sampled == 3
+    assert first.episode is not None and first.episode.turns == 2
     assert first.behaviour_logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
-    assert second.sampled_mask is None and second.num_sampled == 2
+    assert second.sampled_mask is None and second.num_sampled == 2 and second.episode is None
 
     for bad in ([1, 2, 0, 0, 1], [1, 1]):  # not 0 or 1; not one per token
         wrong = {**group, "completions": [{**episode, "sampled_mask": bad}, plain]}

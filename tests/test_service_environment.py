@@ -43,6 +43,24 @@ def test_an_environment_that_samples_itself_trains_the_policy(trainer: ServiceRu
     log-probabilities it sent (the inference server's, as /v1/turns returned them) are the trained
     policy's: the trainer's own log-probabilities of those tokens agree with them."""
     trainer.connect(timeout_s=60).close()
+    # Iteration 0's groups: multi-turn episodes of an agent loop (grail's, over /v1/turns), each
+    # pushed with the mask of its sampled tokens; then single-turn groups until the run ends.
+    episodes = subprocess.run(
+        [
+            sys.executable,
+            "examples/service_episodes.py",
+            "--endpoint",
+            str(trainer.endpoint),
+            "--groups",
+            str(PROBLEMS),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert episodes.returncode == 0, episodes.stdout + episodes.stderr + trainer.output()
+    assert f"{PROBLEMS} groups accepted" in episodes.stdout, episodes.stdout
     env = subprocess.run(
         [sys.executable, "examples/service_environment.py", "--endpoint", str(trainer.endpoint)],
         cwd=REPO,
@@ -56,6 +74,10 @@ def test_an_environment_that_samples_itself_trains_the_policy(trainer: ServiceRu
     for iteration in range(ITERATIONS):
         record = read_json(train_metrics_path(trainer.run_dir, iteration))
         assert record is not None, trainer.output()
+        if iteration == 0:  # the episodes: several turns, the environment's tokens between
+            episodes = record["episodes"]
+            assert episodes["turns_mean"] > 1, episodes
+            assert episodes["sampled_tokens"] < record["tokens"]["completion"], record["tokens"]
         groups = record["service"]["groups"]
         assert len(groups) == PROBLEMS
         assert {g["source"] for g in groups} == {"groups"}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import secrets
 import threading
@@ -34,15 +33,22 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import uvicorn
 
 from grail.core.errors import UserError
-from grail.core.records import SECRET_FILE_MODE, atomic_write_text
 from grail.envs.base import Problem
-from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, Sample, WeightSync
+from grail.rollouts.batch import (
+    EpisodeStats,
+    GeneratedBatch,
+    Group,
+    RolloutBatch,
+    Sample,
+    WeightSync,
+)
 from grail.rollouts.fleet import FleetClient
 from grail.rollouts.generation import sampling_params
 from grail.rollouts.server import ServerRollouts, fleet_delta, wait
 from grail.service.app import create_app
 from grail.service.core import ServiceCore, WaitTimeout
-from grail.service.ledger import Ledger, ServiceGroup
+from grail.service.endpoint import ENDPOINT, write_endpoint
+from grail.service.ledger import Ledger, ServiceGroup, sampled_spans
 from grail.service.store import SNAPSHOT, LedgerStore
 
 if TYPE_CHECKING:
@@ -53,7 +59,6 @@ log = logging.getLogger("grail.service")
 
 T = TypeVar("T")
 SERVICE_DIR = "service"
-ENDPOINT = "endpoint.json"  # the service's URL and key, readable by the run's owner only
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 30.0
 
@@ -283,15 +288,6 @@ class ServiceRollouts:
         return wait(future)
 
 
-def write_endpoint(directory: Path, url: str, api_key: str) -> Path:
-    """Write `directory`/endpoint.json, the service's URL and key, owner-only (0600) whatever
-    the umask; return its path."""
-    path = directory / ENDPOINT
-    text = json.dumps({"url": url, "api_key": api_key}) + "\n"
-    atomic_write_text(path, text, mode=SECRET_FILE_MODE)
-    return path
-
-
 def to_group(group: ServiceGroup) -> Group:
     """A queued service group as the trainer takes it. `success` is the client's verdict, or
     reward > 0 when it gave none."""
@@ -312,6 +308,15 @@ def to_group(group: ServiceGroup) -> Group:
             components={},
             success=bool(s.success) if s.success is not None else (s.reward or 0.0) > 0,
             sampled_mask=s.sampled_mask,
+            # A pushed episode's turns (its runs of sampled tokens), for the records' `episodes`.
+            episode=(
+                None
+                if s.sampled_mask is None
+                else EpisodeStats(
+                    turns=len(sampled_spans(s.sampled_mask, len(s.token_ids))),
+                    truncated=s.finish_reason == "length",
+                )
+            ),
         )
         for s in group.samples
     ]
