@@ -30,7 +30,8 @@ from grail.service.ledger import (
     Ledger,
     PushedGroup,
     RewardEntry,
-    ServiceSample,
+    new_sample,
+    sample_from_json,
     sampled_spans,
     span_key,
 )
@@ -46,14 +47,14 @@ def handed_out(ledger: Ledger, size: int | None = None) -> list[str]:
     size = size or ledger.group_size
     samples = [([5, 6], [-0.5, -0.25], "stop", f"t{i}") for i in range(size)]
     group = ledger.hand_out(ledger.new_group_number(), [1, 2, 3], samples)
-    return [s.id for s in group.samples]
+    return [group.sample_id(i) for i in range(len(group.samples))]
 
 
 def pushed(version: int, size: int, reward: float = 1.0) -> PushedGroup:
     return PushedGroup(
         [1, 2],
         version,
-        [ServiceSample("", [7], [-1.0], "stop", "x", reward + i, None) for i in range(size)],
+        [new_sample([7], [-1.0], "stop", "x", reward=reward + i) for i in range(size)],
     )
 
 
@@ -177,7 +178,7 @@ def test_pushed_groups_are_checked_whole_and_all_or_nothing() -> None:
     ledger.advance(3)
     before = state(ledger)
     bad_logprobs = pushed(3, 2)
-    bad_logprobs.samples[1].logprobs = [-1.0, -2.0]
+    bad_logprobs.samples[1].behaviour_logprobs = [-1.0, -2.0]
     cases: list[tuple[PushedGroup, int, str]] = [
         (pushed(3, 3), 400, "3 completions; data.rollouts_per_problem=2"),
         (pushed(4, 2), 400, "ahead of the trainer's 3"),
@@ -194,7 +195,7 @@ def test_pushed_groups_are_checked_whole_and_all_or_nothing() -> None:
         assert status_of(excinfo) == status
         assert json.loads(state(ledger))["queue"] == json.loads(before)["queue"]
     (group,) = ledger.add_groups([pushed(2, 2)], check_spans=False)
-    assert group.source == "groups" and group.samples[1].id == f"{group.id}-s1"
+    assert group.source == "groups" and group.sample_id(1) == f"{group.id}-s1"
 
 
 def turn_group(ledger: Ledger, prompt: list[int], episodes: list[list[int]]) -> PushedGroup:
@@ -211,7 +212,7 @@ def turn_group(ledger: Ledger, prompt: list[int], episodes: list[list[int]]) -> 
         for start, end in sampled_spans(mask, len(ids)):
             key = span_key([*prompt, *ids[:start]], ids[start:end])
             ledger.record_turns(ledger.new_turn_number(), [key], [lps[start:end]])
-        samples.append(ServiceSample("", ids, lps, "stop", "", 1.0, None, mask))
+        samples.append(new_sample(ids, lps, "stop", "", reward=1.0, sampled_mask=mask))
     return PushedGroup(prompt, ledger.policy_version, samples)
 
 
@@ -224,18 +225,18 @@ def test_checked_spans_are_turns_the_service_sampled_each_spent_once() -> None:
     def tampered(change: Callable[[PushedGroup], None]) -> PushedGroup:
         copy = PushedGroup.__new__(PushedGroup)
         copy.__dict__ = json.loads(json.dumps(_asdict(group)))
-        copy.samples = [ServiceSample(**s) for s in copy.samples]  # type: ignore[arg-type]
+        copy.samples = [sample_from_json(s)[0] for s in copy.samples]  # type: ignore[arg-type]
         change(copy)
         return copy
 
     def other_token(g: PushedGroup) -> None:
-        g.samples[0].token_ids[3] = 4
+        g.samples[0].completion_ids[3] = 4
 
     def other_logprob(g: PushedGroup) -> None:
-        g.samples[1].logprobs[0] = -0.3
+        g.samples[1].behaviour_logprobs[0] = -0.3
 
     def other_context(g: PushedGroup) -> None:
-        g.samples[0].token_ids[2] = 3  # the environment's token: the next turn's context
+        g.samples[0].completion_ids[2] = 3  # the environment's token: the next turn's context
 
     def untrusted_version(g: PushedGroup) -> None:
         g.policy_version = 1
@@ -281,7 +282,7 @@ def test_the_journal_replays_to_the_state_a_killed_process_had(tmp_path: Path) -
     samples = [([5], [-0.5], "stop", "a"), ([6], [-0.25], "length", "b")]
     group = live.hand_out(number, [1], samples)
     store.append({"op": "hand_out", "number": number, "prompt_ids": [1], "samples": samples})
-    entries = [RewardEntry(group.samples[0].id, 0.25, True)]
+    entries = [RewardEntry(group.sample_id(0), 0.25, True)]
     live.add_rewards(entries)
     store.append({"op": "rewards", "entries": [[e.id, e.reward, e.success] for e in entries]})
     live.add_groups([pushed(0, 2)], check_spans=False)
@@ -291,10 +292,10 @@ def test_the_journal_replays_to_the_state_a_killed_process_had(tmp_path: Path) -
     for number, key in enumerate(keys):
         live.record_turns(number, [key], [[-0.5]])
         store.append({"op": "turns", "number": number, "keys": [key], "logprobs": [[-0.5]]})
-    checked = PushedGroup([9], 0, [ServiceSample("", [5], [-0.5], "stop", "", 1.0, None)] * 2)
+    checked = PushedGroup([9], 0, [new_sample([5], [-0.5], "stop", "", reward=1.0)] * 2)
     with pytest.raises(APIError, match="or one already pushed"):  # only one turn [5]
         live.add_groups([checked], check_spans=True)
-    checked.samples[1] = ServiceSample("", [6], [-0.5], "stop", "", 0.0, None)
+    checked.samples[1] = new_sample([6], [-0.5], "stop", "")
     live.add_groups([checked], check_spans=True)
     store.append({"op": "groups", "groups": [_asdict(checked)], "check_spans": True})
     assert live.next_turn == 2 and live.turns == {}
@@ -309,6 +310,56 @@ def test_the_journal_replays_to_the_state_a_killed_process_had(tmp_path: Path) -
     store.snapshot(live)
     assert state(LedgerStore(tmp_path).load()) == state(live)  # type: ignore[arg-type]
     assert [p.name for p in tmp_path.glob("journal.*")] == []
+
+
+def test_a_ledger_and_journal_saved_before_one_sample_type_load(tmp_path: Path) -> None:
+    """The service's samples were their own type (an id, token_ids, logprobs, a reward of null
+    until sent): a run saved then resumes with its samples, rewards and pushed groups."""
+    waiting = {
+        "id": "v0-g000000-s0",
+        "token_ids": [5],
+        "logprobs": [-0.5],
+        "finish_reason": "stop",
+        "text": "a",
+        "reward": None,
+        "success": None,
+        "sampled_mask": None,
+    }
+    rewarded = {**waiting, "id": "v0-g000000-s1", "token_ids": [6], "reward": 0.5}
+    group = {
+        "id": "v0-g000000",
+        "prompt_ids": [1],
+        "policy_version": 0,
+        "source": "completions",
+        "samples": [waiting, rewarded],
+    }
+    counters = {"rejected_stale_rewards": 0, "expired_samples": 0, "dropped_stale_groups": 0}
+    saved = {
+        "group_size": 2,
+        "max_staleness": 1,
+        "policy_version": 0,
+        "next_group": 1,
+        "open": {"v0-g000000": group},
+        "queue": [],
+        "taken": {},
+        "closed": {},
+        "counters": counters,
+    }
+    (tmp_path / "ledger.json").write_text(json.dumps({"generation": 1, "ledger": saved}))
+    episode = {**waiting, "id": "", "reward": 1.0, "success": False, "sampled_mask": [1]}
+    old_push = {"prompt_ids": [2], "policy_version": 0, "samples": [episode, {**episode}]}
+    line = {"op": "groups", "groups": [old_push]}
+    (tmp_path / "journal.1.jsonl").write_text(json.dumps(line) + "\n")
+    ledger = LedgerStore(tmp_path).load()
+    assert ledger is not None
+    open_group = ledger.open["v0-g000000"]
+    assert open_group.rewarded == [False, True] and ledger.outstanding() == 1
+    assert open_group.samples[1].reward == 0.5 and open_group.samples[1].success  # reward > 0
+    (pushed_group,) = ledger.queue
+    assert [s.success for s in pushed_group.samples] == [False, False]
+    assert pushed_group.samples[0].completion_ids == [5]
+    ledger.add_rewards([RewardEntry("v0-g000000-s0", 1.0)])
+    assert [g.id for g in ledger.queue] == [pushed_group.id, "v0-g000000"]
 
 
 def _asdict(group: PushedGroup) -> dict[str, Any]:

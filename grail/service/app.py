@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from grail.core.http_api import APIError, Gate, describe_validation_errors, error_response
 from grail.service.core import ServiceCore
-from grail.service.ledger import PushedGroup, RewardEntry, ServiceSample
+from grail.service.ledger import PushedGroup, RewardEntry, new_sample
 
 TokenId = Annotated[int, Field(ge=0)]
 # What a client may not choose: sampling comes from the run's config (see `CompletionsRequest`).
@@ -218,7 +218,7 @@ async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
             "n",
         )
     group = await core.complete(prompt_ids)
-    completion_tokens = sum(len(s.token_ids) for s in group.samples)
+    completion_tokens = sum(len(s.completion_ids) for s in group.samples)
     return {
         "id": f"cmpl-{group.id}",
         "object": "text_completion",
@@ -229,9 +229,9 @@ async def completions(req: CompletionsRequest, core: Core) -> dict[str, Any]:
         "choices": [
             {
                 "index": i,
-                "id": s.id,
+                "id": group.sample_id(i),
                 "text": s.text,
-                "token_ids": s.token_ids,
+                "token_ids": s.completion_ids,
                 "finish_reason": s.finish_reason,
                 "logprobs": None,
             }
@@ -294,14 +294,14 @@ async def groups(req: GroupsRequest, core: Core) -> dict[str, Any]:
     for k, g in enumerate(req.groups):
         prompt_ids = core.check_token_ids(g.prompt_ids, f"groups.{k}.prompt_ids")
         samples = [
-            ServiceSample(
-                id="",
-                token_ids=core.check_token_ids(c.token_ids, f"groups.{k}.completions.{i}"),
-                logprobs=c.logprobs,
-                finish_reason=c.finish_reason,
-                text=c.text if c.text is not None else core.decode(c.token_ids),
+            new_sample(
+                core.check_token_ids(c.token_ids, f"groups.{k}.completions.{i}"),
+                c.logprobs,
+                c.finish_reason,
+                c.text if c.text is not None else core.decode(c.token_ids),
                 reward=c.reward,
-                success=c.success,
+                # The client's verdict; absent: reward > 0.
+                success=c.success if c.success is not None else c.reward > 0,
                 sampled_mask=None if c.sampled_mask is None else [int(b) for b in c.sampled_mask],
             )
             for i, c in enumerate(g.completions)

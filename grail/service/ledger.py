@@ -35,25 +35,33 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from grail.core.http_api import APIError
+from grail.rollouts.batch import Sample
 
 SOURCES = ("completions", "groups")  # where a group came from: which route
 _SAMPLE_ID = re.compile(r"v(\d+)-g(\d+)-s(\d+)")
 
 
-@dataclass
-class ServiceSample:
-    """One completion of a group, and its reward once a client sent it."""
-
-    id: str
-    token_ids: list[int]
-    logprobs: list[float]  # the behaviour policy's, one per token
-    finish_reason: str
-    text: str
-    reward: float | None = None
-    success: bool | None = None  # the client's verdict; absent: reward > 0
-    # A pushed episode's: 1 where the policy sampled the token, 0 for context between its turns
-    # (grail.rollouts.batch.Sample.sampled_mask). None: every token was sampled.
-    sampled_mask: list[int] | None = None
+def new_sample(
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    finish_reason: str,
+    text: str,
+    reward: float = 0.0,
+    success: bool = False,
+    sampled_mask: Sequence[int] | None = None,
+) -> Sample:
+    """A completion as the service keeps it: the loop's `Sample` (its reward and success stay 0.0
+    and False until a client sends them; `ServiceGroup.rewarded` says which have)."""
+    return Sample(
+        completion_ids=list(token_ids),
+        behaviour_logprobs=list(logprobs),
+        finish_reason=finish_reason,
+        text=text,
+        reward=reward,
+        components={},
+        success=success,
+        sampled_mask=None if sampled_mask is None else list(sampled_mask),
+    )
 
 
 @dataclass
@@ -72,20 +80,26 @@ class ServiceGroup:
     prompt_ids: list[int]
     policy_version: int
     source: str  # one of SOURCES
-    samples: list[ServiceSample]
+    samples: list[Sample]
+    rewarded: list[bool]  # per sample: whether its reward came (a pushed group's all have)
 
     @property
     def complete(self) -> bool:
-        return all(s.reward is not None for s in self.samples)
+        return all(self.rewarded)
+
+    def sample_id(self, index: int) -> str:
+        """The id clients reward sample `index` by: "v{version}-g{group}-s{index}"."""
+        return f"{self.id}-s{index}"
 
 
 @dataclass
 class PushedGroup:
-    """A group as an environment sends it to /v1/groups (samples' ids are assigned on arrival)."""
+    """A group as an environment sends it to /v1/groups (rewards, success and masks set; the
+    logprobs as sent, anything finite at the mask's 0s)."""
 
     prompt_ids: list[int]
     policy_version: int
-    samples: list[ServiceSample]
+    samples: list[Sample]
 
 
 @dataclass
@@ -105,10 +119,6 @@ class Counters:
     expired_samples: int = 0  # handed out, never rewarded before they went stale
     dropped_stale_groups: int = 0  # complete, but too old by the time a batch was taken
     expired_turns: int = 0  # sampled by /v1/turns, in no pushed group before they went stale
-
-
-def sample_id(version: int, group: int, index: int) -> str:
-    return f"v{version}-g{group:06d}-s{index}"
 
 
 def group_id(version: int, group: int) -> str:
@@ -198,10 +208,8 @@ class Ledger:
             list(prompt_ids),
             version,
             "completions",
-            [
-                ServiceSample(sample_id(version, number, i), list(ids), list(lps), reason, text)
-                for i, (ids, lps, reason, text) in enumerate(samples)
-            ],
+            [new_sample(ids, lps, reason, text) for ids, lps, reason, text in samples],
+            [False] * len(samples),
         )
         self.open[group.id] = group
         return group
@@ -212,19 +220,23 @@ class Ledger:
         if not entries:
             raise APIError("rewards is empty: send at least one {id, reward}", 400, "rewards")
         seen: set[str] = set()
-        targets: list[tuple[ServiceSample, RewardEntry]] = []
+        targets: list[tuple[ServiceGroup, int, RewardEntry]] = []
         for k, entry in enumerate(entries):
             param = f"rewards.{k}"
             if entry.id in seen:
                 raise APIError(f"sample {entry.id!r} appears twice in this request", 400, param)
             seen.add(entry.id)
             check_finite(entry.reward, f"{param}.reward")
-            targets.append((self._awaiting_reward(entry.id, param), entry))
-        for sample, entry in targets:
-            sample.reward, sample.success = float(entry.reward), entry.success
-        for gid in dict.fromkeys(s.id.rpartition("-")[0] for s, _ in targets):
-            if self.open[gid].complete:
-                self._enqueue(self.open.pop(gid))
+            targets.append((*self._awaiting_reward(entry.id, param), entry))
+        for group, index, entry in targets:
+            sample = group.samples[index]
+            sample.reward = float(entry.reward)
+            # The client's verdict; absent: reward > 0.
+            sample.success = entry.success if entry.success is not None else entry.reward > 0
+            group.rewarded[index] = True
+        for group in {id(g): g for g, _, _ in targets}.values():
+            if group.complete:
+                self._enqueue(self.open.pop(group.id))
         return len(targets)
 
     def add_groups(self, groups: Sequence[PushedGroup], *, check_spans: bool) -> list[ServiceGroup]:
@@ -252,10 +264,14 @@ class Ledger:
                     list(group.prompt_ids),
                     version,
                     "groups",
+                    # The context tokens' logprobs (a mask's 0s) are 0.0, as in the harness's own
+                    # episodes: no behaviour policy sampled them, and what a client sent there
+                    # must not reach a metric.
                     [
-                        replace(sample, id=sample_id(version, number, i))
-                        for i, sample in enumerate(group.samples)
+                        replace(s, behaviour_logprobs=masked_logprobs(s), episode=None)
+                        for s in group.samples
                     ],
+                    [True] * len(group.samples),
                 )
             )
             self._enqueue(added[-1])
@@ -283,20 +299,20 @@ class Ledger:
             raise APIError(self._stale_message(version), 409, f"{param}.policy_version")
         for i, sample in enumerate(group.samples):
             where = f"{param}.completions.{i}"
-            if len(sample.logprobs) != len(sample.token_ids):
+            ids, logprobs = sample.completion_ids, sample.behaviour_logprobs
+            if len(logprobs) != len(ids):
                 raise APIError(
-                    f"{len(sample.logprobs)} logprobs for {len(sample.token_ids)} token_ids: "
+                    f"{len(logprobs)} logprobs for {len(ids)} token_ids: "
                     "one behaviour log-probability per generated token",
                     400,
                     f"{where}.logprobs",
                 )
-            for lp in sample.logprobs:
+            for lp in logprobs:
                 check_finite(lp, f"{where}.logprobs")
             mask = sample.sampled_mask
-            if mask is not None and len(mask) != len(sample.token_ids):
+            if mask is not None and len(mask) != len(ids):
                 raise APIError(
-                    f"a sampled_mask of {len(mask)} for {len(sample.token_ids)} token_ids: one "
-                    "0 or 1 per token",
+                    f"a sampled_mask of {len(mask)} for {len(ids)} token_ids: one 0 or 1 per token",
                     400,
                     f"{where}.sampled_mask",
                 )
@@ -307,8 +323,7 @@ class Ledger:
                     400,
                     f"{where}.sampled_mask",
                 )
-            reward = math.nan if sample.reward is None else sample.reward
-            check_finite(reward, f"{where}.reward")
+            check_finite(sample.reward, f"{where}.reward")
 
     def _turns_used(self, groups: Sequence[PushedGroup]) -> dict[str, set[int]]:
         """The turn records the groups' sampled spans are, by key and index; APIError naming
@@ -318,12 +333,12 @@ class Ledger:
         for k, group in enumerate(groups):
             for i, sample in enumerate(group.samples):
                 where = f"groups.{k}.completions.{i}"
-                ids = sample.token_ids
+                ids = sample.completion_ids
                 for start, end in sampled_spans(sample.sampled_mask, len(ids)):
                     key = span_key([*group.prompt_ids, *ids[:start]], ids[start:end])
                     records = self.turns.get(key, [])
                     taken = used.setdefault(key, set())
-                    lps = sample.logprobs[start:end]
+                    lps = sample.behaviour_logprobs[start:end]
                     index = next(
                         (j for j, r in enumerate(records) if j not in taken and r.logprobs == lps),
                         None,
@@ -375,7 +390,7 @@ class Ledger:
         self.policy_version = policy_version
         for gid, group in list(self.open.items()):
             if self.too_stale(group.policy_version):
-                self.counters.expired_samples += sum(s.reward is None for s in group.samples)
+                self.counters.expired_samples += group.rewarded.count(False)
                 del self.open[gid]
         self.closed = {g: v for g, v in self.closed.items() if not self.too_stale(v)}
         for key, records in list(self.turns.items()):
@@ -407,7 +422,7 @@ class Ledger:
 
     def outstanding(self) -> int:
         """Samples handed out and not yet rewarded."""
-        return sum(s.reward is None for g in self.open.values() for s in g.samples)
+        return sum(g.rewarded.count(False) for g in self.open.values())
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -417,10 +432,7 @@ class Ledger:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Ledger:
         def groups(items: list[dict[str, Any]]) -> list[ServiceGroup]:
-            return [
-                ServiceGroup(**{**g, "samples": [ServiceSample(**s) for s in g["samples"]]})
-                for g in items
-            ]
+            return [group_from_json(g) for g in items]
 
         return cls(
             group_size=data["group_size"],
@@ -445,9 +457,9 @@ class Ledger:
         self.queue.append(group)
         self.closed[group.id] = group.policy_version
 
-    def _awaiting_reward(self, sid: str, param: str) -> ServiceSample:
-        """The handed-out sample `sid`, still waiting for its reward; else APIError saying why
-        not (malformed 400, stale 409, already rewarded 409, unknown 404)."""
+    def _awaiting_reward(self, sid: str, param: str) -> tuple[ServiceGroup, int]:
+        """The handed-out sample `sid` (its group and index), still waiting for its reward; else
+        APIError saying why not (malformed 400, stale 409, already rewarded 409, unknown 404)."""
         match = _SAMPLE_ID.fullmatch(sid)
         if match is None:
             raise APIError(
@@ -469,10 +481,9 @@ class Ledger:
             if gid in self.closed:
                 raise APIError(f"sample {sid} already has a reward", 409, f"{param}.id")
             raise APIError(f"no sample {sid} was handed out by this run", 404, f"{param}.id")
-        sample = group.samples[index]
-        if sample.reward is not None:
+        if group.rewarded[index]:
             raise APIError(f"sample {sid} already has a reward", 409, f"{param}.id")
-        return sample
+        return group, index
 
     def _stale_message(self, version: int) -> str:
         return (
@@ -480,6 +491,46 @@ class Ledger:
             f"{self.policy_version}: older than service.max_staleness={self.max_staleness} "
             "allows, so it is not trained on (ask for fresh completions)"
         )
+
+
+def masked_logprobs(sample: Sample) -> list[float]:
+    """The sample's behaviour logprobs with 0.0 at its context tokens (a mask's 0s)."""
+    if sample.sampled_mask is None:
+        return list(sample.behaviour_logprobs)
+    pairs = zip(sample.behaviour_logprobs, sample.sampled_mask, strict=True)
+    return [lp if sampled else 0.0 for lp, sampled in pairs]
+
+
+def sample_from_json(data: dict[str, Any]) -> tuple[Sample, bool]:
+    """A sample as the ledger or its journal wrote it, and whether its reward had come. Reads the
+    shape before one sample type too (an id, token_ids, logprobs, a reward of null until sent,
+    a success of null for reward > 0)."""
+    if "token_ids" not in data:
+        return Sample(**{**data, "episode": None}), True
+    reward, success = data["reward"], data["success"]
+    sample = new_sample(
+        data["token_ids"],
+        data["logprobs"],
+        data["finish_reason"],
+        data["text"],
+        reward=float(reward or 0.0),
+        success=bool(success) if success is not None else (reward or 0.0) > 0,
+        sampled_mask=data.get("sampled_mask"),
+    )
+    return sample, reward is not None
+
+
+def group_from_json(data: dict[str, Any]) -> ServiceGroup:
+    """A group as `Ledger.to_json` wrote it (or before one sample type: `sample_from_json`)."""
+    read = [sample_from_json(s) for s in data["samples"]]
+    return ServiceGroup(
+        id=data["id"],
+        prompt_ids=data["prompt_ids"],
+        policy_version=data["policy_version"],
+        source=data["source"],
+        samples=[sample for sample, _ in read],
+        rewarded=data.get("rewarded", [has for _, has in read]),
+    )
 
 
 def check_finite(value: float, param: str) -> None:

@@ -27,6 +27,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -39,7 +40,6 @@ from grail.rollouts.batch import (
     GeneratedBatch,
     Group,
     RolloutBatch,
-    Sample,
     WeightSync,
 )
 from grail.rollouts.fleet import FleetClient
@@ -289,31 +289,19 @@ class ServiceRollouts:
 
 
 def to_group(group: ServiceGroup) -> Group:
-    """A queued service group as the trainer takes it. `success` is the client's verdict, or
-    reward > 0 when it gave none."""
+    """A queued service group as the trainer takes it: copies of its samples (the trainer sets
+    their advantages, and a rewound run takes the group again), a pushed episode's with its
+    turns (its runs of sampled tokens) for the records' `episodes`."""
     problem = Problem(seed=-1, prompt_messages=[], answer="", meta={"service_group": group.id})
     samples = [
-        Sample(
-            completion_ids=s.token_ids,
-            # Context tokens get 0.0, as the harness's own episodes give them: no behaviour
-            # policy sampled them, and whatever a client sent there must not reach a metric.
-            behaviour_logprobs=(
-                s.logprobs
-                if s.sampled_mask is None
-                else [lp if m else 0.0 for lp, m in zip(s.logprobs, s.sampled_mask, strict=True)]
-            ),
-            finish_reason=s.finish_reason,
-            text=s.text,
-            reward=float(s.reward if s.reward is not None else 0.0),
-            components={},
-            success=bool(s.success) if s.success is not None else (s.reward or 0.0) > 0,
-            sampled_mask=s.sampled_mask,
-            # A pushed episode's turns (its runs of sampled tokens), for the records' `episodes`.
+        replace(
+            s,
+            behaviour_logprobs=list(s.behaviour_logprobs),
             episode=(
                 None
                 if s.sampled_mask is None
                 else EpisodeStats(
-                    turns=len(sampled_spans(s.sampled_mask, len(s.token_ids))),
+                    turns=len(sampled_spans(s.sampled_mask, len(s.completion_ids))),
                     truncated=s.finish_reason == "length",
                 )
             ),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from grail.core.records import atomic_write_text, read_json
-from grail.service.ledger import Counters, Ledger, PushedGroup, RewardEntry, ServiceSample
+from grail.service.ledger import Counters, Ledger, PushedGroup, RewardEntry, sample_from_json
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,9 @@ def replay(ledger: Ledger, event: dict[str, Any]) -> None:
         ledger.add_groups(
             [
                 PushedGroup(
-                    g["prompt_ids"], g["policy_version"], [ServiceSample(**s) for s in g["samples"]]
+                    g["prompt_ids"],
+                    g["policy_version"],
+                    [sample_from_json(s)[0] for s in g["samples"]],
                 )
                 for g in event["groups"]
             ],
