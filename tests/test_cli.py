@@ -60,7 +60,7 @@ def test_help_says_what_the_program_does_its_groups_and_first_commands() -> None
     assert result.returncode == 0, out
     assert "GRPO" in out and "powered by Hydra" not in out
     # the config groups with their options, from conf/ itself
-    assert "env: copy_digits, copy_turns, gsm8k, lookup, sat" in out
+    assert "env: copy_digits, copy_turns, countdown, gsm8k, lookup, sat" in out
     assert "generation: builtin, sglang, vllm" in out
     assert "model: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, tiny" in out
     # the three commands a user needs first

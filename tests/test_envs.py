@@ -545,6 +545,8 @@ def test_degenerate_completions_are_graded_quickly() -> None:
     p = sat.problem(0)
     gsm = GSM8KEnv(path=FIXTURE)
     q = gsm.problem(0)
+    countdown = make_env("countdown")
+    c = countdown.problem(0)
     junk = [
         "<SOLUTION>" * 20000,
         "<answer>" * 20000,
@@ -558,5 +560,75 @@ def test_degenerate_completions_are_graded_quickly() -> None:
     for text in junk:
         assert not sat.score(p, text).success
         assert not gsm.score(q, text).success
+        assert not countdown.score(c, text).success
         assert strict_format([""], [text]) == [0.0]
         assert correctness([""], [text], answers=["1"]) == [0.0]
+
+
+# --------------------------------------------------------------------------- countdown
+
+
+def test_countdown_instances_are_solvable_deterministic_and_in_range() -> None:
+    env = make_env("countdown")
+    for seed in range(300):
+        problem = env.problem(seed)
+        numbers, target = problem.meta["numbers"], problem.meta["target"]
+        assert len(numbers) == 4 and all(1 <= n <= 100 for n in numbers)
+        assert 1 <= target <= 100
+        # The planted expression uses every number once and reaches the target.
+        assert env.score(problem, f"<answer>{problem.answer}</answer>").success, problem
+    assert make_env("countdown").problem(7) == env.problem(7)
+    three = make_env("countdown", num_numbers=3, max_number=9, min_target=10, max_target=50)
+    for seed in range(50):
+        problem = three.problem(seed)
+        assert len(problem.meta["numbers"]) == 3 and 10 <= problem.meta["target"] <= 50
+
+
+@pytest.mark.parametrize(
+    ("answer", "fmt", "numbers", "solved"),
+    [
+        ("<answer>(3 + 5) * 2 - 6</answer>", 1.0, 1.0, 1.0),
+        ("<answer>2 * (5 + 3) - 6 = 10</answer>", 1.0, 1.0, 1.0),  # text after "=" ignored
+        ("<answer>6 / 2 + 3 + 5 - 1</answer>", 1.0, 0.0, 0.0),  # 1 is not given
+        ("<answer>(3 + 5) * 2</answer>", 1.0, 0.0, 0.0),  # 6 unused: all are required
+        ("<answer>3 + 5 + 2 + 6</answer>", 1.0, 1.0, 0.0),  # the numbers, not the target
+        ("<answer>(3 + 5) * 2 - 6 - 6</answer>", 1.0, 0.0, 0.0),  # 6 twice
+        ("<answer>3 / (5 - 5) + 2 + 6</answer>", 0.5, 0.0, 0.0),  # division by zero
+        ("<answer>-3 + 5 * 2 + 6</answer>", 0.5, 0.0, 0.0),  # unary minus
+        ("<answer>2 ** 3 + 5 - 6</answer>", 0.5, 0.0, 0.0),  # powers
+        ("<answer>__import__('os')</answer>", 0.5, 0.0, 0.0),  # names, calls
+        ("<answer>3.0 + 5 + 2 + 6</answer>", 0.5, 0.0, 0.0),  # only integers
+        ("<answer>10</answer>", 1.0, 0.0, 0.0),
+        ("(3 + 5) * 2 - 6", 0.0, 0.0, 0.0),  # no tags
+        ("<answer>" + "(" * 300 + "3" + ")" * 300 + "</answer>", 0.5, 0.0, 0.0),  # too long
+    ],
+)
+def test_countdown_grades_expressions_exactly_without_eval(
+    answer: str, fmt: float, numbers: float, solved: float
+) -> None:
+    env = make_env("countdown")
+    problem = Problem(1, [], "(3 + 5) * 2 - 6", {"numbers": [3, 5, 2, 6], "target": 10})
+    score = env.score(problem, answer)
+    assert score.components == {"format": fmt, "numbers": numbers, "solved": solved}
+    assert score.success == (solved == 1.0)
+    assert score.reward == pytest.approx(0.1 * fmt + 0.9 * solved)
+    # At most once instead of exactly once: a subset of the numbers is enough.
+    subset = make_env("countdown", use_all_numbers=False).score(problem, "<answer>5 + 5</answer>")
+    assert subset.components["numbers"] == 0.0  # 5 twice
+    fewer = make_env("countdown", use_all_numbers=False).score(problem, "<answer>5 * 2</answer>")
+    assert fewer.success
+
+
+def test_countdown_rejects_bad_configuration_naming_the_key() -> None:
+    for kwargs, match in (
+        ({"num_numbers": 1}, "num_numbers must be an integer >= 2"),
+        ({"min_number": 5, "max_number": 4}, "min_number=5 is above max_number=4"),
+        ({"min_target": 9, "max_target": 3}, "min_target=9 is above max_target=3"),
+        ({"solved_weight": -1}, "solved_weight must be >= 0"),
+        ({"use_all_numbers": "yes"}, "use_all_numbers must be true or false"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            make_env("countdown", **kwargs)
+    impossible = make_env("countdown", num_numbers=2, max_number=1, min_target=50)
+    with pytest.raises(ValueError, match="no target in \\[50, 100\\] found for seed 0"):
+        impossible.problem(0)

@@ -17,6 +17,7 @@ from grail.core.validate import closest
 from grail.envs.base import Environment, Problem, Score
 from grail.envs.copy_digits import CopyDigitsEnv
 from grail.envs.copy_turns import CopyTurnsEnv
+from grail.envs.countdown import CountdownEnv
 from grail.envs.episodes import AnyEnvironment
 from grail.envs.gsm8k import GSM8KEnv
 from grail.envs.lookup import LookupEnv
@@ -24,6 +25,7 @@ from grail.envs.sat import SATEnv
 
 ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     SATEnv.name: SATEnv,
+    CountdownEnv.name: CountdownEnv,
     GSM8KEnv.name: GSM8KEnv,
     # The learnable toy task (the default job's environment, grail/envs/copy_digits.py).
     CopyDigitsEnv.name: CopyDigitsEnv,
@@ -87,6 +89,7 @@ __all__ = [
     "AnyEnvironment",
     "CopyDigitsEnv",
     "CopyTurnsEnv",
+    "CountdownEnv",
     "Environment",
     "GSM8KEnv",
     "Problem",

@@ -7,6 +7,8 @@ runs are reproducible.
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,3 +42,23 @@ class Environment(Protocol):
     def problem(self, seed: int) -> Problem: ...
 
     def score(self, problem: Problem, completion: str) -> Score: ...
+
+
+def check_seed(seed: object) -> int:
+    """A problem seed as an int: a non-negative integer (TypeError / ValueError otherwise)."""
+    try:
+        value = operator.index(seed)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"seed must be an integer, got {type(seed).__name__}: {seed!r}") from None
+    if isinstance(seed, bool) or value < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return int(value)
+
+
+def check_weight(name: str, value: object) -> float:
+    """A reward weight as a float: a finite number >= 0 (ValueError naming it otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return float(value)

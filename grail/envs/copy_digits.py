@@ -46,23 +46,14 @@ n = 1); `num_digits` is the difficulty knob.
 
 from __future__ import annotations
 
-import operator
 import random
 
-from grail.envs.base import Problem, Score
+from grail.envs.base import Problem, Score, check_seed, check_weight
 
 DIGITS = "0123456789"
 # Text a generator may leave in the completion when it does not strip special tokens: the turn
 # ends there, so what follows is not part of the answer.
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
-
-
-def _check_weight(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    if value == float("inf"):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
 
 
 class CopyDigitsEnv:
@@ -77,20 +68,13 @@ class CopyDigitsEnv:
         if isinstance(num_digits, bool) or not isinstance(num_digits, int) or num_digits < 1:
             raise ValueError(f"num_digits must be an integer >= 1, got {num_digits!r}")
         self.num_digits = num_digits
-        self.correct_weight = _check_weight("correct_weight", correct_weight)
-        self.found_weight = _check_weight("found_weight", found_weight)
+        self.correct_weight = check_weight("correct_weight", correct_weight)
+        self.found_weight = check_weight("found_weight", found_weight)
         if self.correct_weight <= 0:
             raise ValueError(f"correct_weight must be > 0, got {correct_weight!r}")
 
     def problem(self, seed: int) -> Problem:
-        try:
-            value = operator.index(seed)
-        except TypeError:
-            raise TypeError(
-                f"seed must be an integer, got {type(seed).__name__}: {seed!r}"
-            ) from None
-        if isinstance(seed, bool) or value < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        value = check_seed(seed)
         rng = random.Random(value)
         answer = "".join(rng.choice(DIGITS) for _ in range(self.num_digits))
         return Problem(

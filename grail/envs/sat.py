@@ -34,27 +34,16 @@ often restate the required format before answering); see `grail.envs.tags.last_b
 from __future__ import annotations
 
 import math
-import operator
 import random
 from dataclasses import dataclass
 
-from grail.envs.base import Problem, Score
+from grail.envs.base import Problem, Score, check_seed, check_weight
 from grail.envs.tags import last_block
 
 SYSTEM_PROMPT = (
     "You solve Boolean satisfiability problems. Reason briefly, then give the final assignment "
     "inside <SOLUTION></SOLUTION>."
 )
-
-
-def _validate_seed(seed: int) -> int:
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise TypeError(f"seed must be an integer, got {type(seed).__name__}: {seed!r}") from None
-    if isinstance(seed, bool) or value < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    return value
 
 
 def format_clause(clause: list[int]) -> str:
@@ -94,7 +83,7 @@ class SATInstance:
 
 def generate_instance(seed: int, num_vars: int, num_clauses: int, clause_size: int) -> SATInstance:
     """Planted k-SAT instance for `seed` (see the module docstring for the construction)."""
-    rng = random.Random(_validate_seed(seed))
+    rng = random.Random(check_seed(seed))
     planted = [rng.random() < 0.5 for _ in range(num_vars)]
     variables = range(1, num_vars + 1)
     seen: set[tuple[int, ...]] = set()
@@ -110,14 +99,6 @@ def generate_instance(seed: int, num_vars: int, num_clauses: int, clause_size: i
         seen.add(key)
         clauses.append(clause)
     return SATInstance(num_vars, clauses, "".join("1" if v else "0" for v in planted))
-
-
-def _check_weight(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return float(value)
 
 
 class SATEnv:
@@ -164,9 +145,9 @@ class SATEnv:
         self.num_vars = n
         self.num_clauses = m
         self.clause_size = clause_size
-        self.format_weight = _check_weight("format_weight", format_weight)
-        self.satisfied_weight = _check_weight("satisfied_weight", satisfied_weight)
-        self.solved_weight = _check_weight("solved_weight", solved_weight)
+        self.format_weight = check_weight("format_weight", format_weight)
+        self.satisfied_weight = check_weight("satisfied_weight", satisfied_weight)
+        self.solved_weight = check_weight("solved_weight", solved_weight)
 
     def problem(self, seed: int) -> Problem:
         inst = generate_instance(seed, self.num_vars, self.num_clauses, self.clause_size)
