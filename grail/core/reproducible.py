@@ -1,4 +1,5 @@
-"""`reproducible=true`: the same config and seed give the same metrics on any x86-64 CPU with AVX2.
+"""`reproducible=true`: the same config and seed give the same metrics on any x86-64 CPU with AVX2
+of one vendor (Intel and AMD CPUs still round differently: docs/benchmarks.md).
 
 Without it a CPU run is reproducible only on the machine that ran it. Measured on the default job
 (first 5 iterations, 2-core AMD EPYC with AVX2, `scripts/fingerprint.py`; docs/benchmarks.md):

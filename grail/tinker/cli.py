@@ -127,7 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="torch's AVX2 CPU kernels and MKL's COMPATIBLE branch, as grail-train's "
         "reproducible=true pins them: the same numbers on any x86-64 CPU with AVX2 "
-        "(grail/core/reproducible.py); --no-reproducible lets the machine's kernels decide",
+        "of one vendor (grail/core/reproducible.py); --no-reproducible lets the machine's "
+        "kernels decide",
     )
     p.add_argument("--log-level", default="warning")  # fmt: skip
     return p.parse_args(argv)
