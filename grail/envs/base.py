@@ -44,10 +44,11 @@ class Environment(Protocol):
     def score(self, problem: Problem, completion: str) -> Score: ...
 
 
-def check_seed(seed: object) -> int:
-    """A problem seed as an int: a non-negative integer (TypeError / ValueError otherwise)."""
+def check_seed(seed: int) -> int:
+    """A problem seed as an int: a non-negative integer (TypeError / ValueError otherwise, for
+    a caller that passed something else)."""
     try:
-        value = operator.index(seed)  # type: ignore[call-overload]
+        value = operator.index(seed)
     except TypeError:
         raise TypeError(f"seed must be an integer, got {type(seed).__name__}: {seed!r}") from None
     if isinstance(seed, bool) or value < 0:
