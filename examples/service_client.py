@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import openai
 
-from grail.envs import make_env
+from grail.envs import CopyDigitsEnv
 from grail.service.endpoint import add_endpoint_arguments, endpoint_from_arguments
 
 
@@ -49,7 +49,7 @@ def worker(
     stop: threading.Event,
     tally: Tally,
 ) -> None:
-    env = make_env("copy_digits")  # the client's own task: its prompts and its scorer
+    env = CopyDigitsEnv()  # the client's own task: its prompts and its scorer
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, timeout=300, max_retries=2)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60)
     seed = seed_start + number
@@ -62,7 +62,7 @@ def worker(
                 # template, as the trainer's evaluation renders the task's prompts.
                 response = client.completions.create(
                     model=model,
-                    prompt=None,  # type: ignore[arg-type]
+                    prompt=None,
                     extra_body={"messages": problem.prompt_messages},
                 )
             except openai.APIStatusError as exc:

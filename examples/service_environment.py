@@ -21,7 +21,7 @@ than service.max_staleness allows): it is counted and dropped.
 
 An agent loop of several turns does the same per turn: POST /v1/turns with the episode's token
 ids so far (n=1), append the environment's tokens, and push the episode with a sampled_mask
-(docs/service.md). Your own environment replaces `make_env("copy_digits")` (its prompts and its
+(docs/service.md). Your own environment replaces `CopyDigitsEnv()` (its prompts and its
 scorer) and keeps the protocol.
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from grail.envs import make_env
+from grail.envs import CopyDigitsEnv
 from grail.service.endpoint import add_endpoint_arguments, endpoint_from_arguments
 
 
@@ -113,7 +113,7 @@ def worker(
     stop: threading.Event,
     tally: Tally,
 ) -> None:
-    env = make_env("copy_digits")  # the environment's own task: its prompts and its scorer
+    env = CopyDigitsEnv()  # the environment's own task: its prompts and its scorer
     # A turns request waits while the trainer syncs weights: allow for a sync by restart.
     service = httpx.Client(
         base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=300

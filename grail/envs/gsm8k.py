@@ -40,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from grail.core.errors import UserError
-from grail.envs.base import Problem, Score
+from grail.envs.base import Problem, Score, check_seed
 from grail.envs.tags import last_block
 
 HUB_DATASET = ("openai/gsm8k", "main")
@@ -301,14 +300,7 @@ class GSM8KEnv:
         return len(self.records)
 
     def problem(self, seed: int) -> Problem:
-        try:
-            s = operator.index(seed)
-        except TypeError:
-            raise TypeError(
-                f"seed must be an integer, got {type(seed).__name__}: {seed!r}"
-            ) from None
-        if isinstance(seed, bool) or s < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        s = check_seed(seed)
         rec = self.records[s % len(self.records)]
         messages = []
         if self.system_prompt:
