@@ -63,3 +63,15 @@ def check_weight(name: str, value: object) -> float:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
     return float(value)
+
+
+def problem_meta(problem: Problem, env_name: str, *keys: str) -> list[Any]:
+    """The values of `keys` in the problem's meta, in order; a ValueError saying the problem was
+    not made by environment `env_name` when one is missing."""
+    try:
+        return [problem.meta[key] for key in keys]
+    except KeyError as exc:
+        raise ValueError(
+            f"problem (seed {problem.seed}) was not made by the {env_name} environment: "
+            f"meta lacks {exc.args[0]!r}"
+        ) from None

@@ -34,7 +34,7 @@ import random
 from collections import Counter
 from fractions import Fraction
 
-from grail.envs.base import Problem, Score, check_seed, check_weight
+from grail.envs.base import Problem, Score, check_seed, check_weight, problem_meta
 from grail.envs.tags import last_block
 
 SYSTEM_PROMPT = (
@@ -180,13 +180,7 @@ class CountdownEnv:
         )
 
     def score(self, problem: Problem, completion: str) -> Score:
-        try:
-            numbers, target = list(problem.meta["numbers"]), int(problem.meta["target"])
-        except KeyError as exc:
-            raise ValueError(
-                f"problem (seed {problem.seed}) was not made by the countdown environment: "
-                f"meta lacks {exc.args[0]!r}"
-            ) from None
+        numbers, target = problem_meta(problem, self.name, "numbers", "target")
         block = last_block(completion, "answer")
         result = None if block is None else evaluate(block.split("=", 1)[0])
         fmt = 1.0 if result is not None else (0.5 if block is not None else 0.0)
@@ -196,7 +190,7 @@ class CountdownEnv:
             given, taken = Counter(numbers), Counter(used)
             if (taken == given) if self.use_all_numbers else not (taken - given):
                 uses = 1.0
-                solved = 1.0 if value == target else 0.0
+                solved = 1.0 if value == int(target) else 0.0
         reward = self.format_weight * fmt + self.numbers_weight * uses + self.solved_weight * solved
         return Score(
             reward=reward,

@@ -37,7 +37,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from grail.envs.base import Problem, Score, check_seed, check_weight
+from grail.envs.base import Problem, Score, check_seed, check_weight, problem_meta
 from grail.envs.tags import last_block
 
 SYSTEM_PROMPT = (
@@ -175,14 +175,8 @@ class SATEnv:
         )
 
     def score(self, problem: Problem, completion: str) -> Score:
-        try:
-            n = int(problem.meta["num_vars"])
-            clauses = problem.meta["clauses"]
-        except KeyError as exc:
-            raise ValueError(
-                f"problem (seed {problem.seed}) was not made by the sat environment: "
-                f"meta lacks {exc.args[0]!r}"
-            ) from None
+        num_vars, clauses = problem_meta(problem, self.name, "num_vars", "clauses")
+        n = int(num_vars)
         tags, bits = parse_solution(completion, n)
         fmt = 1.0 if bits is not None else (0.5 if tags else 0.0)
         count = clauses_satisfied(clauses, bits) if bits is not None else 0

@@ -267,10 +267,7 @@ class Ledger:
                     # The context tokens' logprobs (a mask's 0s) are 0.0, as in the harness's own
                     # episodes: no behaviour policy sampled them, and what a client sent there
                     # must not reach a metric.
-                    [
-                        replace(s, behaviour_logprobs=masked_logprobs(s), episode=None)
-                        for s in group.samples
-                    ],
+                    [replace(s, behaviour_logprobs=masked_logprobs(s)) for s in group.samples],
                     [True] * len(group.samples),
                 )
             )
@@ -506,7 +503,7 @@ def sample_from_json(data: dict[str, Any]) -> tuple[Sample, bool]:
     shape before one sample type too (an id, token_ids, logprobs, a reward of null until sent,
     a success of null for reward > 0)."""
     if "token_ids" not in data:
-        return Sample(**{**data, "episode": None}), True
+        return Sample(**data), True
     reward, success = data["reward"], data["success"]
     sample = new_sample(
         data["token_ids"],
