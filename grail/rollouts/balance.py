@@ -10,7 +10,8 @@ The rule. Among usable servers with a free window slot, the one where the group 
 first, unless a full server would finish it clearly sooner (`WAIT_MARGIN`): then it waits here
 for a slot there:
 
-    argmin_i  (outstanding_i / window + cost) / speed_i          ties -> the lowest index
+    argmin_i  (outstanding_i / window + cost) / speed_i
+    ties -> the server sent the fewest groups in this batch, then the lowest index
 
 where outstanding_i is the cost of the groups server i has not answered yet, speed_i its smoothed
 measured rate of one request (a server not measured yet counts as the mean of the measured ones, or
@@ -24,7 +25,11 @@ group takes twice as long, gets a group only when every faster server's window i
 speed one not even then: the group waits for a fast server's slot. The wait matters in small
 batches, where the window is capped at a server's even share (`window_for`, rollouts/sizing.py):
 taking any free window gave a third-speed server its even share of every batch
-(tests/test_fleet.py). An idle fleet fills evenly, one group each in index order. The simulation
+(tests/test_fleet.py). An idle fleet fills evenly, one group each in index order, and so do groups
+that come one at a time, each answered before the next (an episode's first turns, as their
+environments' resets finish): a server not measured yet counts as exactly the measured one, and
+ties go to the lowest index only among servers given as many groups, else the measured server
+would take every group and the other would never be measured. The simulation
 (benchmarks/fleet_sim.py) is why: with a batch of 8 groups per server, (outstanding + cost) / speed
 gives a half-speed server about half a share, and the iteration waits ~2x for its longest group
 (6.9 s against 3.8 s with equal servers); this rule gives it none (4.1 s), and costs equal fleets
@@ -153,7 +158,8 @@ class Balancer:
         measured = [load.tokens_per_s for load in self.loads if load.tokens_per_s is not None]
         unknown = sum(measured) / len(measured) if measured else 1.0
         free: int | None = None
-        free_finish = full_finish = math.inf
+        best = (math.inf, 0)  # the free server's finish, then its groups in this batch
+        full_finish = math.inf
         for i, load in enumerate(self.loads):
             if not load.usable:
                 continue
@@ -161,9 +167,9 @@ class Balancer:
             finish = (load.outstanding / self.window + cost) / speed
             if load.in_flight >= self.window:
                 full_finish = min(full_finish, finish)
-            elif finish < free_finish:  # strict: a tie keeps the lower index
-                free, free_finish = i, finish
-        if free_finish > WAIT_MARGIN * full_finish:
+            elif (finish, load.batch_groups) < best:  # strict: a full tie keeps the lower index
+                free, best = i, (finish, load.batch_groups)
+        if best[0] > WAIT_MARGIN * full_finish:
             return None  # wait for a slot on a full server (`WAIT_MARGIN`)
         return free
 
