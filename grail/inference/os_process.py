@@ -27,11 +27,23 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 # Process-group ids of every server this interpreter started, for leak checks: a server's workers
 # outlive a killed leader in its group, where a walk over our own children no longer finds them.
 STARTED_GROUPS: set[int] = set()
+
+
+class ServerChild(Protocol):
+    """What the server manager needs of a server's process: a subprocess.Popen, or a server
+    forked by the zygote (grail/inference/zygote.py's `ForkedServer`)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def started_process_groups() -> frozenset[int]:
@@ -99,7 +111,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def terminate_group(proc: subprocess.Popen, pgid: int, grace: float) -> None:
+def terminate_group(proc: ServerChild, pgid: int, grace: float) -> None:
     """SIGTERM the process group, wait up to `grace` seconds, then SIGKILL it; reap the child (and
     its watchdog, for a server `spawn_server` started).
 

@@ -38,13 +38,13 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import IO, Any, ClassVar, Self
 
 import httpx
 
 from grail.core.choices import WeightSyncMode
 from grail.core.placement import prefer_passive_openmp
-from grail.inference import os_process
+from grail.inference import os_process, zygote
 from grail.inference.errors import (
     ServerDiedError,
     ServerError,
@@ -161,7 +161,7 @@ class ServerManager(ABC):
         safe_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", served_model_name)
         self.log_path = self.log_dir / f"{self.kind}-{safe_name}.log"
 
-        self._proc: subprocess.Popen | None = None
+        self._proc: os_process.ServerChild | None = None
         self._control_client: httpx.Client | None = None
         self._finalizer: weakref.finalize | None = None
         self._log_offset = 0
@@ -364,7 +364,7 @@ class ServerManager(ABC):
             )
             log.write(header.encode())
             log.flush()
-            proc = os_process.spawn_server(command, stdout=log, env=env, grace=self.stop_timeout)
+            proc = self._spawn(command, env, log)
         self._proc = proc
         self._ready = False
         self._started_at = time.monotonic()
@@ -381,6 +381,22 @@ class ServerManager(ABC):
             self.root_url,
             self.log_path,
         )
+
+    def _spawn(
+        self, command: list[str], env: dict[str, str], log: IO[bytes]
+    ) -> os_process.ServerChild:
+        """Fork a CPU server from this process's zygote when it has one (grail/inference/zygote.py:
+        no ~5 s of imports), else start it as a new process (`spawn_server`)."""
+        forker = zygote.current() if not self.gpu_ids else None
+        if forker is not None and zygote.forkable(command):
+            try:
+                child = forker.spawn(command, env=env, log=self.log_path, grace=self.stop_timeout)
+            except zygote.ZygoteGone as exc:
+                logger.warning("%s; starting the server as a new process", exc)
+            else:
+                os_process.STARTED_GROUPS.add(child.pid)
+                return child
+        return os_process.spawn_server(command, stdout=log, env=env, grace=self.stop_timeout)
 
     def wait_ready(self, timeout: float | None = None) -> float:
         """Poll the readiness route until it answers 200; return the seconds waited.

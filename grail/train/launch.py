@@ -97,7 +97,19 @@ def train(
     # Imported here so that `--help` and config errors answer before torch and transformers load.
     from grail.train.loop import run
 
+    if forks_its_servers(config):
+        from grail.inference import zygote
+
+        zygote.prepare()  # after the imports, before any thread or tensor operation
     run(config, run_dir, resume)
+
+
+def forks_its_servers(config: Config) -> bool:
+    """Whether the run's servers are built-in CPU ones, which a zygote forks (grail/inference/
+    zygote.py): on a machine with a GPU the trainer has touched the CUDA driver (device counting
+    does), which a forked child cannot use, and vLLM and SGLang are other programs."""
+    generation = config.generation
+    return generation.backend == "builtin" and not generation.urls and visible_gpus() == 0
 
 
 def failed_summary(config: Config, run_dir: Path, exc: BaseException) -> None:
