@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from grail.core.choices import GpuStrategy
 from grail.core.errors import ConfigError
 from grail.core.reproducible import REPRODUCIBLE_THREADS
+
+
+def visible_gpus() -> int:
+    """GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return 0  # hidden on purpose; answers without importing torch
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def forks_its_servers(backend: str, urls: Sequence[str]) -> bool:
+    """Whether a run's servers (`generation.backend`, `generation.urls`) are built-in CPU ones,
+    which its zygote forks (grail/inference/zygote.py): on a machine with a GPU the trainer has
+    touched the CUDA driver (device counting does), which a forked child cannot use, and vLLM
+    and SGLang are other programs."""
+    return backend == "builtin" and not urls and visible_gpus() == 0
 
 
 def available_cores() -> int:

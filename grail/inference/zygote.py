@@ -393,6 +393,7 @@ def _server_main(
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != zygote:  # it died before the flag was set
         return 1
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())  # a rank blocks SIGINT from its birth
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
     for fd in pipes:

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from grail.core.config import Config
 from grail.core.errors import UserError
 from grail.core.nodes import NodePlan, NodesDiffer, config_differences, shared_settings
-from grail.core.placement import trainer_processes
+from grail.core.placement import forks_its_servers, trainer_processes
 from grail.core.records import held_for_the_ranks
 from grail.train.resume import Resume
 
@@ -158,6 +158,12 @@ def rank_main(cfg: Config, run_dir: str, resume: Resume | None, log_file: str | 
 
     rank = int(os.environ["RANK"])
     _log_to(rank, log_file)
+    # Rank 0 starts the servers: its zygote comes before torch.distributed starts threads.
+    if rank == 0 and forks_its_servers(cfg.generation.backend, cfg.generation.urls):
+        import grail.train.loop  # noqa: F401  (what the zygote's servers run, imported once)
+        from grail.inference import zygote
+
+        zygote.prepare()
     signals = _RankSignals()
     try:
         signal.signal(signal.SIGTERM, signals)

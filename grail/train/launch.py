@@ -16,7 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 from grail.core.config import Config
 from grail.core.errors import ConfigError, UserError
 from grail.core.nodes import NodePlan
-from grail.core.placement import trainer_devices, trainer_processes
+from grail.core.placement import (
+    forks_its_servers,
+    trainer_devices,
+    trainer_processes,
+    visible_gpus,
+)
 from grail.core.records import write_summary
 from grail.core.reproducible import apply_reproducible_env
 from grail.core.validate import validate
@@ -24,15 +29,6 @@ from grail.train.reporting import log_files, resume_command
 from grail.train.resume import Resume, saved_choices
 
 log = logging.getLogger("grail.train")
-
-
-def visible_gpus() -> int:
-    """GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return 0  # hidden on purpose; answers without importing torch
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def preflight(config: Config, env_group: str | None = None) -> None:
@@ -97,19 +93,11 @@ def train(
     # Imported here so that `--help` and config errors answer before torch and transformers load.
     from grail.train.loop import run
 
-    if forks_its_servers(config):
+    if forks_its_servers(config.generation.backend, config.generation.urls):
         from grail.inference import zygote
 
         zygote.prepare()  # after the imports, before any thread or tensor operation
     run(config, run_dir, resume)
-
-
-def forks_its_servers(config: Config) -> bool:
-    """Whether the run's servers are built-in CPU ones, which a zygote forks (grail/inference/
-    zygote.py): on a machine with a GPU the trainer has touched the CUDA driver (device counting
-    does), which a forked child cannot use, and vLLM and SGLang are other programs."""
-    generation = config.generation
-    return generation.backend == "builtin" and not generation.urls and visible_gpus() == 0
 
 
 def failed_summary(config: Config, run_dir: Path, exc: BaseException) -> None:
