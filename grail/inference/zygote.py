@@ -282,7 +282,7 @@ def _zygote_main(requests: int, answers: int) -> int:
     """Serve start requests until the trainer's end of the pipe closes; then stop every server."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the trainer's to handle
     setproctitle.setproctitle(f"grail server zygote (of pid {os.getppid()})")
-    _release_inherited_files(keep={0, 1, 2, requests, answers})
+    release_inherited_files(keep={0, 1, 2, requests, answers})
     graces: dict[int, float] = {}
     buffer = b""
     while True:
@@ -345,7 +345,7 @@ def _stop_all(graces: dict[int, float]) -> None:
             running.discard(os.waitpid(-1, 0)[0])
 
 
-def _release_inherited_files(keep: set[int]) -> None:
+def release_inherited_files(keep: set[int]) -> None:
     """Point every inherited descriptor but `keep` at /dev/null: the files (the run's lock) are
     released, and a number stays taken, so an inherited object that closes it later cannot
     close a socket the server opened under that number."""

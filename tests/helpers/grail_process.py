@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.forked import popen
 from helpers.run_dirs import TINY_RUN
 
 SMALL = [
@@ -28,7 +29,7 @@ def train_process(
     """grail-train into `run_dir`; with `multirun`, a sweep (`-m`) into the sweep dir `run_dir`."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     where = ["-m", f"hydra.sweep.dir={run_dir}"] if multirun else [f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-m", "grail.train.cli", *where, *SMALL, *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

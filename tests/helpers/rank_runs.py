@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.forked import popen
 from helpers.grail_process import SMALL
 
 HELPERS = Path(__file__).resolve().parent
@@ -75,7 +76,7 @@ def start_grail_train(
     if fault is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_HOOK), env.get("PYTHONPATH")]))
         env["GRAIL_TEST_RANK_FAULT"] = fault
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-m", "grail.train.cli", f"hydra.run.dir={run_dir}", *SMALL, *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from grail.core.records import write_metrics
+from helpers.forked import run
 
 REPO = Path(__file__).resolve().parents[2]
 # The smallest real workload: a few problems and evaluation seeds, so a real run of the tiny model
@@ -31,7 +32,7 @@ def grail_train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
     """`grail-train ARGS` from the repository root, its output captured. The timeout bounds a
     hang, not a speed: an 80-iteration run (~30 s idle) took over 120 s on a 2-core machine
     running three other test processes."""
-    return subprocess.run(
+    return run(
         [sys.executable, "-m", "grail.train.cli", *args],
         capture_output=True,
         text=True,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from helpers.forked import popen
 from helpers.run_dirs import REPO
 
 
@@ -26,7 +27,7 @@ class ServiceRun:
         self.endpoint.unlink(missing_ok=True)
         self.log = (run_dir.parent / f"{run_dir.name}.log").open("a")
         command = [sys.executable, "-m", "grail.train.cli", "mode=service", "service.port=0"]
-        self.process = subprocess.Popen(
+        self.process = popen(
             [*command, *args, f"hydra.run.dir={run_dir}"],
             cwd=REPO,
             stdout=self.log,

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from helpers.forked import popen
 from helpers.run_dirs import REPO
 
 # An evaluation and a checkpoint every 4 iterations, all of them kept: the base can be any of them.
@@ -42,7 +43,7 @@ def build_warm_base(run_dir: Path, threshold: float, timeout: float = 900) -> Pa
     log = run_dir.with_suffix(".log")
     deadline = time.monotonic() + timeout
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        proc = popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 base = first_reaching(run_dir, threshold)
