@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -77,19 +79,32 @@ def test_two_servers_give_one_servers_metrics_bitwise_even_when_one_dies(
     assert records[1]["fleet"][0]["failures"] == 0
 
 
-def _run_a_third_of_the_time(pid: int, stop: threading.Event) -> None:
-    """Slow process `pid` to about a third of its speed: stopped 20 ms of every 30."""
-    try:
-        while not stop.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.02)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(0.01)
-    except ProcessLookupError:
-        return  # the server has ended
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+# Slows process argv[1] to about a third of its speed: stopped 20 ms of every 30. A process of
+# its own, not a thread of the test's: a thread waits for the GIL the in-process trainer holds,
+# and under load then let the server run most of the time (it got as many groups as the other).
+_A_THIRD_OF_THE_TIME = """
+import os, signal, sys, time
+pid = int(sys.argv[1])
+try:
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.02)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
+except ProcessLookupError:
+    pass
+"""
+
+
+def _run_a_third_of_the_time(pid: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", _A_THIRD_OF_THE_TIME, str(pid)])
+
+
+def _stop_slowing(slower: subprocess.Popen[bytes], pid: int) -> None:
+    slower.kill()
+    slower.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_a_slowed_server_gets_fewer_groups_and_a_pipelined_fleet_matches_one_server(
@@ -99,20 +114,21 @@ def test_a_slowed_server_gets_fewer_groups_and_a_pipelined_fleet_matches_one_ser
     # stopped 2/3 of the time), in pipelined mode: once the balancer has measured it, server 1
     # gets fewer groups, and the metrics are still the lone pipelined server's, bitwise.
     run(short_config("train.pipeline=true"), tmp_path / "one")
-    stop = threading.Event()
+    slowed: list[tuple[subprocess.Popen[bytes], int]] = []
     launch = Fleet.launch
 
     def launch_then_slow(self: Fleet) -> None:
         launch(self)
         pid = self.servers[1].pid
         assert pid is not None
-        threading.Thread(target=_run_a_third_of_the_time, args=(pid, stop), daemon=True).start()
+        slowed.append((_run_a_third_of_the_time(pid), pid))
 
     monkeypatch.setattr(Fleet, "launch", launch_then_slow)
     try:
         run(short_config("train.pipeline=true", "generation.servers=2"), tmp_path / "fleet")
     finally:
-        stop.set()
+        for slower, pid in slowed:
+            _stop_slowing(slower, pid)
     assert results(tmp_path / "fleet") == results(tmp_path / "one")
     measured = train_records(tmp_path / "fleet")[1:]  # after the first batch's measurements
     fast, slow = (sum(r["fleet"][i]["requests"] for r in measured) for i in (0, 1))

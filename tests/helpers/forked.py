@@ -46,7 +46,15 @@ from typing import Any
 FORKED_MODULE = "grail.train.cli"
 # Variables read when they are used, not when a module is imported: a request may differ from
 # the runner in these and still be forked.
-LAZY = frozenset({"PYTHONUNBUFFERED", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "CUDA_VISIBLE_DEVICES"})
+LAZY = frozenset(
+    {
+        "PYTHONUNBUFFERED",
+        "ATEN_CPU_CAPABILITY",
+        "MKL_CBWR",
+        "CUDA_VISIBLE_DEVICES",
+        "PYTEST_CURRENT_TEST",  # pytest sets it for each test
+    }
+)
 _SUPPORTED = {"executable": None, "preexec_fn": None, "shell": False, "pass_fds": ()}
 _RUNNER_START_TIMEOUT_S = 120.0
 
