@@ -5,8 +5,8 @@ and FastAPI before it loads its model, and grail-train has imported all of them 
 server's own modules add 0.04 s to the trainer's imports). So grail-train forks a *zygote* once,
 after its imports and before it runs anything (`prepare`, called by grail/train/launch.py), and
 every built-in CPU server of the run is forked from the zygote: ready in a fraction of a second
-(the model load) instead of ~5 s, a restart in a fleet likewise. The test suite starts ~120
-servers; this is most of what brought it under 12 minutes (docs/benchmarks.md).
+(the model load) instead of ~5 s, a restart in a fleet likewise: a 3-iteration run of the tiny
+model takes 9.9 CPU-s instead of 13.4 (docs/benchmarks.md, "The test suite's time").
 
 Why a zygote and not a fork of the trainer at the server's start: by then the trainer has run
 tensor operations (OpenMP's pool, ATen's chosen CPU kernels, MKL's mode) and threads (rollouts,
@@ -345,6 +345,23 @@ def _stop_all(graces: dict[int, float]) -> None:
             running.discard(os.waitpid(-1, 0)[0])
 
 
+def fresh_interpreter_signals() -> None:
+    """Signal dispositions and mask as a new CPython interpreter starts with: SIGINT raises
+    KeyboardInterrupt (SIG_DFL would kill the process without its clean-up), SIGPIPE and SIGXFSZ
+    ignored, every other signal at its default, none blocked (a rank blocks SIGINT from birth)."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        handler: Any = signal.SIG_DFL
+        if sig == signal.SIGINT:
+            handler = signal.default_int_handler
+        elif sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            handler = signal.SIG_IGN
+        with contextlib.suppress(OSError, ValueError):  # the real-time ones Python cannot set
+            signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 def release_inherited_files(keep: set[int]) -> None:
     """Point every inherited descriptor but `keep` at /dev/null: the files (the run's lock) are
     released, and a number stays taken, so an inherited object that closes it later cannot
@@ -393,9 +410,7 @@ def _server_main(
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != zygote:  # it died before the flag was set
         return 1
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())  # a rank blocks SIGINT from its birth
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
+    fresh_interpreter_signals()
     for fd in pipes:
         os.close(fd)
     null = os.open(os.devnull, os.O_RDONLY)

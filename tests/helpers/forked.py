@@ -333,7 +333,7 @@ def _forked_main(request: dict[str, Any], fds: list[int], settled: int) -> int:
 
     import setproctitle
 
-    from grail.inference.zygote import release_inherited_files
+    from grail.inference.zygote import fresh_interpreter_signals, release_inherited_files
 
     argv = request["argv"]
     if request["session"]:
@@ -343,9 +343,7 @@ def _forked_main(request: dict[str, Any], fds: list[int], settled: int) -> int:
     os.close(settled)
     setproctitle.setproctitle(" ".join(argv))  # before the environment changes: it moves it
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_IGN if sig == signal.SIGPIPE else signal.SIG_DFL)
+    fresh_interpreter_signals()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     release_inherited_files(keep={0, 1, 2})  # the runner's sockets, the fds as received
