@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import forked
 from helpers.grail_process import servers_of
 from helpers.run_dirs import grail_train
 from hydra import compose, initialize_config_dir
@@ -216,7 +217,7 @@ def test_known_user_errors_print_one_line_and_log_the_traceback(
 def test_ctrl_c_says_in_one_line_how_to_resume(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*SMALL, "train.iterations=50", "train.lr=2e-3", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(
+    proc = forked.popen(
         [sys.executable, "-m", "grail.train.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import forked
 from helpers.grail_process import SMALL, finish, servers_of
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -240,7 +241,7 @@ def test_a_run_whose_disk_fills_in_a_checkpoint_stops_in_one_line_and_resumes(
     assert checkpoint_problems(checkpoints / "iter_000") == []
     # The command it prints continues the run (with space to write, this time).
     command = errors[0][errors[0].index("uv run grail-train") :]
-    again = subprocess.run(
+    again = forked.run(
         [sys.executable, "-m", "grail.train.cli", *shlex.split(command)[3:]],
         capture_output=True,
         text=True,

@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from helpers import forked
 from helpers.grail_process import SMALL, wait_for
 from helpers.rank_runs import (
     COMPARED,
@@ -121,7 +122,7 @@ def logged_at(line: str) -> float:
 
 
 def test_ctrl_c_stops_every_rank_and_prints_the_resume_command(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
+    proc = forked.popen(
         [sys.executable, "-m", "grail.train.cli", f"hydra.run.dir={tmp_path}", *SMALL]
         + ["train.iterations=5", "eval.enabled=false", *TWO],
         stdout=subprocess.PIPE,

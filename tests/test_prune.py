@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from helpers import forked
 from helpers.run_dirs import TINY_RUN, eval_record, make_run, write_hydra
 from hydra import compose, initialize_config_dir
 from jsonschema import ValidationError
@@ -515,7 +515,7 @@ PRUNE = ["+prune=asha", "prune.min_iterations=2", "prune.spending=False"]  # as 
 
 
 def _grail_train(*args: str, timeout: float = 240) -> tuple[int, str]:
-    result = subprocess.run(
+    result = forked.run(
         [sys.executable, "-m", "grail.train.cli", *args],
         capture_output=True,
         text=True,
