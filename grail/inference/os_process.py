@@ -46,6 +46,16 @@ class ServerChild(Protocol):
     def wait(self, timeout: float | None = None) -> int: ...
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (ended, not yet reaped): for a process
+    that is not this one's child, whose exit status no waitpid here can give."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def started_process_groups() -> frozenset[int]:
     """Process-group ids of all servers started by this process (alive or not)."""
     return frozenset(STARTED_GROUPS)

@@ -51,11 +51,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import setproctitle
+
+from grail.inference import os_process
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +205,7 @@ class Zygote:
                     return self._exits[pid]
                 if not self.alive:
                     # Its exit notice died with the zygote; PR_SET_PDEATHSIG sent it SIGTERM.
-                    if not _exists(pid):
+                    if not os_process.process_alive(pid):
                         return -signal.SIGTERM
                 else:
                     left = _POLL_S if deadline is None else deadline - time.monotonic()
@@ -265,14 +267,6 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _exists(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 # -- in the zygote -------------------------------------------------------------------------------
@@ -383,11 +377,22 @@ def _fork_server(request: Mapping[str, Any], requests: int, answers: int) -> int
     if pid != 0:
         os.close(log)
         return pid
+    run_as_process(lambda: _server_main(argv, request, log, zygote, (requests, answers)))
+
+
+def run_as_process(main: Callable[[], int]) -> NoReturn:
+    """In a forked child: run `main` and end the process with its code as an interpreter would
+    end (`sys.exit(None)` 0, a message 1 after printing it, an exception's traceback 1), after
+    the exit functions `main` registered and a flush of stdout and stderr, never returning into
+    the code that forked."""
     code = 1
     try:
-        code = _server_main(argv, request, log, zygote, (requests, answers))
+        code = main()
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
     except BaseException:
         import traceback
 

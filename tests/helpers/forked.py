@@ -43,6 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grail.inference.zygote import (
+    fresh_interpreter_signals,
+    release_inherited_files,
+    run_as_process,
+)
+
 FORKED_MODULE = "grail.train.cli"
 # Variables read when they are used, not when a module is imported: a request may differ from
 # the runner in these and still be forked.
@@ -307,23 +313,8 @@ def _fork_request(connection: socket.socket) -> int | None:
             os.close(fd)
         connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         return pid
-    code = 1
-    try:
-        os.close(settled_r)
-        code = _forked_main(request, fds, settled_w)
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+    os.close(settled_r)
+    run_as_process(lambda: _forked_main(request, fds, settled_w))
 
 
 def _forked_main(request: dict[str, Any], fds: list[int], settled: int) -> int:
@@ -332,8 +323,6 @@ def _forked_main(request: dict[str, Any], fds: list[int], settled: int) -> int:
     import runpy
 
     import setproctitle
-
-    from grail.inference.zygote import fresh_interpreter_signals, release_inherited_files
 
     argv = request["argv"]
     if request["session"]:

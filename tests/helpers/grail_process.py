@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from grail.inference.os_process import process_alive as alive
 from helpers.forked import popen
 from helpers.run_dirs import TINY_RUN
 
@@ -63,14 +64,6 @@ def servers_of(run_dir: Path) -> list[int]:
         if pid != os.getpid() and mentions_run and is_server and alive(pid):
             found.append(pid)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
