@@ -7,7 +7,10 @@ episodes at least 0.8x).
     python3 benchmarks/episodes.py --device cuda --turn-tokens 32   # on a GPU: the graph decoder
 
 Episodes: copy_turns (grail/envs/copy_turns.py) with `--turns` turns, every turn exactly
-`--turn-tokens` tokens (ignore_eos), through the harness's turn loop (grail/rollouts/episodes.py).
+`--turn-tokens` tokens (ignore_eos), through the harness's turn loop (grail/rollouts/episodes.py),
+twice: each turn's prompt sent as one chunk (generation.prefix_cache=false, the default), and
+with its sampled spans, continued from the server's prefix cache (generation.prefix_cache=true;
+grail/inference/builtin/prefix_cache.py), with the cache's hits and misses.
 Single-turn: copy_digits prompts, one request per 16 prompts x n as the harness sends them, each
 completion exactly turns x turn-tokens tokens. Both sample the same tokens per batch; the episodes
 also prefill the environment's turns. Medians [min-max] over the batches after one warm-up;
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from client_overhead import default_prompts, fmt
@@ -63,16 +68,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     with server:
         client = CompletionClient(server.base_url, "tiny", timeout=600)
-        episodes = RolloutGenerator(
-            make_env("copy_turns", turns=args.turns),
-            tokenizer,
-            client,
-            per_turn,
-            episodes=EpisodeLimits(args.turns, 4096, 60.0),
-        )
 
-        async def episode_batch(i: int) -> None:
-            batch = await episodes.generate(
+        def episodes(prefix_cache: bool) -> RolloutGenerator:
+            return RolloutGenerator(
+                make_env("copy_turns", turns=args.turns),
+                tokenizer,
+                client,
+                per_turn,
+                episodes=EpisodeLimits(args.turns, 4096, 60.0),
+                prefix_cache=prefix_cache,
+            )
+
+        chunked, continued = episodes(False), episodes(True)
+
+        async def chunked_batch(i: int) -> None:
+            batch = await chunked.generate(list(range(args.problems)), args.episodes, round_index=i)
+            assert sum(s.num_sampled for s in batch.samples) == sampled
+
+        async def continued_batch(i: int) -> None:
+            batch = await continued.generate(
                 list(range(args.problems)), args.episodes, round_index=i
             )
             assert sum(s.num_sampled for s in batch.samples) == sampled
@@ -92,25 +106,47 @@ def main(argv: list[str] | None = None) -> int:
                 walls.append(time.perf_counter() - t0)
             return walls
 
-        async def both() -> tuple[list[float], list[float]]:
+        async def all_three() -> tuple[list[float], list[float], list[float]]:
             try:
-                return await timed(single_batch), await timed(episode_batch)
+                return (
+                    await timed(single_batch),
+                    await timed(chunked_batch),
+                    await timed(continued_batch),
+                )
             finally:
                 await client.aclose()
 
-        single, multi = asyncio.run(both())
+        single, multi, cached = asyncio.run(all_three())
+        card = json.loads(urllib.request.urlopen(f"{server.base_url}/models", timeout=10).read())
+        cache = card["data"][0].get("prefix_cache") or {}
     rate = {"single_turn": sampled / spread(single)["median"]}
     rate["episodes"] = sampled / spread(multi)["median"]
+    rate["episodes_prefix_cache"] = sampled / spread(cached)["median"]
     ratio = rate["episodes"] / rate["single_turn"]
+    ratio_cached = rate["episodes_prefix_cache"] / rate["single_turn"]
     print_table(
         f"{args.problems} problems x {args.episodes} samples, {sampled} sampled tokens per batch "
         f"({args.turns} turns x {args.turn_tokens} tokens), median \\[min-max] of {args.batches}",
         ["", "wall ms", "sampled tokens/s"],
         [
             ["single-turn groups", fmt(single), f"{rate['single_turn']:.0f}"],
-            [f"{args.turns}-turn episodes", fmt(multi), f"{rate['episodes']:.0f}"],
+            [
+                f"{args.turns}-turn episodes, one chunk a turn",
+                fmt(multi),
+                f"{rate['episodes']:.0f}",
+            ],
+            [
+                f"{args.turns}-turn episodes, prefix cache",
+                fmt(cached),
+                f"{rate['episodes_prefix_cache']:.0f}",
+            ],
             ["episodes / single-turn", "", f"{ratio:.2f}x"],
+            ["prefix-cached episodes / single-turn", "", f"{ratio_cached:.2f}x"],
         ],
+    )
+    print(
+        f"prefix cache: {cache.get('hits')} hits, {cache.get('misses')} misses "
+        f"(every turn after an episode's first should hit)"
     )
     write_results(
         "episodes",
@@ -123,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             "sampled_tokens_per_batch": sampled,
             "single_turn_wall_s": spread(single),
             "episodes_wall_s": spread(multi),
+            "episodes_prefix_cache_wall_s": spread(cached),
             "sampled_tokens_per_s": rate,
             "ratio": ratio,
+            "ratio_prefix_cache": ratio_cached,
+            "prefix_cache": cache,
         },
         args.out,
     )

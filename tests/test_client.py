@@ -273,6 +273,18 @@ def test_complete_many_sends_vllm_and_sglang_one_request_per_prompt(
     assert all("seeds" not in b for b in server.requests) and done == [1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("backend", ["builtin", "vllm"])
+def test_sampled_spans_go_to_the_builtin_server_only(server: ScriptedServer, backend: str) -> None:
+    """An episode's later turns carry the spans the policy sampled (the built-in server's
+    prefix cache continues them); vLLM and SGLang cache prefixes without being told."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    spans = [[(1, 3)], []]
+    client = make_client(server, backend=backend)
+    run(client, lambda c: c.complete_many(prompts, 1, SAMPLING, [1, 2], spans=spans))
+    sent = [b.get("sampled_spans") for b in server.requests]
+    assert sent == ([[[[1, 3]], []]] if backend == "builtin" else [None, None])
+
+
 def test_complete_many_sends_the_chunks_concurrently(server: ScriptedServer) -> None:
     server.actions = ["slow:0.3"] * 4
     client = make_client(server, max_batch_sequences=2)

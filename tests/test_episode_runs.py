@@ -341,6 +341,7 @@ class Answering:
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Any = None,
+        spans: Any = None,
     ) -> list[list[Completion]]:
         await asyncio.sleep(0.001 * (1 + self.server))  # answers take time: the balancer measures
         for seed in seeds:
@@ -457,6 +458,7 @@ class Dying(Answering):
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Any = None,
+        spans: Any = None,
     ) -> list[list[Completion]]:
         self.dead = self.dead or any(seed not in self.firsts for seed in seeds)
         if self.dead:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +60,9 @@ class Recording:
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Any = None,
+        spans: Any = None,
     ) -> list[list[Completion]]:
-        out = await self.client.complete_many(prompts, n, sampling, seeds, on_done)
+        out = await self.client.complete_many(prompts, n, sampling, seeds, on_done, spans=spans)
         self.calls += [Call(list(p), c) for p, cs in zip(prompts, out, strict=True) for c in cs]
         return out
 
@@ -111,6 +114,7 @@ def _run(
     replicas: int = 2,
     max_tokens: int = 3,
     limits: EpisodeLimits = LIMITS,
+    prefix_cache: bool = False,
 ) -> tuple[Any, Recording]:
     tokenizer = load_tokenizer(str(server.model_path))
     recording = Recording(CompletionClient(server.base_url, server.model_name, timeout=60))
@@ -120,6 +124,7 @@ def _run(
         recording,
         SamplingParams(max_tokens=max_tokens, temperature=1.0),
         episodes=limits,
+        prefix_cache=prefix_cache,
     )
     return asyncio.run(generator.generate(list(seeds), replicas)), recording
 
@@ -198,6 +203,43 @@ def test_same_seeds_give_the_same_episodes_whatever_runs_beside_them(
     assert [s.behaviour_logprobs for s in alone.groups[0].samples] == [
         s.behaviour_logprobs for s in crowded.groups[1].samples
     ]
+
+
+def _prefix_cache(server: BuiltinServer) -> dict[str, int]:
+    card = json.loads(urllib.request.urlopen(f"{server.base_url}/models", timeout=10).read())
+    return card["data"][0]["prefix_cache"]
+
+
+def test_later_turns_continue_from_the_prefix_cache_with_the_numbers_of_a_miss(
+    server: BuiltinServer, tmp_path: Path
+) -> None:
+    """With generation.prefix_cache an episode's later turns are sent with the spans the policy
+    sampled, and the built-in server continues them from its prefix cache: every later turn a
+    hit, and the episodes bit for bit those of a server that keeps nothing (every turn a miss,
+    computed again). Without it the turns go as before, one chunk each, and nothing is hit."""
+    env = Scripted(["Repeat: 7", "Repeat: 2"])
+    before = _prefix_cache(server)
+    cached, _ = _run(server, env, seeds=[4, 8], replicas=3, prefix_cache=True)
+    after = _prefix_cache(server)
+    assert after["hits"] - before["hits"] == 2 * 3 * 2  # turns 2 and 3 of 6 episodes
+    assert after["misses"] == before["misses"]
+    _run(server, env, seeds=[4, 8], replicas=3)
+    assert _prefix_cache(server)["hits"] == after["hits"]
+    with BuiltinServer(
+        server.model_path,
+        "tiny",
+        log_dir=tmp_path,
+        threads=1,
+        start_timeout=180,
+        extra_args=["--prefix-cache-mb", "0"],
+    ) as bare:
+        replayed, _ = _run(bare, env, seeds=[4, 8], replicas=3, prefix_cache=True)
+        assert _prefix_cache(bare)["misses"] == 2 * 3 * 2
+    for one, other in zip(cached.groups, replayed.groups, strict=True):
+        assert [s.completion_ids for s in one.samples] == [s.completion_ids for s in other.samples]
+        assert [s.behaviour_logprobs for s in one.samples] == [
+            s.behaviour_logprobs for s in other.samples
+        ]
 
 
 def test_a_single_turn_environment_as_an_episode_samples_what_the_single_turn_path_does(

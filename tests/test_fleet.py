@@ -180,6 +180,7 @@ class _FakeServer:
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Any = None,
+        spans: Any = None,
     ) -> list[list[Completion]]:
         try:
             await asyncio.sleep(self.seconds_per_token * len(prompts) * n * sampling.max_tokens)

@@ -180,6 +180,7 @@ class ScriptedPolicy:
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Callable[[int], None] | None = None,
+        spans: Any = None,
     ) -> list[list[Completion]]:
         return [await self.complete(p, n, sampling, s) for p, s in zip(prompts, seeds, strict=True)]
 

@@ -417,7 +417,9 @@ class _Tokenizer:
 class _Client:
     """Completions "0".."n-1" per prompt, without a server."""
 
-    async def complete_many(self, prompts: list, n: int, sampling: Any, seeds: list, on_done=None):
+    async def complete_many(
+        self, prompts: list, n: int, sampling: Any, seeds: list, on_done=None, spans=None
+    ):
         return [[Completion([5], [-0.1], "stop", str(i)) for i in range(n)] for _ in prompts]
 
 

@@ -87,6 +87,12 @@ class GenerationConfig:
     # A server that dies mid-run is restarted from the newest weights and the batch retried, at
     # most this many times per batch.
     max_restarts: int = 2
+    # Episodes only: send each turn with the spans of the tokens the policy sampled, so that the
+    # built-in server continues the episode from its prefix cache instead of prefilling it all
+    # again (grail/inference/builtin/prefix_cache.py). Same config, same metrics either way, but
+    # true's differ from false's in float rounding (and so in the tokens drawn), hence opt-in:
+    # the measured learning numbers of docs/episodes.md are false's.
+    prefix_cache: bool = False
     # Inference servers the run starts (a fleet, grail/rollouts/fleet.py): each group goes to one
     # of them, weights go to all. server_threads is then per server (None: the share split).
     servers: int = 1

@@ -129,6 +129,7 @@ class Completer(Protocol):
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Callable[[int], None] | None = None,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> list[list[Completion]]: ...
 
     async def aclose(self) -> None: ...
@@ -237,10 +238,14 @@ class CompletionClient:
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Callable[[int], None] | None = None,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> list[list[Completion]]:
         """Sample `n` completions of each prompt; returns one list of n per prompt, in input
         order. Sample i of prompt j is sampled with seed `seeds[j] + i`, however the prompts are
-        split into requests, so results do not depend on the backend's batching.
+        split into requests, so results do not depend on the backend's batching. `spans`, one
+        list per prompt: the [start, end) positions of its tokens the policy sampled (an
+        episode's earlier turns); the built-in server continues them from its prefix cache
+        (`request_body`), other servers are not sent them (their prefix caches need no hint).
 
         The prompts go in consecutive chunks of `prompts_per_request(n)`, one request each, sent
         concurrently (at most `max_concurrency` at once). `on_done(k)` is called as each request
@@ -255,13 +260,22 @@ class CompletionClient:
         if len(seeds) != len(ids):
             raise ValueError(f"got {len(ids)} prompts but {len(seeds)} seeds (one per prompt)")
         seeds = [check_seed(s, f"seeds[{j}]") for j, s in enumerate(seeds)]
+        if spans is not None and len(spans) != len(ids):
+            raise ValueError(f"got {len(ids)} prompts but {len(spans)} lists of spans")
+        sampled = spans if self.backend == "builtin" else None
         self._bind_loop()
         if not ids:
             return []
         return await in_requests(
             len(ids),
             self.prompts_per_request(n),
-            lambda start, stop: self._request(ids[start:stop], n, sampling, seeds[start:stop]),
+            lambda start, stop: self._request(
+                ids[start:stop],
+                n,
+                sampling,
+                seeds[start:stop],
+                None if sampled is None else sampled[start:stop],
+            ),
             on_done,
         )
 
@@ -276,10 +290,15 @@ class CompletionClient:
             )
 
     async def _request(
-        self, prompts: list[list[int]], n: int, sampling: SamplingParams, seeds: list[int]
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        seeds: list[int],
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> list[list[Completion]]:
         """One HTTP request for `prompts`: n completions of each, prompt-major."""
-        body = request_body(self.model, prompts, n, sampling, seeds)
+        body = request_body(self.model, prompts, n, sampling, seeds, spans)
         kwargs: dict[str, Any] = {
             key: body.pop(key)
             for key in ("model", "prompt", "n", "max_tokens", "temperature", "top_p", "stop")
@@ -287,7 +306,7 @@ class CompletionClient:
         kwargs["logprobs"] = body.pop("logprobs")
         if "seed" in body:
             kwargs["seed"] = body.pop("seed")
-        # What the SDK does not know (top_k, return_token_ids, seeds, backend extras).
+        # What the SDK does not know (top_k, return_token_ids, seeds, sampled_spans, extras).
         kwargs["extra_body"] = {**body, **self.extra_body}
         error: openai.APIError | None
         async with self._semaphore:

@@ -49,6 +49,7 @@ RESERVED_FIELDS = frozenset(
         "seeds",
         "logprobs",
         "return_token_ids",
+        "sampled_spans",
     }
 )
 
@@ -146,11 +147,15 @@ def request_body(
     n: int,
     sampling: SamplingParams,
     seeds: Sequence[int],
+    spans: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> dict[str, Any]:
     """The JSON body of one /v1/completions request for `prompts` (before the client's
     `extra_body`). One prompt goes as a flat token-id list with the standard `seed`; several go
     as a list of token-id lists with the built-in server's `seeds` extension, one per prompt
-    (sample i of prompt j is sampled with seeds[j] + i)."""
+    (sample i of prompt j is sampled with seeds[j] + i). `spans` (the built-in server's
+    `sampled_spans` extension, one list per prompt): the [start, end) positions of each prompt's
+    tokens that the policy sampled, so that the server's prefix cache can continue them
+    (grail/inference/builtin/prefix_cache.py); sent only when some prompt has one."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     body: dict[str, Any] = {
@@ -169,6 +174,10 @@ def request_body(
         body["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         body["ignore_eos"] = True
+    if spans is not None and any(spans):
+        if len(spans) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(spans)} lists of spans")
+        body["sampled_spans"] = [[[start, end] for start, end in s] for s in spans]
     if len(prompts) == 1:
         body["seed"] = seeds[0]
     else:

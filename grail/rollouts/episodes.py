@@ -33,6 +33,12 @@ A fleet. The balancer picks the server of an episode's first turn, and its later
 server that answered the one before (`TurnBatcher`), which holds the episode's tokens so far in
 its prefix cache; one set aside passes its episodes to the balancer's choice, where they stay.
 A turn's seed does not depend on its server.
+
+The built-in server's prefix cache (generation.prefix_cache, opt-in). A later turn's prompt is
+the episode so far; sent with the spans of it the policy sampled, the built-in server computes it
+in the units its cache holds (grail/inference/builtin/prefix_cache.py) and continues from the
+sequence that sampled the turn before instead of prefilling the whole episode again: the same
+numbers on a hit or a miss, but not those of the prompt sent as one chunk (float rounding).
 """
 
 from __future__ import annotations
@@ -152,6 +158,7 @@ class ChatRenderer:
 class _Turn:
     prompt: list[int]
     seed: int
+    spans: list[tuple[int, int]]  # the prompt's sampled tokens: the episode's earlier turns
     done: asyncio.Future[tuple[Completion, int | None]]
 
 
@@ -186,14 +193,22 @@ class TurnBatcher:
             self._fleet.new_batch(episodes, 1, sampling)
 
     async def complete(
-        self, prompt: list[int], sampling: SamplingParams, seed: int, server: int | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        seed: int,
+        server: int | None = None,
+        spans: list[tuple[int, int]] | None = None,
     ) -> tuple[Completion, int | None]:
         """A turn's completion, sent to fleet server `server` (None: where the client routes
-        it), and the server that answered it (None from a client of one server)."""
+        it), and the server that answered it (None from a client of one server). `spans`: the
+        [start, end) positions of the prompt's tokens the policy sampled (the episode's turns so
+        far), with which the built-in server continues them from its prefix cache."""
         done: asyncio.Future[tuple[Completion, int | None]]
         done = asyncio.get_running_loop().create_future()
         server = server if self._fleet is not None else None
-        self._queue.setdefault((sampling, server), []).append(_Turn(prompt, seed, done))
+        turn = _Turn(prompt, seed, list(spans or []), done)
+        self._queue.setdefault((sampling, server), []).append(turn)
         if not self._kick_scheduled:  # turns that get ready in this pass of the loop go together
             self._kick_scheduled = True
             asyncio.get_running_loop().call_soon(self._kick)
@@ -226,14 +241,15 @@ class TurnBatcher:
     async def _send(self, key: tuple[SamplingParams, int | None], batch: list[_Turn]) -> None:
         sampling, server = key
         prompts, seeds = [t.prompt for t in batch], [t.seed for t in batch]
+        spans = [t.spans for t in batch]
         answered: Sequence[int | None]
         try:
             if self._fleet is None:
-                results = await self.client.complete_many(prompts, 1, sampling, seeds)
+                results = await self.client.complete_many(prompts, 1, sampling, seeds, spans=spans)
                 answered = [None] * len(batch)
             else:
                 results, answered = await self._fleet.complete_on(
-                    prompts, 1, sampling, seeds, server
+                    prompts, 1, sampling, seeds, server, spans=spans
                 )
         except BaseException as exc:
             for turn in batch:
@@ -275,8 +291,10 @@ class EpisodeRunner:
         limits: EpisodeLimits,
         *,
         base_seed: int = 0,
+        prefix_cache: bool = False,
     ) -> None:
         self.env, self.client, self.sampling, self.limits = env, client, sampling, limits
+        self.prefix_cache = prefix_cache  # send turns with their sampled spans
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer)
         self.base_seed = base_seed
@@ -334,6 +352,7 @@ class EpisodeRunner:
             )
 
         ids: list[int] = []
+        spans: list[tuple[int, int]] = []  # the sampled turns, as positions in prompt + ids
         mask: list[int] = []
         logprobs: list[float] = []
         reward, success = 0.0, False
@@ -348,9 +367,16 @@ class EpisodeRunner:
                 break
             sampling = replace(self.sampling, max_tokens=min(self.sampling.max_tokens, room))
             turn, server = await self._turns.complete(
-                prompt + ids, sampling, turn_seed(first_seed, turns), server
+                prompt + ids,
+                sampling,
+                turn_seed(first_seed, turns),
+                server,
+                spans if self.prefix_cache else None,
             )
             turns += 1
+            if turn.token_ids:
+                start = len(prompt) + len(ids)
+                spans.append((start, start + len(turn.token_ids)))
             ids += turn.token_ids
             mask += [1] * len(turn.token_ids)
             logprobs += turn.logprobs

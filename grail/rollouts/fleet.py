@@ -146,12 +146,13 @@ class FleetClient:
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Callable[[int], None] | None = None,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> list[list[Completion]]:
         """As `CompletionClient.complete_many`: n completions of each prompt, in input order,
         sample i of prompt j seeded `seeds[j] + i`; the requests spread over the fleet."""
         _check_seeds(prompts, seeds)
         self.new_batch(len(prompts), n, sampling)
-        groups, _ = await self.complete_on(prompts, n, sampling, seeds, None, on_done)
+        groups, _ = await self.complete_on(prompts, n, sampling, seeds, None, on_done, spans)
         return groups
 
     def new_batch(self, prompts: int, n: int, sampling: SamplingParams) -> None:
@@ -172,12 +173,14 @@ class FleetClient:
         seeds: Sequence[int],
         server: int | None,
         on_done: Callable[[int], None] | None = None,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> tuple[list[list[Completion]], list[int]]:
         """`complete_many`'s groups, within the current batch (`new_batch`), and the server that
         answered each prompt. With `server`, every request goes to that server (it holds the
         prompts' prefixes in its cache: an episode's earlier turns), waiting for a slot in its
         window, unless it is set aside or fails: then, as any request, to the server the
-        balancer picks. Without, the requests spread over the fleet as `complete_many`'s."""
+        balancer picks. Without, the requests spread over the fleet as `complete_many`'s.
+        `spans`: as `CompletionClient.complete_many`'s."""
         _check_seeds(prompts, seeds)
         if server is not None and not 0 <= server < len(self.clients):
             raise ValueError(f"server {server} is not in this fleet of {len(self.clients)}")
@@ -195,7 +198,13 @@ class FleetClient:
 
         async def send(start: int, stop: int) -> list[list[Completion]]:
             groups, where = await self._send(
-                prompts[start:stop], n, sampling, seeds[start:stop], per_prompt, server
+                prompts[start:stop],
+                n,
+                sampling,
+                seeds[start:stop],
+                per_prompt,
+                server,
+                None if spans is None else spans[start:stop],
             )
             answered[start:stop] = [where] * (stop - start)
             return groups
@@ -210,6 +219,7 @@ class FleetClient:
         seeds: Sequence[int],
         per_prompt: float,
         pinned: int | None = None,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> tuple[list[list[Completion]], int]:
         """One request on `pinned` or the server the balancer picks; on another (the balancer's)
         when that server fails, misses the request's deadline, or is set aside meanwhile. The
@@ -219,7 +229,7 @@ class FleetClient:
             server = await self._acquire(cost, pinned)
             t0 = time.perf_counter()
             try:
-                groups = await self._call(server, prompts, n, sampling, seeds)
+                groups = await self._call(server, prompts, n, sampling, seeds, spans)
             except _Moved:
                 self.balancer.failed(server, cost)
                 await self._notify()
@@ -250,6 +260,7 @@ class FleetClient:
         n: int,
         sampling: SamplingParams,
         seeds: Sequence[int],
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> list[list[Completion]]:
         """`clients[server].complete_many`, given one request timeout (the client's `timeout`,
         one of its attempts) to answer: a server that has not by then is hung or far too slow,
@@ -257,7 +268,7 @@ class FleetClient:
         server idled. A `GenerationError` (a server fault) when it misses it; `_Moved` when the
         server is set aside meanwhile (`set_aside`)."""
         client = self.clients[server]
-        call = asyncio.ensure_future(client.complete_many(prompts, n, sampling, seeds))
+        call = asyncio.ensure_future(client.complete_many(prompts, n, sampling, seeds, spans=spans))
         call.add_done_callback(_seen)
         self._calls[server].add(call)
         try:

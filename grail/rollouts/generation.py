@@ -91,9 +91,11 @@ class RolloutGenerator:
         base_seed: int = 0,
         extra_rewards: RewardFunctions | None = None,
         episodes: EpisodeLimits | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         """`env` is a single-turn environment, or an episode one (grail/envs/episodes.py) whose
-        episodes run within the budgets of `episodes` (grail/rollouts/episodes.py)."""
+        episodes run within the budgets of `episodes` (grail/rollouts/episodes.py), their turns
+        sent with their sampled spans when `prefix_cache` (generation.prefix_cache)."""
         self.env = env
         self.tokenizer = tokenizer
         self.client = client
@@ -111,6 +113,7 @@ class RolloutGenerator:
                 sampling,
                 episodes,
                 base_seed=base_seed,
+                prefix_cache=prefix_cache,
             )
 
     async def generate(

@@ -283,6 +283,7 @@ class ServerRollouts:
                     base_seed=self.settings.seed,
                     extra_rewards=self._extra_rewards,
                     episodes=episode_limits(self.settings, self._tokenizer),
+                    prefix_cache=self.settings.generation.prefix_cache,
                 )
                 for env in (self._env, self._eval_env)
             )

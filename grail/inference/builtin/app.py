@@ -5,8 +5,8 @@ It speaks the subset of vLLM's protocol the harness uses (see docs/protocols.md)
 client path serves the built-in server, vLLM and SGLang:
 
 - ``GET /health``: 200 once the engine runs, 503 if its worker died.
-- ``GET /v1/models``: the served model card (with ``max_model_len``, ``weight_version`` and
-  ``batch_invariant``).
+- ``GET /v1/models``: the served model card (with ``max_model_len``, ``weight_version``,
+  ``batch_invariant`` and the ``prefix_cache``'s hits, misses and entries).
 - ``POST /v1/completions``: prompt as text, token ids, or a batch of either; ``n``,
   ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
   ``ignore_eos``, ``logprobs`` (k alternatives), ``return_token_ids``,
@@ -17,6 +17,10 @@ client path serves the built-in server, vLLM and SGLang:
   ``seed=seeds[p]`` gives (``seed`` gives every prompt the same ``seed + i``, as vLLM does). It
   lets a client batch many prompts into one request with the seeds of one request per prompt;
   ``seeds`` with ``seed``, or of another length than the prompts, is a 400 naming ``seeds``.
+  Extension: ``sampled_spans`` (one list per prompt of ``[start, end)`` pairs): which of a
+  prompt's tokens the model sampled (an episode's earlier turns), so that the prefix cache
+  continues the sequence that sampled them, bit for bit what computing them again gives
+  (``prefix_cache``); malformed spans are a 400 naming ``sampled_spans``.
 - ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template;
   ``logprobs: true`` (+ ``top_logprobs: k``) gives ``logprobs.content``.
 - ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?}`` (SGLang's shape):
@@ -71,6 +75,7 @@ from grail.inference.builtin.admission import (
 )
 from grail.inference.builtin.answers import chat_answer, completion_answer, encode_by_choice
 from grail.inference.builtin.engine import Engine, EngineStopped, SequenceOutput
+from grail.inference.builtin.prefix_cache import Span
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.schema import (
     ChatCompletionRequest,
@@ -85,6 +90,7 @@ from grail.inference.builtin.validation import (
     check_unsupported,
     prompt_ids,
     prompt_items,
+    sampled_spans,
     sampling_params,
 )
 from grail.inference.builtin.weights import WeightUpdateError
@@ -219,6 +225,9 @@ async def models(request: Request) -> dict[str, Any]:
         "weight_version": state.engine.weight_version,
         "batch_invariant": state.engine.batch_invariant,
     }
+    cache = state.engine.prefix_cache
+    if cache is not None:  # how often a continued prompt found its prefix (`prefix_cache`)
+        card["prefix_cache"] = {"hits": cache.hits, "misses": cache.misses, "entries": len(cache)}
     return {"object": "list", "data": [card]}
 
 
@@ -241,7 +250,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     )
     for ids in prompts:
         check_context(ids, max_tokens, engine)
-    outs = await _generate(state, prompts, params, req.n, req.seed, req.seeds)
+    spans = sampled_spans(req, prompts)
+    outs = await _generate(state, prompts, params, req.n, req.seed, req.seeds, spans)
     return await _answer(
         lambda: completion_answer(req, prompts, outs, state.served_model_name, engine.token_text),
         outs,
@@ -255,8 +265,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     check_unsupported(req)
     if not req.messages:
         raise APIError("messages is empty", param="messages")
-    if (req.model_extra or {}).get("seeds") is not None:
-        raise APIError("seeds is only supported on /v1/completions; use seed", param="seeds")
+    for name in ("seeds", "sampled_spans"):
+        if (req.model_extra or {}).get(name) is not None:
+            raise APIError(f"{name} is only supported on /v1/completions", param=name)
     if req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs requires logprobs=true", param="top_logprobs")
     requested = req.max_completion_tokens or req.max_tokens
@@ -313,12 +324,15 @@ async def _generate(
     n: int,
     seed: int | None,
     seeds: list[int] | None = None,
+    spans: list[list[Span]] | None = None,
 ) -> list[SequenceOutput]:
     """All samples, prompt-major; the event loop only waits on the engine's futures."""
     count = len(prompts) * n
     state.admission.reserve(count)
     try:
-        futures = state.engine.submit_many(prompts, params, n=n, seed=seed, seeds=seeds)
+        futures = state.engine.submit_many(
+            prompts, params, n=n, seed=seed, seeds=seeds, spans=spans
+        )
         await _all_done(futures)
         return [f.result() for f in futures]
     except EngineStopped as exc:

@@ -8,26 +8,58 @@ the numbers it would get alone); finished rows are dropped from the cache. When 
 queued sequences are prefilled and merged into the running batch (the shorter side's cache is
 left-padded to the longer). With batch invariance (`invariance`) batches always hold a multiple
 of the row quantum (filler rows), and attention runs row by row.
+
+With a prefix cache (`prefix_cache`), a prompt that says which of its tokens were sampled is
+computed in that module's units, from the longest cached prefix on, and every finished sequence
+leaves its keys and values there for a request that continues it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
-from grail.inference.builtin.batch import Batch, merge
+from grail.inference.builtin.batch import Batch, kv, merge
 from grail.inference.builtin.host import DecodeHost
+from grail.inference.builtin.prefix_cache import LayerKV, PrefixCache, Span, units
 from grail.inference.builtin.sampling import SamplingParams, draw
 from grail.inference.builtin.sequences import EngineStopped, _running, _Sequence
+
+
+@dataclass
+class _Partial:
+    """A prompt being computed unit by unit: its keys and values so far (`length` tokens) and
+    the units to go; `logits` of its last position once computed."""
+
+    prompt: tuple[int, ...]
+    layers: list[LayerKV]
+    length: int
+    todo: list[tuple[int, int]]
+    logits: torch.Tensor | None = None
+
+
+def _stacked(parts: list[_Partial], width: int) -> list[LayerKV]:
+    """The keys and values of `parts` left-padded to `width` tokens, one batch row each."""
+    return [
+        (
+            torch.stack([F.pad(p.layers[layer][0], (0, 0, width - p.length, 0)) for p in parts]),
+            torch.stack([F.pad(p.layers[layer][1], (0, 0, width - p.length, 0)) for p in parts]),
+        )
+        for layer in range(len(parts[0].layers))
+    ]
 
 
 class EagerDecoder:
     """Decodes the engine's batches on a growing ``DynamicCache``, looking at every token on the
     host. ``row_quantum``, ``batch_invariant`` and ``group_attention``: the engine's batch
     invariance (`invariance`); ``continuous``: whether queued sequences join a running batch
-    (not with sliding-window attention, whose cache cannot be re-padded)."""
+    (not with sliding-window attention, whose cache cannot be re-padded); ``prefix_cache``:
+    where finished sequences' keys and values wait for a request that continues them (None:
+    every prompt is one chunk, sampled spans or not)."""
 
     def __init__(
         self,
@@ -37,8 +69,10 @@ class EagerDecoder:
         batch_invariant: bool = False,
         group_attention: bool = False,
         continuous: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.host = host
+        self.prefix_cache = prefix_cache
         self.row_quantum = row_quantum
         self.batch_invariant = batch_invariant
         self.group_attention = group_attention
@@ -75,6 +109,20 @@ class EagerDecoder:
             self._step(batch)
 
     def prefill(self, seqs: list[_Sequence]) -> Batch:
+        """Prefill the sequences' prompts and sample every sequence's first token: plain prompts
+        as one chunk each (`_prefill_chunks`), those with sampled spans in their units from the
+        longest cached prefix on (`_prefill_units`), when there is a prefix cache."""
+        if self.prefix_cache is None:
+            return self._prefill_chunks(seqs)
+        plain = [s for s in seqs if not s.spans]
+        continued = [s for s in seqs if s.spans]
+        if not continued:
+            return self._prefill_chunks(plain)
+        if not plain:
+            return self._prefill_units(continued)
+        return merge(self._prefill_chunks(plain), self._prefill_units(continued))
+
+    def _prefill_chunks(self, seqs: list[_Sequence]) -> Batch:
         """Prefill the distinct prompts once (left padding), give each sequence its own row of
         that cache, and sample every sequence's first token."""
         dev = self.host.device
@@ -113,6 +161,8 @@ class EagerDecoder:
     def _compact(self, batch: Batch) -> Batch | None:
         """Drop finished rows, keeping as fillers only those the row quantum requires."""
         running = [_running(s) for s in batch.rows]
+        if self.prefix_cache is not None:
+            self._keep_finished(batch, running)
         live = [r for r, on in enumerate(running) if on]
         if not live:
             return None
@@ -131,6 +181,96 @@ class EagerDecoder:
             next_pos=[batch.next_pos[r] for r in keep],
             tokens=[batch.tokens[r] for r in keep],
         )
+
+    def _keep_finished(self, batch: Batch, running: list[bool]) -> None:
+        """Store the keys and values of the rows that finished in the prefix cache, and make
+        them fillers (a finished row stays in the batch while the row quantum needs it)."""
+        assert self.prefix_cache is not None
+        width = batch.mask.shape[1]
+        layers = [kv(layer) for layer in batch.cache.layers]
+        for r, seq in enumerate(batch.rows):
+            if seq is None or running[r] or not seq.token_ids:
+                continue
+            batch.rows[r] = None
+            start = batch.pad_starts[r]
+            tokens = seq.prompt + tuple(seq.token_ids[:-1])  # the last token was never fed
+            if width - start != len(tokens):
+                continue
+            prompt = len(seq.prompt)
+            spans = (*seq.spans, (prompt, prompt + len(seq.token_ids)))
+            kept = [(k[r, :, start:].clone(), v[r, :, start:].clone()) for k, v in layers]
+            self.prefix_cache.store(tokens, spans, kept)
+
+    def _prefill_units(self, seqs: list[_Sequence]) -> Batch:
+        """Compute the distinct prompts (with their spans) in their units (`prefix_cache`) from
+        the longest cached prefix on, a round at a time: each round, the prompts whose next
+        unit has the same length go through the model together. Then give each sequence its
+        own row and sample its first token."""
+        assert self.prefix_cache is not None
+        keys: dict[tuple[tuple[int, ...], tuple[Span, ...]], int] = {}
+        for seq in seqs:
+            keys.setdefault((seq.prompt, seq.spans), len(keys))
+        partial = []
+        for prompt, spans in keys:
+            done, entry = self.prefix_cache.lookup(prompt, spans)
+            todo = [u for u in units(len(prompt), spans) if u[0] >= done]
+            partial.append(_Partial(prompt, entry.layers if entry else [], done, todo))
+        while any(p.todo for p in partial):
+            rounds: dict[tuple[int, bool], list[_Partial]] = {}
+            for p in partial:
+                if p.todo:  # first units apart: they start from no keys and values at all
+                    start, end = p.todo[0]
+                    rounds.setdefault((end - start, p.length == 0), []).append(p)
+            for group in rounds.values():
+                self._next_unit(group)
+
+        width = max(p.length for p in partial)
+        index = [keys[(s.prompt, s.spans)] for s in seqs]
+        index += [0] * self._fill(len(index))
+        select = torch.tensor(index, device=self.host.device)
+        layers = [(k[select], v[select]) for k, v in _stacked(partial, width)]
+        mask = torch.zeros((len(partial), width), dtype=torch.long, device=self.host.device)
+        for i, p in enumerate(partial):
+            mask[i, width - p.length :] = 1
+        rows: list[_Sequence | None] = [*seqs, *([None] * self._fill(len(seqs)))]
+        last = [p.logits for p in partial]
+        assert all(x is not None for x in last)  # every prompt ends with a unit computed here
+        logits = torch.stack(last)[select]  # type: ignore[arg-type]
+        tokens = [self.host.pad_id] * len(rows)
+        tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
+        return Batch(
+            rows=rows,
+            cache=DynamicCache(layers),
+            mask=mask[select],
+            pad_starts=[width - partial[i].length for i in index],
+            next_pos=[partial[i].length for i in index],
+            tokens=tokens,
+        )
+
+    def _next_unit(self, group: list[_Partial]) -> None:
+        """Feed every prompt of `group` its next unit (all of one length) after its keys and
+        values so far (left-padded to the longest), in one forward."""
+        dev = self.host.device
+        rows = group + [group[0]] * self._fill(len(group))
+        past = max(p.length for p in rows)
+        pad_starts = [past - p.length for p in rows]
+        ids = torch.tensor([p.prompt[slice(*p.todo[0])] for p in rows], dtype=torch.long)
+        size = ids.shape[1]
+        mask = torch.ones((len(rows), past + size), dtype=torch.long)
+        for r, pad in enumerate(pad_starts):
+            mask[r, :pad] = 0
+        positions = torch.tensor([[p.length + j for j in range(size)] for p in rows])
+        if past == 0:
+            cache = DynamicCache(config=self.host.model.config)
+        else:
+            cache = DynamicCache(_stacked(rows, past))
+        logits = self._forward(ids.to(dev), mask.to(dev), positions.to(dev), cache, pad_starts)
+        layers = [kv(layer) for layer in cache.layers]
+        for r, p in enumerate(group):
+            p.layers = [(k[r, :, pad_starts[r] :], v[r, :, pad_starts[r] :]) for k, v in layers]
+            p.length += size
+            p.todo.pop(0)
+            p.logits = logits[r]
 
     def _step(self, batch: Batch) -> None:
         """Feed every row its last token and sample the next one."""

@@ -63,6 +63,7 @@ from grail.inference.builtin.lora import (
     is_adapter_dir,
     read_adapter,
 )
+from grail.inference.builtin.prefix_cache import PrefixCache, check_spans
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.sequences import (
     EngineStopped,
@@ -91,6 +92,15 @@ def _eos_ids(tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes in the KV cache of a model with `config`."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    size = torch.empty((), dtype=dtype).element_size()
+    return int(config.num_hidden_layers * 2 * kv_heads * head_dim * size)
+
+
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """float32 on CPU and bfloat16 on CUDA unless ``name`` says otherwise."""
     if name is None:
@@ -117,6 +127,7 @@ class Engine:
         max_model_len: int | None = None,
         lora_dir: str | Path | None = None,
         decode: str | None = None,
+        prefix_cache_mb: float = 1024.0,
     ) -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
@@ -127,6 +138,8 @@ class Engine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
+        if not prefix_cache_mb >= 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (0: off), got {prefix_cache_mb}")
         self.dtype = resolve_dtype(dtype, self.device)
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -183,6 +196,14 @@ class Engine:
                 self.batch_invariant = True
                 self.group_attention = group_attention_ok(self.model, self.device, self.dtype)
 
+        # Only where a hit and a miss give the same numbers (`prefix_cache`): batch-invariant
+        # eager decoding. Without memory for it (0 MB) continued prompts are replayed, so that
+        # the numbers never depend on the cache.
+        self.prefix_cache: PrefixCache | None = None
+        if self.batch_invariant:
+            per_token = _kv_bytes_per_token(config, self.dtype)
+            self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20 // per_token))
+
         self._queue = WorkQueue()
         self._eager = EagerDecoder(
             self,
@@ -190,6 +211,7 @@ class Engine:
             batch_invariant=self.batch_invariant,
             group_attention=self.group_attention,
             continuous=self.continuous,
+            prefix_cache=self.prefix_cache,
         )
         self._static: StaticDecoder | None = None
         if self.decode_mode != "eager":
@@ -298,25 +320,35 @@ class Engine:
         n: int = 1,
         seed: int | None = None,
         seeds: Sequence[int] | None = None,
+        spans: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> list[concurrent.futures.Future[SequenceOutput]]:
         """Queue ``n`` samples of each prompt at once, prompt-major; sample ``i`` of every prompt
         is seeded with ``seed + i`` (as vLLM does for a batch of prompts), or, given ``seeds``
         (one per prompt, not with ``seed``), sample ``i`` of prompt ``p`` with ``seeds[p] + i``.
         Queued atomically, so the samples of one request are prefilled together when they fit
-        in ``max_batch_size``."""
+        in ``max_batch_size``. ``spans``, one list per prompt: the [start, end) positions of
+        its tokens that were sampled (`prefix_cache`): the prompt is computed in their units,
+        from a cached prefix when there is one (the same numbers, sooner); ignored where the
+        engine is not batch-invariant."""
         if seeds is not None and (seed is not None or len(seeds) != len(prompts)):
             raise ValueError("seeds needs one seed per prompt, and no seed")
+        if spans is not None and len(spans) != len(prompts):
+            raise ValueError(f"spans needs one list per prompt: {len(spans)} for {len(prompts)}")
+        sampled = [
+            check_spans(s, len(p)) if self.prefix_cache is not None else ()
+            for p, s in zip(prompts, spans or [[]] * len(prompts), strict=True)
+        ]
         if not self.alive:
             raise EngineStopped("the engine is not running")
         seqs = []
         if seeds is None:
             seeds = [secrets.randbits(62) if seed is None else seed for _ in prompts]
-        for prompt, base in zip(prompts, seeds, strict=True):
+        for prompt, base, spans_p in zip(prompts, seeds, sampled, strict=True):
             for i in range(n):
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed((base + i) % (2**64))
                 future: concurrent.futures.Future[SequenceOutput] = concurrent.futures.Future()
-                seqs.append(_Sequence(tuple(prompt), params, generator, future))
+                seqs.append(_Sequence(tuple(prompt), params, generator, future, spans_p))
         self._queue.put_sequences(seqs)
         return [s.future for s in seqs]
 
@@ -371,6 +403,12 @@ class Engine:
             f"loaded {len(tensors)} {what} in {seconds:.2f} s; weight_version={self.weight_version}"
         )
 
+    def clear_prefix_cache(self) -> None:
+        """Empty the prefix cache, on the worker between batches (as after a weight update)."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._queue.put_control(_Control(lambda: None, future))
+        future.result()
+
     # ---------------------------------------------------------------- the decoders' host
 
     def take(self, limit: int) -> list[_Sequence]:
@@ -396,6 +434,8 @@ class Engine:
                     work.future.set_exception(exc)
                 if self._static is not None:
                     self._static.weights_changed()
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()  # keys and values of the old weights
                 continue
             admitted: list[_Sequence] = []
             try:

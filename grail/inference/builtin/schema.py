@@ -44,6 +44,8 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | _Ids | _Texts | Annotated[list[_Ids], Field(fail_fast=True)]
     seeds: _Ids | None = None  # extension: one seed per prompt (see the module docstring)
+    # extension: per prompt, the [start, end) spans of its tokens that were sampled (`app`)
+    sampled_spans: Annotated[list[list[_Ids]], Field(fail_fast=True)] | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None

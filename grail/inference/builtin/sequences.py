@@ -37,6 +37,8 @@ class _Sequence:
     params: SamplingParams
     generator: torch.Generator
     future: concurrent.futures.Future[SequenceOutput]
+    # The prompt's sampled spans (`prefix_cache`): () for a plain prompt, one chunk.
+    spans: tuple[tuple[int, int], ...] = ()
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -113,6 +113,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "same without graphs), eager (default on CPU; the only batch-invariant one)",
     )
     parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=1024.0,
+        help="memory for the keys and values of finished sequences, which a request that "
+        "continues one (an episode's next turn, sent with sampled_spans) reuses bit for bit; "
+        "batch-invariant decoding only; 0 keeps nothing: such requests are computed again, to "
+        "the same numbers (default: 1024)",
+    )
+    parser.add_argument(
         "--reproducible",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -233,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             lora_dir=args.lora_dir,
             decode=args.decode,
+            prefix_cache_mb=args.prefix_cache_mb,
         )
     except (OSError, ValueError, RuntimeError) as exc:
         hint = " (--model takes an HF model directory or 'tiny')" if not model_dir.is_dir() else ""

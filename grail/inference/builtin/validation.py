@@ -10,6 +10,7 @@ from typing import Any
 
 from grail.core.http_api import APIError
 from grail.inference.builtin.engine import Engine
+from grail.inference.builtin.prefix_cache import Span, check_spans
 from grail.inference.builtin.sampling import SamplingParams
 from grail.inference.builtin.schema import CompletionRequest, SamplingRequest
 
@@ -142,6 +143,25 @@ def check_seeds(req: CompletionRequest, prompts: int) -> None:
             "send one seed per prompt",
             param="seeds",
         )
+
+
+def sampled_spans(req: CompletionRequest, prompts: list[list[int]]) -> list[list[Span]] | None:
+    """The request's `sampled_spans`, checked against its prompts (400 naming the field)."""
+    if req.sampled_spans is None:
+        return None
+    if len(req.sampled_spans) != len(prompts):
+        raise APIError(
+            f"sampled_spans has {len(req.sampled_spans)} entries but the request has "
+            f"{len(prompts)} prompt(s): send one list of spans per prompt",
+            param="sampled_spans",
+        )
+    checked = []
+    for p, (spans, prompt) in enumerate(zip(req.sampled_spans, prompts, strict=True)):
+        try:
+            checked.append(list(check_spans(spans, len(prompt))))
+        except ValueError as exc:
+            raise APIError(f"sampled_spans of prompt {p}: {exc}", param="sampled_spans") from None
+    return checked
 
 
 def check_context(prompt: Sequence[int], max_tokens: int, engine: Engine) -> None:
