@@ -74,6 +74,7 @@ class TurnsClient:
         sampling: SamplingParams,
         seeds: Sequence[int],
         on_done: Callable[[int], None] | None = None,
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,  # for a prefix cache: unused
     ) -> list[list[Completion]]:
         return list(
             await asyncio.gather(

@@ -241,11 +241,17 @@ class TurnBatcher:
     async def _send(self, key: tuple[SamplingParams, int | None], batch: list[_Turn]) -> None:
         sampling, server = key
         prompts, seeds = [t.prompt for t in batch], [t.seed for t in batch]
-        spans = [t.spans for t in batch]
+        # Only with generation.prefix_cache: a client of the Completer protocol written before
+        # spans existed keeps working without it.
+        spans = [t.spans for t in batch] if any(t.spans for t in batch) else None
         answered: Sequence[int | None]
         try:
             if self._fleet is None:
-                results = await self.client.complete_many(prompts, 1, sampling, seeds, spans=spans)
+                results = await (
+                    self.client.complete_many(prompts, 1, sampling, seeds)
+                    if spans is None
+                    else self.client.complete_many(prompts, 1, sampling, seeds, spans=spans)
+                )
                 answered = [None] * len(batch)
             else:
                 results, answered = await self._fleet.complete_on(
