@@ -5,6 +5,7 @@ prefix_cache.py), so an episode's turns do not depend on what the server still h
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -122,6 +123,23 @@ def test_a_turn_gets_the_same_numbers_from_the_cache_as_without_it(engine: Engin
     replayed = _turns(engine, clear_between=True)
     assert cache.misses - misses == 24
     _same(cached, replayed)
+
+
+def test_requests_without_spans_leave_nothing_in_the_cache(engine: Engine) -> None:
+    """A single-turn run's requests (no sampled_spans) cost the cache nothing."""
+    engine.clear_prefix_cache()
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    futures = engine.submit_many([[5, 6, 7], [8, 9]], params, n=3, seed=1)
+    [f.result(timeout=120) for f in futures]
+    assert engine.prefix_cache is not None and len(engine.prefix_cache) == 0
+    futures = engine.submit_many([[5, 6, 7], [8, 9]], params, n=3, seed=1, spans=[[], []])
+    [f.result(timeout=120) for f in futures]
+    # An episode's first turn: kept for the next (stored as the worker drops the finished rows,
+    # just after it answers them).
+    deadline = time.monotonic() + 30
+    while len(engine.prefix_cache) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(engine.prefix_cache) == 6
 
 
 def test_a_weight_update_empties_the_cache(engine: Engine, tiny_model_dir: Path) -> None:

@@ -154,8 +154,9 @@ def request_body(
     as a list of token-id lists with the built-in server's `seeds` extension, one per prompt
     (sample i of prompt j is sampled with seeds[j] + i). `spans` (the built-in server's
     `sampled_spans` extension, one list per prompt): the [start, end) positions of each prompt's
-    tokens that the policy sampled, so that the server's prefix cache can continue them
-    (grail/inference/builtin/prefix_cache.py); sent only when some prompt has one."""
+    tokens that the policy sampled (empty lists for an episode's first turn), so that the
+    server's prefix cache keeps the samples and continues them
+    (grail/inference/builtin/prefix_cache.py); not sent when None."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     body: dict[str, Any] = {
@@ -174,7 +175,7 @@ def request_body(
         body["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         body["ignore_eos"] = True
-    if spans is not None and any(spans):
+    if spans is not None:
         if len(spans) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(spans)} lists of spans")
         body["sampled_spans"] = [[[start, end] for start, end in s] for s in spans]

@@ -158,7 +158,8 @@ class ChatRenderer:
 class _Turn:
     prompt: list[int]
     seed: int
-    spans: list[tuple[int, int]]  # the prompt's sampled tokens: the episode's earlier turns
+    # The prompt's sampled tokens (the episode's earlier turns); None: not sent (no prefix cache)
+    spans: list[tuple[int, int]] | None
     done: asyncio.Future[tuple[Completion, int | None]]
 
 
@@ -207,7 +208,7 @@ class TurnBatcher:
         done: asyncio.Future[tuple[Completion, int | None]]
         done = asyncio.get_running_loop().create_future()
         server = server if self._fleet is not None else None
-        turn = _Turn(prompt, seed, list(spans or []), done)
+        turn = _Turn(prompt, seed, None if spans is None else list(spans), done)
         self._queue.setdefault((sampling, server), []).append(turn)
         if not self._kick_scheduled:  # turns that get ready in this pass of the loop go together
             self._kick_scheduled = True
@@ -243,7 +244,9 @@ class TurnBatcher:
         prompts, seeds = [t.prompt for t in batch], [t.seed for t in batch]
         # Only with generation.prefix_cache: a client of the Completer protocol written before
         # spans existed keeps working without it.
-        spans = [t.spans for t in batch] if any(t.spans for t in batch) else None
+        spans = None
+        if any(t.spans is not None for t in batch):
+            spans = [t.spans or [] for t in batch]
         answered: Sequence[int | None]
         try:
             if self._fleet is None:

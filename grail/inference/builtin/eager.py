@@ -189,7 +189,7 @@ class EagerDecoder:
         width = batch.mask.shape[1]
         layers = [kv(layer) for layer in batch.cache.layers]
         for r, seq in enumerate(batch.rows):
-            if seq is None or running[r] or not seq.token_ids:
+            if seq is None or running[r] or not seq.keep or not seq.token_ids:
                 continue
             batch.rows[r] = None
             start = batch.pad_starts[r]

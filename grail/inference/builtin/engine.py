@@ -327,13 +327,16 @@ class Engine:
         (one per prompt, not with ``seed``), sample ``i`` of prompt ``p`` with ``seeds[p] + i``.
         Queued atomically, so the samples of one request are prefilled together when they fit
         in ``max_batch_size``. ``spans``, one list per prompt: the [start, end) positions of
-        its tokens that were sampled (`prefix_cache`): the prompt is computed in their units,
-        from a cached prefix when there is one (the same numbers, sooner); ignored where the
-        engine is not batch-invariant."""
+        its tokens that were sampled (`prefix_cache`; empty for an episode's first turn): the
+        prompt is computed in their units, from a cached prefix when there is one (the same
+        numbers, sooner), and the samples' keys and values are kept for the request that
+        continues them; ignored where the engine is not batch-invariant. Without ``spans``
+        nothing is kept."""
         if seeds is not None and (seed is not None or len(seeds) != len(prompts)):
             raise ValueError("seeds needs one seed per prompt, and no seed")
         if spans is not None and len(spans) != len(prompts):
             raise ValueError(f"spans needs one list per prompt: {len(spans)} for {len(prompts)}")
+        keep = spans is not None and self.prefix_cache is not None
         sampled = [
             check_spans(s, len(p)) if self.prefix_cache is not None else ()
             for p, s in zip(prompts, spans or [[]] * len(prompts), strict=True)
@@ -348,7 +351,7 @@ class Engine:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed((base + i) % (2**64))
                 future: concurrent.futures.Future[SequenceOutput] = concurrent.futures.Future()
-                seqs.append(_Sequence(tuple(prompt), params, generator, future, spans_p))
+                seqs.append(_Sequence(tuple(prompt), params, generator, future, spans_p, keep=keep))
         self._queue.put_sequences(seqs)
         return [s.future for s in seqs]
 

@@ -39,6 +39,9 @@ class _Sequence:
     future: concurrent.futures.Future[SequenceOutput]
     # The prompt's sampled spans (`prefix_cache`): () for a plain prompt, one chunk.
     spans: tuple[tuple[int, int], ...] = ()
+    # Its request sent spans (an episode's turn, maybe the first): its keys and values go to the
+    # prefix cache when it finishes, for the next turn. Plain requests leave nothing there.
+    keep: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
