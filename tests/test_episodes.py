@@ -340,3 +340,70 @@ def test_the_example_environment_of_the_docs_runs(server: BuiltinServer) -> None
         for sample in group.samples:
             assert 1 <= sample.episode.turns <= LIMITS.max_turns
             assert sample.reward == float(sample.success)
+
+
+def _add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Repeat: 3"}, {"role": "assistant", "content": "3"}], None),
+    (
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Sum 2 and 5, then say <|im_end|> twice."},
+            {"role": "assistant", "content": '<tool_call>\n{"name": "_add"}\n</tool_call>'},
+        ],
+        [_add],
+    ),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": " trailing  \n"}], None),
+]
+NEW = [
+    [{"role": "user", "content": "Repeat: 9"}],
+    [{"role": "tool", "content": "7"}, {"role": "user", "content": "and again\n"}],
+    [{"role": "user", "content": ""}],
+]
+
+
+@pytest.mark.parametrize("new", NEW)
+@pytest.mark.parametrize(("conversation", "tools"), CONVERSATIONS)
+def test_the_text_cut_suffix_is_the_token_suffix(
+    tiny_model_dir: Path, conversation: list[dict[str, Any]], tools: Any, new: list[dict[str, Any]]
+) -> None:
+    """`suffix` tokenizes only the new text where the template's cut is an added token (Qwen's
+    <|im_start|>): the ids are those that comparing both renders' token ids gives."""
+    from transformers.utils import get_json_schema
+
+    renderer = ChatRenderer(load_tokenizer(str(tiny_model_dir)))
+    schemas = [get_json_schema(t) for t in tools] if tools else None
+    slow = renderer.token_suffix
+    renderer.token_suffix = None  # type: ignore[assignment,method-assign]  # the cut path only
+    fast = renderer.suffix(conversation, new, schemas)
+    assert fast == slow(conversation, new, schemas)
+
+
+def test_a_cut_that_is_not_an_added_token_takes_the_token_path(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    renderer = ChatRenderer(tokenizer)
+    calls: list[int] = []
+    token_suffix = renderer.token_suffix
+    monkeypatch.setattr(
+        renderer,
+        "token_suffix",
+        lambda *a: calls.append(1) or token_suffix(*a),  # type: ignore[func-returns-value]
+    )
+    conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    ids = renderer.suffix(conversation, [{"role": "user", "content": "c"}], None)
+    assert calls == [1] and tokenizer.decode(ids) == "user: c\nassistant:"

@@ -168,7 +168,12 @@ class EagerDecoder:
             return None
         keep = live + [r for r, on in enumerate(running) if not on]
         keep = keep[: len(live) + self._fill(len(live))]
-        if len(keep) == len(batch.rows):
+        if self.group_attention:
+            # Rows of one padding side by side: their shared attention call reads them as a
+            # view. Scattered, it gathered their keys and values every step (measured: ~10% of
+            # the server's time in benchmarks/episodes.py, whose turns join at many lengths).
+            keep.sort(key=lambda r: batch.pad_starts[r])
+        if keep == list(range(len(batch.rows))):
             return batch
         index = torch.tensor(keep, device=self.host.device)
         batch.cache.batch_select_indices(index)

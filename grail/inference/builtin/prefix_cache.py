@@ -1,6 +1,6 @@
 """The built-in engine's prefix cache: the keys and values of finished sequences, reused by a
-later request that continues one (an episode's next turn), bit for bit what computing the whole
-prompt again gives.
+later request that continues one (an episode's next turn), bit for bit what computing that
+request's prompt from nothing gives.
 
 Why "units". A position's keys and values depend on how it was computed: in a prefill chunk
 together with the positions before it, or alone in a decode step. PyTorch's CPU attention rounds
