@@ -22,12 +22,8 @@ from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import CompletionClient
 from grail.inference.completions import Completion, SamplingParams
 from grail.models.loading import load_tokenizer
-from grail.rollouts.episodes import (
-    ChatRenderer,
-    EnvironmentFailed,
-    EpisodeLimits,
-    TemplateError,
-)
+from grail.rollouts.chat import ChatRenderer, TemplateError
+from grail.rollouts.episodes import EnvironmentFailed, EpisodeLimits
 from grail.rollouts.generation import RolloutGenerator
 
 LIMITS = EpisodeLimits(max_turns=8, max_tokens=4096, step_timeout_s=10.0)

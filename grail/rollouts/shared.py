@@ -50,7 +50,7 @@ from grail.envs.base import Problem
 from grail.envs.episodes import is_episodic, problem_maker, tools_of
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch
-from grail.rollouts.episodes import ChatRenderer
+from grail.rollouts.chat import ChatRenderer
 from grail.rollouts.generation import render_prompt_ids
 
 if TYPE_CHECKING:
