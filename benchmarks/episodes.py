@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from client_overhead import default_prompts, fmt
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     with server:
         client = CompletionClient(server.base_url, "tiny", timeout=600)
 
-        def episodes(prefix_cache: bool) -> RolloutGenerator:
-            return RolloutGenerator(
+        def episode_batches(prefix_cache: bool) -> Callable[[int], Awaitable[None]]:
+            generator = RolloutGenerator(
                 make_env("copy_turns", turns=args.turns),
                 tokenizer,
                 client,
@@ -79,17 +80,15 @@ def main(argv: list[str] | None = None) -> int:
                 prefix_cache=prefix_cache,
             )
 
-        chunked, continued = episodes(False), episodes(True)
+            async def batch(i: int) -> None:
+                out = await generator.generate(
+                    list(range(args.problems)), args.episodes, round_index=i
+                )
+                assert sum(s.num_sampled for s in out.samples) == sampled
 
-        async def chunked_batch(i: int) -> None:
-            batch = await chunked.generate(list(range(args.problems)), args.episodes, round_index=i)
-            assert sum(s.num_sampled for s in batch.samples) == sampled
+            return batch
 
-        async def continued_batch(i: int) -> None:
-            batch = await continued.generate(
-                list(range(args.problems)), args.episodes, round_index=i
-            )
-            assert sum(s.num_sampled for s in batch.samples) == sampled
+        chunked_batch, continued_batch = episode_batches(False), episode_batches(True)
 
         async def single_batch(i: int) -> None:
             seeds = [1000 * i + 17 * j for j in range(len(prompts))]

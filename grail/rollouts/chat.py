@@ -49,14 +49,12 @@ class ChatRenderer:
         tools: Sequence[Mapping[str, Any]] | None,
         generation_prompt: bool,
     ) -> list[int]:
-        return _ids(
-            self.tokenizer.apply_chat_template(
-                list(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=generation_prompt,
-                tokenize=True,
-            )
-        )
+        # What apply_chat_template(tokenize=True) does: the text, tokenized without adding
+        # special tokens again. Written out so that `suffix`'s cut path tokenizes as this does.
+        return self._encode(self.text(messages, tools, generation_prompt))
+
+    def _encode(self, text: str) -> list[int]:
+        return _ids(self.tokenizer(text, add_special_tokens=False))
 
     def _closing_ids(self) -> list[int]:
         """What the template writes after an assistant message's content (Qwen: <|im_end|>\\n)."""
@@ -67,7 +65,7 @@ class ChatRenderer:
         if _SENTINEL not in text:
             raise TemplateError("the chat template does not render an assistant message's content")
         closing = text[text.rindex(_SENTINEL) + len(_SENTINEL) :]
-        return _ids(self.tokenizer(closing, add_special_tokens=False))
+        return self._encode(closing)
 
     def glue(self, sampled: Sequence[int]) -> list[int]:
         """The closing tokens the policy did not sample: those after its end-of-turn token, or
@@ -114,7 +112,7 @@ class ChatRenderer:
         if after.startswith(before) and after.startswith(self._cuts, cut):
             tail = before[max(0, cut - self._longest_cut + 1) :]
             if not any(tail[i:] in self._cut_prefixes for i in range(len(tail))):
-                return _ids(self.tokenizer(after[cut:], add_special_tokens=False))
+                return self._encode(after[cut:])
         return self.token_suffix(conversation, new, tools)
 
     def token_suffix(

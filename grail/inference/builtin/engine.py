@@ -54,6 +54,7 @@ from grail.inference.builtin.eager import EagerDecoder
 from grail.inference.builtin.invariance import (
     ROWWISE_ATTENTION,
     group_attention_ok,
+    head_layout,
     linear_row_quantum,
 )
 from grail.inference.builtin.lora import (
@@ -94,9 +95,7 @@ def _eos_ids(tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
 
 def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Bytes of keys and values one token takes in the KV cache of a model with `config`."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    _, kv_heads, head_dim = head_layout(config)
     size = torch.empty((), dtype=dtype).element_size()
     return int(config.num_hidden_layers * 2 * kv_heads * head_dim * size)
 
@@ -139,7 +138,9 @@ class Engine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
         if not prefix_cache_mb >= 0:
-            raise ValueError(f"prefix_cache_mb must be >= 0 (0: off), got {prefix_cache_mb}")
+            raise ValueError(
+                f"prefix_cache_mb must be >= 0 (0: keep nothing), got {prefix_cache_mb}"
+            )
         self.dtype = resolve_dtype(dtype, self.device)
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

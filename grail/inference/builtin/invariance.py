@@ -216,13 +216,17 @@ def linear_row_quantum(
     return None
 
 
+def head_layout(config: Any) -> tuple[int, int, int]:
+    """A causal LM config's (attention heads, key/value heads, head dimension)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, head_dim
+
+
 def group_attention_ok(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether rows of equal padding may share one attention call for this model's head layout
     (`attention_batch_invariant` on its heads; False where the config does not say)."""
-    config = model.config
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads:
+    if not getattr(model.config, "num_attention_heads", None):
         return False
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return attention_batch_invariant(heads, kv_heads, head_dim, dtype, device)
+    return attention_batch_invariant(*head_layout(model.config), dtype, device)

@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from grail.inference.builtin.invariance import head_layout
 from grail.inference.builtin.sampling import draw_rows
 
 SLOT_ATTENTION = "grail_slots"
@@ -137,9 +138,7 @@ class SlotState:
         cls, config: Any, capacity: Capacity, device: torch.device, dtype: torch.dtype
     ) -> SlotState:
         layers = config.num_hidden_layers
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _, kv_heads, head_dim = head_layout(config)
         c = capacity
         kv = (c.rows, kv_heads, c.slots, head_dim)
 
