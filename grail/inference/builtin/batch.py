@@ -40,8 +40,32 @@ class RoomyLayer(DynamicLayer):
     """A `DynamicLayer` that appends a step's keys and values into spare room after them instead
     of concatenating: `torch.cat` copied the whole cache every decode step, ~17% of the built-in
     server's time in benchmarks/episodes.py (py-spy, 32-token turns). `keys` and `values` are
-    views of the first tokens of larger tensors, so not contiguous; the row-wise attention
-    copies what it reads into contiguous tensors anyway, so it sees the same numbers."""
+    views of the first tokens of larger tensors (`_room`), so not contiguous; the row-wise
+    attention reads them where they lie only where its start-up probe found that gives the
+    numbers contiguous copies give (`invariance._attend_rows`)."""
+
+    _room: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> RoomyLayer:
+        """A layer holding the first `length` positions of `keys` and `values`, the rest room.
+        (`DynamicCache(layers)` copied each layer once, by concatenating it to an empty
+        tensor, and the next step copied it again to make room.)"""
+        layer = cls()
+        layer.lazy_initialization(keys, values)
+        layer._room = (keys, values)
+        layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
+        return layer
+
+    def _has_room(self) -> bool:
+        room = self._room
+        return (
+            room is not None
+            and self.keys is not None
+            and self.values is not None
+            and _starts(self.keys, room[0])
+            and _starts(self.values, room[1])
+        )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -55,20 +79,39 @@ class RoomyLayer(DynamicLayer):
         ):
             return super().update(key_states, value_states, *args, **kwargs)
         length, new = old_keys.shape[-2], key_states.shape[-2]
-        room: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_room", None)
-        if (
-            room is None
-            or not (_starts(old_keys, room[0]) and _starts(old_values, room[1]))
-            or length + new > room[0].shape[-2]
-        ):  # first step, or the cache was replaced (rows selected, batches merged), or full
-            size = length + new + max(32, (length + new) // 2)
-            room = (_with_room(old_keys, size), _with_room(old_values, size))
-            self._room = room
-        keys, values = room
+        if not self._has_room() or length + new > self._room[0].shape[-2]:  # type: ignore[index]
+            # first step, or the cache was replaced (rows selected, batches merged), or full
+            size = room_for(length + new)
+            self._room = (_with_room(old_keys, size), _with_room(old_values, size))
+        keys, values = self._room  # type: ignore[misc]
         keys[:, :, length : length + new] = key_states
         values[:, :, length : length + new] = value_states
         self.keys, self.values = keys[:, :, : length + new], values[:, :, : length + new]
         return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices`, room and all: one copy (selecting the keys alone copied them,
+        and the next step copied them again to make room)."""
+        if not self._has_room():
+            super().batch_select_indices(indices)
+            return
+        length = self.keys.shape[-2]  # type: ignore[union-attr]
+        keys, values = self._room  # type: ignore[misc]
+        self._room = (keys[indices], values[indices])
+        self.keys, self.values = self._room[0][:, :, :length], self._room[1][:, :, :length]
+
+
+def room_for(length: int) -> int:
+    """Positions to allocate for a cache of `length` tokens that grows a token a step: half as
+    many again, at least 32 more."""
+    return length + max(32, length // 2)
+
+
+def roomy_cache(layers: list[RoomyLayer]) -> DynamicCache:
+    """A cache of these layers, as they are."""
+    cache = DynamicCache()
+    cache.layers = list(layers)
+    return cache
 
 
 def _starts(view: torch.Tensor, whole: torch.Tensor) -> bool:
@@ -93,38 +136,24 @@ def roomy(cache: DynamicCache) -> None:
             layer.__class__ = RoomyLayer
 
 
-def left_pad(batch: Batch, extra: int) -> Batch:
-    """The same rows with ``extra`` more (masked) padding positions on the left."""
-    layers = [
-        (F.pad(keys, (0, 0, extra, 0)), F.pad(values, (0, 0, extra, 0)))
-        for keys, values in map(kv, batch.cache.layers)
-    ]
-    return Batch(
-        rows=batch.rows,
-        cache=DynamicCache(layers),
-        mask=F.pad(batch.mask, (extra, 0)),
-        pad_starts=[p + extra for p in batch.pad_starts],
-        next_pos=batch.next_pos,
-        tokens=batch.tokens,
-    )
-
-
 def merge(a: Batch, b: Batch) -> Batch:
-    """One batch holding the rows of ``a`` then ``b``, left-padded to a common length."""
+    """One batch holding the rows of ``a`` then ``b``, left-padded to a common length: each
+    layer one copy, into a tensor with room to grow (`RoomyLayer`)."""
     width = max(a.mask.shape[1], b.mask.shape[1])
-    if a.mask.shape[1] < width:
-        a = left_pad(a, width - a.mask.shape[1])
-    if b.mask.shape[1] < width:
-        b = left_pad(b, width - b.mask.shape[1])
-    layers = [
-        (torch.cat([ka, kb]), torch.cat([va, vb]))
-        for (ka, va), (kb, vb) in zip(map(kv, a.cache.layers), map(kv, b.cache.layers), strict=True)
-    ]
+    layers = []
+    for (ka, va), (kb, vb) in zip(map(kv, a.cache.layers), map(kv, b.cache.layers), strict=True):
+        shape = (len(a.rows) + len(b.rows), ka.shape[1], room_for(width), ka.shape[-1])
+        keys, values = ka.new_zeros(shape), va.new_zeros(shape)
+        for rows, k, v in ((slice(0, len(a.rows)), ka, va), (slice(len(a.rows), None), kb, vb)):
+            keys[rows, :, width - k.shape[-2] : width] = k
+            values[rows, :, width - v.shape[-2] : width] = v
+        layers.append(RoomyLayer.over(keys, values, width))
+    extra_a, extra_b = width - a.mask.shape[1], width - b.mask.shape[1]
     return Batch(
         rows=a.rows + b.rows,
-        cache=DynamicCache(layers),
-        mask=torch.cat([a.mask, b.mask]),
-        pad_starts=a.pad_starts + b.pad_starts,
+        cache=roomy_cache(layers),
+        mask=torch.cat([F.pad(a.mask, (extra_a, 0)), F.pad(b.mask, (extra_b, 0))]),
+        pad_starts=[p + extra_a for p in a.pad_starts] + [p + extra_b for p in b.pad_starts],
         next_pos=a.next_pos + b.next_pos,
         tokens=a.tokens + b.tokens,
     )

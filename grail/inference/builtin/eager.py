@@ -20,10 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
-from grail.inference.builtin.batch import Batch, kv, merge
+from grail.inference.builtin.batch import (
+    Batch,
+    RoomyLayer,
+    kv,
+    merge,
+    room_for,
+    roomy,
+    roomy_cache,
+)
 from grail.inference.builtin.host import DecodeHost
 from grail.inference.builtin.prefix_cache import LayerKV, PrefixCache, Span, units
 from grail.inference.builtin.sampling import SamplingParams, draw
@@ -42,15 +49,24 @@ class _Partial:
     logits: torch.Tensor | None = None
 
 
-def _stacked(parts: list[_Partial], width: int) -> list[LayerKV]:
-    """The keys and values of `parts` left-padded to `width` tokens, one batch row each."""
-    return [
-        (
-            torch.stack([F.pad(p.layers[layer][0], (0, 0, width - p.length, 0)) for p in parts]),
-            torch.stack([F.pad(p.layers[layer][1], (0, 0, width - p.length, 0)) for p in parts]),
-        )
-        for layer in range(len(parts[0].layers))
-    ]
+def _stacked(
+    parts: list[_Partial], width: int, index: list[int] | None = None, room: int = 0
+) -> list[RoomyLayer]:
+    """The keys and values of `parts` left-padded to `width` tokens, row r holding part
+    `index[r]` (default: one row each), each layer one tensor with `room` positions to grow:
+    one copy (padding, stacking and selecting rows copied them three times)."""
+    index = list(range(len(parts))) if index is None else index
+    out = []
+    for layer in range(len(parts[0].layers)):
+        k0 = parts[0].layers[layer][0]
+        shape = (len(index), k0.shape[0], width + room, k0.shape[-1])
+        keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
+        for r, i in enumerate(index):
+            part = parts[i]
+            keys[r, :, width - part.length : width] = part.layers[layer][0]
+            values[r, :, width - part.length : width] = part.layers[layer][1]
+        out.append(RoomyLayer.over(keys, values, width))
+    return out
 
 
 class EagerDecoder:
@@ -192,6 +208,11 @@ class EagerDecoder:
         them fillers (a finished row stays in the batch while the row quantum needs it)."""
         assert self.prefix_cache is not None
         width = batch.mask.shape[1]
+        # Views of the batch's keys and values, not copies (a clone per row and layer was ~1k
+        # small copies at the end of a 256-episode turn, a gather per layer no faster): no step
+        # writes where a finished row's tokens lie (`RoomyLayer` appends after them; selecting
+        # or merging rows makes new tensors), so the views keep what they hold. The batch's
+        # tensors live until their last entry is evicted.
         layers = [kv(layer) for layer in batch.cache.layers]
         for r, seq in enumerate(batch.rows):
             if seq is None or running[r] or not seq.keep or not seq.token_ids:
@@ -203,7 +224,7 @@ class EagerDecoder:
                 continue
             prompt = len(seq.prompt)
             spans = (*seq.spans, (prompt, prompt + len(seq.token_ids)))
-            kept = [(k[r, :, start:].clone(), v[r, :, start:].clone()) for k, v in layers]
+            kept = [(k[r, :, start:], v[r, :, start:]) for k, v in layers]
             self.prefix_cache.store(tokens, spans, kept)
 
     def _prefill_units(self, seqs: list[_Sequence]) -> Batch:
@@ -233,7 +254,7 @@ class EagerDecoder:
         index = [keys[(s.prompt, s.spans)] for s in seqs]
         index += [0] * self._fill(len(index))
         select = torch.tensor(index, device=self.host.device)
-        layers = [(k[select], v[select]) for k, v in _stacked(partial, width)]
+        layers = _stacked(partial, width, index, room_for(width) - width)
         mask = torch.zeros((len(partial), width), dtype=torch.long, device=self.host.device)
         for i, p in enumerate(partial):
             mask[i, width - p.length :] = 1
@@ -245,7 +266,7 @@ class EagerDecoder:
         tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
         return Batch(
             rows=rows,
-            cache=DynamicCache(layers),
+            cache=roomy_cache(layers),
             mask=mask[select],
             pad_starts=[width - partial[i].length for i in index],
             next_pos=[partial[i].length for i in index],
@@ -268,7 +289,7 @@ class EagerDecoder:
         if past == 0:
             cache = DynamicCache(config=self.host.model.config)
         else:
-            cache = DynamicCache(_stacked(rows, past))
+            cache = roomy_cache(_stacked(rows, past, room=size))
         logits = self._forward(ids.to(dev), mask.to(dev), positions.to(dev), cache, pad_starts)
         layers = [kv(layer) for layer in cache.layers]
         for r, p in enumerate(group):
@@ -280,6 +301,8 @@ class EagerDecoder:
     def _step(self, batch: Batch) -> None:
         """Feed every row its last token and sample the next one."""
         dev = self.host.device
+        if self.batch_invariant:  # its row-wise attention reads the room's views (RoomyLayer)
+            roomy(batch.cache)
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.rows), 1)], dim=1)
         step_ids = torch.tensor(batch.tokens, device=dev).unsqueeze(1)
         step_pos = torch.tensor(batch.next_pos, device=dev).unsqueeze(1)

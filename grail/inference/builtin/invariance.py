@@ -101,7 +101,7 @@ def _rowwise_attention(
     gqa = key.shape[1] != heads
     with one_thread(query.device):
         for start, rows in _row_groups(starts, grail_group_rows):
-            _attend_rows(query, key, value, out, start, rows, scaling, gqa)
+            _attend_rows(query, key, value, out, start, rows, scaling, gqa, grail_group_rows)
     return out, None
 
 
@@ -114,8 +114,13 @@ def _attend_rows(
     rows: list[int],
     scaling: float | None,
     gqa: bool,
+    views: bool = False,
 ) -> None:
-    """Rows `rows` (equal padding `start`) of the batch attend over their own keys into `out`."""
+    """Rows `rows` (equal padding `start`) of the batch attend over their own keys into `out`.
+    `views`: the keys and values are read where they lie (a view of the cache's room), not
+    copied first; only where `attention_batch_invariant` found the kernel's results on such
+    views equal to those on contiguous copies. The copies were ~a quarter of a decode step
+    (py-spy, benchmarks/episodes.py)."""
     q_len, k_len = query.shape[2], key.shape[2]
     q_start = max(0, start - (k_len - q_len))
     sel: slice | torch.Tensor = slice(rows[0], rows[-1] + 1)  # a run of rows: views
@@ -123,8 +128,9 @@ def _attend_rows(
         sel = torch.tensor(rows, device=query.device)  # scattered rows: gathered
     q, k, v = query[sel], key[sel], value[sel]
     q = q[:, :, q_start:].contiguous()
-    k = k[:, :, start:].contiguous()
-    v = v[:, :, start:].contiguous()
+    k, v = k[:, :, start:], v[:, :, start:]
+    if not views:
+        k, v = k.contiguous(), v.contiguous()
     n_rows, cols = q.shape[2], k.shape[2]
     if n_rows == 1:
         mask, causal = None, False
@@ -145,17 +151,23 @@ def attention_batch_invariant(
 ) -> bool:
     """Whether ``scaled_dot_product_attention`` gives each row the same result in a batch of rows
     as alone, for this head layout on one thread, as the engine runs it (probed with random
-    inputs on decode, prefill and partial-prefill shapes). A measurement, like
-    ``linear_row_quantum``."""
+    inputs on decode, prefill and partial-prefill shapes): the batch's keys and values as views
+    into larger tensors (the cache's room and padding, `_attend_rows` with `views`), each row
+    alone on contiguous copies. A measurement, like ``linear_row_quantum``."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     gqa = kv_heads != heads
     with torch.inference_mode(), one_thread(device):  # as `_rowwise_attention` runs it
         for q_len, k_len in ((1, 1), (1, 9), (1, 300), (3, 40), (17, 17), (2, 700)):
             for batch in (2, 3, 8, 32):
                 q = torch.randn(batch, heads, q_len, head_dim, generator=generator)
-                k = torch.randn(batch, kv_heads, k_len, head_dim, generator=generator)
-                v = torch.randn(batch, kv_heads, k_len, head_dim, generator=generator)
+                # Keys and values with 3 padding positions before and 5 positions of room after.
+                shape = (batch, kv_heads, k_len + 8, head_dim)
+                k, v = (
+                    torch.randn(*shape, generator=generator),
+                    torch.randn(*shape, generator=generator),
+                )
                 q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+                k, v = k[:, :, 3 : 3 + k_len], v[:, :, 3 : 3 + k_len]
                 mask = None
                 if 1 < q_len < k_len:
                     mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
@@ -168,7 +180,7 @@ def attention_batch_invariant(
                 together = F.scaled_dot_product_attention(q, k, v, **kw)
                 for b in range(batch):
                     alone = F.scaled_dot_product_attention(
-                        q[b : b + 1], k[b : b + 1], v[b : b + 1], **kw
+                        q[b : b + 1], k[b : b + 1].contiguous(), v[b : b + 1].contiguous(), **kw
                     )
                     if not torch.equal(alone[0], together[b]):
                         return False

@@ -24,9 +24,13 @@ it runs with, so a hit and a miss give the same tokens and log-probabilities (te
 without spans is one chunk, as it always was, and never reads the cache.
 
 Entries live until evicted, least recently used first, beyond `capacity_tokens`, and all go when
-the weights change. The units are the engine's whenever it decodes batch-invariantly, cache memory
-or none (``--prefix-cache-mb 0`` replays every continued prompt): a server's numbers never depend
-on its cache. Numbers differ in rounding from the same prompt sent without spans (one chunk).
+the weights change. An entry holds views of the keys and values of the batch its sequence
+finished in (copying them was the engine's largest cost at the end of a turn), so a batch's
+tensors stay until its last entry goes: memory can exceed the entries' own tokens by the batch's
+padding and spare room (up to ~2x). The units are the engine's whenever it decodes
+batch-invariantly, cache memory or none (``--prefix-cache-mb 0`` replays every continued prompt):
+a server's numbers never depend on its cache. Numbers differ in rounding from the same prompt
+sent without spans (one chunk).
 """
 
 from __future__ import annotations

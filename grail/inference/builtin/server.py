@@ -118,6 +118,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1024.0,
         help="memory for the keys and values of finished sequences, which a request that "
         "continues one (an episode's next turn, sent with sampled_spans) reuses bit for bit; "
+        "counted by their tokens (they share their batch's tensors: up to ~2x that in all); "
         "batch-invariant decoding only; 0 keeps nothing: such requests are computed again, to "
         "the same numbers (default: 1024)",
     )
