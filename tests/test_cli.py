@@ -61,7 +61,7 @@ def test_help_says_what_the_program_does_its_groups_and_first_commands() -> None
     assert result.returncode == 0, out
     assert "GRPO" in out and "powered by Hydra" not in out
     # the config groups with their options, from conf/ itself
-    assert "env: copy_digits, copy_turns, countdown, gsm8k, lookup, sat" in out
+    assert "env: copy_digits, copy_turns, countdown, dataset, gsm8k, lookup, math, sat" in out
     assert "generation: builtin, sglang, vllm" in out
     assert "model: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, tiny" in out
     # the three commands a user needs first
@@ -191,7 +191,7 @@ def test_a_plugin_named_like_an_env_component_fails_before_anything_starts(tmp_p
         ),
         (
             ["env=gsm8k", "data.env_kwargs.path=/nonexistent/gsm8k.jsonl"],
-            "GSM8K data file not found: /nonexistent/gsm8k.jsonl",
+            "data file not found: /nonexistent/gsm8k.jsonl",
         ),
         (["model.train_id=/nonexistent/model"], "model.train_id: model path '/nonexistent/model'"),
         (["data.rollouts_per_problem=1"], "data.rollouts_per_problem must be >= 2"),

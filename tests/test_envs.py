@@ -299,22 +299,22 @@ def test_gsm8k_jsonl_holdout_is_a_deterministic_disjoint_partition() -> None:
     train = GSM8KEnv(path=FIXTURE, split="train", holdout_fraction=0.25)
     test = GSM8KEnv(path=FIXTURE, split="test", holdout_fraction=0.25)
     assert len(test) == 4 and len(train) == 12
-    train_q = {r.question for r in train.records}
-    test_q = {r.question for r in test.records}
+    train_q = {r.prompt for r in train.records}
+    test_q = {r.prompt for r in test.records}
     assert not train_q & test_q
-    assert train_q | test_q == {r.question for r in records}
+    assert train_q | test_q == {r.prompt for r in records}
     assert [r.index for r in train.records] == sorted(r.index for r in train.records)
     # Depends on question text, not file order.
     again = GSM8KEnv(path=FIXTURE, split="test", holdout_fraction=0.25)
-    assert [r.question for r in again.records] == [r.question for r in test.records]
+    assert [r.prompt for r in again.records] == [r.prompt for r in test.records]
 
 
 def test_gsm8k_holdout_is_independent_of_file_order(tmp_path: Path) -> None:
     lines = FIXTURE.read_text().splitlines()
     shuffled = tmp_path / "shuffled.jsonl"
     shuffled.write_text("\n".join(reversed(lines)) + "\n")
-    a = {r.question for r in GSM8KEnv(path=FIXTURE, split="test").records}
-    b = {r.question for r in GSM8KEnv(path=shuffled, split="test").records}
+    a = {r.prompt for r in GSM8KEnv(path=FIXTURE, split="test").records}
+    b = {r.prompt for r in GSM8KEnv(path=shuffled, split="test").records}
     assert a == b and len(a) == 2  # round(0.1 * 16)
 
 
@@ -324,7 +324,7 @@ def test_gsm8k_duplicate_questions_stay_on_one_side(tmp_path: Path) -> None:
     dup.write_text("\n".join(lines + lines) + "\n")
     train = GSM8KEnv(path=dup, split="train", holdout_fraction=0.2)
     test = GSM8KEnv(path=dup, split="test", holdout_fraction=0.2)
-    assert not {r.question for r in train.records} & {r.question for r in test.records}
+    assert not {r.prompt for r in train.records} & {r.prompt for r in test.records}
     assert len(train) + len(test) == 32
 
 
@@ -338,7 +338,7 @@ def test_gsm8k_parquet_matches_jsonl(tmp_path: Path) -> None:
 
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([{"question": "q", "solution": "#### 1"}]), bad)
-    with pytest.raises(GSM8KDataError, match=r"missing column\(s\) \['answer'\]"):
+    with pytest.raises(GSM8KDataError, match=r"missing field\(s\) \['answer'\]"):
         load_records(bad)
 
 
@@ -360,11 +360,11 @@ def test_gsm8k_problem_picks_seed_mod_len_with_canonical_answer() -> None:
         p = env.problem(seed)
         rec = env.records[seed % n]
         assert p.seed == seed
-        assert p.prompt_messages[-1] == {"role": "user", "content": rec.question}
+        assert p.prompt_messages[-1] == {"role": "user", "content": rec.prompt}
         assert p.prompt_messages[0]["role"] == "system"
         assert "<answer>" in p.prompt_messages[0]["content"]
         assert p.answer == rec.answer
-        assert p.meta == {"index": rec.index, "split": "train", "solution": rec.solution}
+        assert p.meta == {"index": rec.index, "split": "train", "solution": rec.fields["answer"]}
     answers = {r.answer for r in load_records(FIXTURE)}
     assert {"1250", "13.5", "-2"} <= answers  # "#### 1,250" normalised
     assert GSM8KEnv(path=FIXTURE, system_prompt="").problem(0).prompt_messages[0]["role"] == "user"
@@ -374,8 +374,8 @@ def test_gsm8k_problem_picks_seed_mod_len_with_canonical_answer() -> None:
     ("content", "message"),
     [
         ('{"question": "q", "answer": "#### 3"}\nnot json\n', r"bad\.jsonl:2: invalid JSON"),
-        ('{"question": "q"}\n', r"bad\.jsonl:1: missing key 'answer'"),
-        ('{"question": "q", "answer": "three"}\n', r"does not end with '#### <number>'"),
+        ('{"question": "q"}\n', r"bad\.jsonl:1: missing field\(s\) \['answer'\]"),
+        ('{"question": "q", "answer": "three"}\n', r"does not end with '#### <answer>'"),
         ('{"question": 3, "answer": "#### 3"}\n', "'question' must be a string"),
         ("[1, 2]\n", "expected an object"),
         ("\n\n", "no records"),
@@ -393,8 +393,12 @@ def test_gsm8k_bad_paths_and_options(tmp_path: Path) -> None:
         GSM8KEnv(path=tmp_path / "nope.jsonl")
     csv = tmp_path / "data.csv"
     csv.write_text("question,answer\n")
-    with pytest.raises(GSM8KDataError, match="unknown file type '.csv'"):
+    with pytest.raises(GSM8KDataError, match="data.csv: no records"):
         GSM8KEnv(path=csv)
+    tsv = tmp_path / "data.tsv"
+    tsv.write_text("question\tanswer\n")
+    with pytest.raises(GSM8KDataError, match="unknown file type '.tsv'"):
+        GSM8KEnv(path=tsv)
     with pytest.raises(ValueError, match="split must be 'train' or 'test'"):
         GSM8KEnv(path=FIXTURE, split="validation")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="holdout_fraction must be in"):
@@ -430,7 +434,7 @@ def test_gsm8k_hub_uses_the_datasets_split(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     test = GSM8KEnv(split="test")
     assert calls == [(("openai/gsm8k", "main"), {"split": "test"})]
-    assert [r.question for r in test.records] == [r["question"] for r in rows[:3]]
+    assert [r.prompt for r in test.records] == [r["question"] for r in rows[:3]]
     assert len(GSM8KEnv(split="train")) == 13
 
 

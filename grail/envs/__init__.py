@@ -15,9 +15,11 @@ from typing import Any
 from grail.core.errors import ConfigError, UserError
 from grail.core.validate import closest
 from grail.envs.base import Environment, Problem, Score
+from grail.envs.competition_math import MathEnv
 from grail.envs.copy_digits import CopyDigitsEnv
 from grail.envs.copy_turns import CopyTurnsEnv
 from grail.envs.countdown import CountdownEnv
+from grail.envs.dataset import DatasetEnv
 from grail.envs.episodes import AnyEnvironment
 from grail.envs.gsm8k import GSM8KEnv
 from grail.envs.lookup import LookupEnv
@@ -27,6 +29,10 @@ ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     SATEnv.name: SATEnv,
     CountdownEnv.name: CountdownEnv,
     GSM8KEnv.name: GSM8KEnv,
+    # Any dataset of prompts and answers on disk or on the Hub (grail/envs/dataset.py).
+    DatasetEnv.name: DatasetEnv,
+    # MATH-style problems graded with math-verify: a dataset task with MATH's fields.
+    MathEnv.name: MathEnv,
     # The learnable toy task (the default job's environment, grail/envs/copy_digits.py).
     CopyDigitsEnv.name: CopyDigitsEnv,
     # The same over several turns: the multi-turn episode the tiny model learns on CPU.
@@ -90,8 +96,10 @@ __all__ = [
     "CopyDigitsEnv",
     "CopyTurnsEnv",
     "CountdownEnv",
+    "DatasetEnv",
     "Environment",
     "GSM8KEnv",
+    "MathEnv",
     "Problem",
     "SATEnv",
     "Score",
