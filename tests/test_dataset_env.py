@@ -226,3 +226,33 @@ def test_a_run_trains_on_a_dataset_written_here(tmp_path: Path) -> None:
     evals = sorted((tmp_path / "run" / "metrics").glob("eval_iter_*.json"))
     assert evals, "the held-out rows were evaluated"
     assert all(0.0 <= r["success_rate"] <= 1.0 and "reward_mean" in r for r in records)
+
+
+def test_a_conversational_prompt_is_taken_as_its_messages(tmp_path: Path) -> None:
+    """TRL's dataset format: the prompt field a list of messages ending with the user's."""
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Say {i}."}], "answer": str(i)} for i in range(6)
+    ]
+    rows[0]["prompt"].insert(0, {"role": "system", "content": "Terse."})
+    held_out = _write(
+        tmp_path, [{"prompt": [{"role": "user", "content": "?"}], "answer": "9"}], ".jsonl", "test"
+    )
+    path = _write(tmp_path, rows, ".jsonl")
+    env = make_env("dataset", path=str(path), test_path=str(held_out), system_prompt="Hi.")
+    assert env.problem(3).prompt_messages == [
+        {"role": "system", "content": "Hi."},
+        {"role": "user", "content": "Say 3."},
+    ]
+    # the row's own system message is kept, the configured one not added
+    assert env.problem(0).prompt_messages == rows[0]["prompt"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    parquet = make_env(
+        "dataset", path=str(tmp_path / "chat.parquet"), test_path=str(held_out), system_prompt="Hi."
+    )
+    assert [parquet.problem(s) for s in range(6)] == [env.problem(s) for s in range(6)]
+    bad = [{"prompt": [{"role": "assistant", "content": "x"}], "answer": "1"}] * 2
+    with pytest.raises(DatasetError, match="'prompt' must end with a user message"):
+        make_env("dataset", path=str(_write(tmp_path, bad, ".jsonl", "bad")))
+    bad = [{"prompt": [{"role": "user", "content": 3}], "answer": "1"}] * 2
+    with pytest.raises(DatasetError, match=r"'prompt'\[0\] must be a message"):
+        make_env("dataset", path=str(_write(tmp_path, bad, ".jsonl", "bad2")))

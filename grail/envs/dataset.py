@@ -18,9 +18,11 @@ Splits: `split="train"` or `"test"` (the evaluation takes the test split).
   choice depends on the prompt text only, not on file order.
 `problem(seed)` picks row `seed % len(split)`, in source order.
 
-A row's prompt is its `prompt_field`, or `prompt_template` filled with the row's fields
-(`"Solve: {question}"`); its reference is `answer_field` (the text after the last `answer_after`
-when that is set: GSM8K's `#### 42`), read as the `checker` reads answers (grail/envs/answers.py).
+A row's prompt is its `prompt_field` (text, or a conversation in TRL's format: a list of
+{"role", "content"} messages ending with the user's), or `prompt_template` filled with the row's
+fields (`"Solve: {question}"`); the system prompt goes first unless the conversation has one.
+Its reference is `answer_field` (the text after the last `answer_after` when that is set:
+GSM8K's `#### 42`), read as the `checker` reads answers (grail/envs/answers.py).
 
 Reward (components unweighted):
     correct = 1.0 if the checker accepts the completion's answer, else 0.0
@@ -70,9 +72,11 @@ class HubUnavailableError(UserError, RuntimeError):
 @dataclass(frozen=True)
 class Record:
     index: int  # position in its source (file line order or hub split order)
-    prompt: str  # the user message
+    prompt: str  # the user message (a conversation's messages: their JSON, which splits compare)
     answer: str  # the reference as the checker compares it
     fields: dict[str, Any]  # the row's other fields
+    # A conversational prompt (TRL's format: [{"role": "user", "content": "..."}, ...]), or None
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 def read_rows(path: str | Path) -> list[tuple[str, Any]]:
@@ -222,13 +226,18 @@ class RowReader:
                 f"{where}: missing field(s) {missing} (has {sorted(row)}; "
                 "data.env_kwargs.prompt_field / prompt_template / answer_field name them)"
             )
+        messages = None
         if self.prompt_template is not None:
             prompt = self.prompt_template.format_map({k: row[k] for k in template})
         else:
             prompt = row[self.prompt_field]
-            if not isinstance(prompt, str):
+            if isinstance(prompt, list):
+                messages = _conversation(prompt, f"{where}: {self.prompt_field!r}")
+                prompt = json.dumps(messages, ensure_ascii=False, sort_keys=True)
+            elif not isinstance(prompt, str):
                 raise DatasetError(
-                    f"{where}: {self.prompt_field!r} must be a string, got {type(prompt).__name__}"
+                    f"{where}: {self.prompt_field!r} must be a string or a list of messages, got "
+                    f"{type(prompt).__name__}"
                 )
         answer = row[self.answer_field]
         if isinstance(answer, bool) or not isinstance(answer, str | int | float):
@@ -256,7 +265,26 @@ class RowReader:
             for k, v in row.items()
             if k != self.prompt_field or self.prompt_template is not None
         }
-        return Record(index, prompt, reference, fields)
+        return Record(index, prompt, reference, fields, messages)
+
+
+def _conversation(value: list[Any], what: str) -> tuple[dict[str, str], ...]:
+    """A conversational prompt's messages, each {"role", "content"} with text content."""
+    out = []
+    for i, message in enumerate(value):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise DatasetError(
+                f'{what}[{i}] must be a message {{"role": ..., "content": "text"}}, got '
+                f"{str(message)[:80]}"
+            )
+        out.append({"role": message["role"], "content": message["content"]})
+    if not out or out[-1]["role"] != "user":
+        raise DatasetError(f"{what} must end with a user message")
+    return tuple(out)
 
 
 def _check_disjoint(
@@ -341,10 +369,11 @@ class DatasetEnv:
     def problem(self, seed: int) -> Problem:
         s = check_seed(seed)
         rec = self.records[s % len(self.records)]
+        own = list(rec.messages) if rec.messages else [{"role": "user", "content": rec.prompt}]
         messages = []
-        if self.system_prompt:
+        if self.system_prompt and own[0]["role"] != "system":
             messages.append({"role": "system", "content": self.system_prompt})
-        messages.append({"role": "user", "content": rec.prompt})
+        messages += own
         return Problem(seed=s, prompt_messages=messages, answer=rec.answer, meta=self.meta(rec))
 
     def score(self, problem: Problem, completion: str) -> Score:
