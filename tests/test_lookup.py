@@ -10,11 +10,12 @@ import json
 import re
 import string
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.scripted import Policy, ScriptedPolicy
 from omegaconf import OmegaConf
 
 from grail.envs import make_env
@@ -25,7 +26,7 @@ from grail.envs.lookup import NO_SUCH_KEY, LookupEnv
 from grail.envs.tools import ToolBox, ToolTurn
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import CompletionClient
-from grail.inference.completions import Completion, SamplingParams
+from grail.inference.completions import SamplingParams
 from grail.models.loading import load_tokenizer
 from grail.rollouts.batch import Sample
 from grail.rollouts.episodes import EpisodeLimits
@@ -151,41 +152,6 @@ def test_a_malformed_call_or_unknown_tool_is_a_tool_error_and_the_episode_goes_o
 
 # ---------------------------------------------------------------------------------------------
 # Scripted policies through the turn loop
-
-Policy = Callable[[str], str]
-
-
-class ScriptedPolicy:
-    """A completion client whose "model" is `policy(conversation so far) -> turn text`: the
-    text's tokens are sent back with <|im_end|>, as a server's stopped turn."""
-
-    def __init__(self, tokenizer: Any, policy: Policy) -> None:
-        self.tokenizer, self.policy = tokenizer, policy
-
-    def _one(self, prompt: Sequence[int]) -> Completion:
-        text = self.policy(self.tokenizer.decode(list(prompt)))
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        return Completion(list(ids), [0.0] * len(ids), "stop", text)
-
-    async def complete(
-        self, prompt_ids: Sequence[int], n: int, sampling: SamplingParams, seed: int
-    ) -> list[Completion]:
-        return [self._one(prompt_ids) for _ in range(n)]
-
-    async def complete_many(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingParams,
-        seeds: Sequence[int],
-        on_done: Callable[[int], None] | None = None,
-        spans: Any = None,
-    ) -> list[list[Completion]]:
-        return [await self.complete(p, n, sampling, s) for p, s in zip(prompts, seeds, strict=True)]
-
-    async def aclose(self) -> None:
-        pass
 
 
 def _asked(conversation: str) -> str:

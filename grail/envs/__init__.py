@@ -24,6 +24,7 @@ from grail.envs.episodes import AnyEnvironment
 from grail.envs.gsm8k import GSM8KEnv
 from grail.envs.lookup import LookupEnv
 from grail.envs.sat import SATEnv
+from grail.envs.trl_environment import TRLEnvironment
 
 ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     SATEnv.name: SATEnv,
@@ -33,6 +34,8 @@ ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     DatasetEnv.name: DatasetEnv,
     # MATH-style problems graded with math-verify: a dataset task with MATH's fields.
     MathEnv.name: MathEnv,
+    # A class TRL's GRPOTrainer takes as environment_factory, over a dataset's rows.
+    TRLEnvironment.name: TRLEnvironment,
     # The learnable toy task (the default job's environment, grail/envs/copy_digits.py).
     CopyDigitsEnv.name: CopyDigitsEnv,
     # The same over several turns: the multi-turn episode the tiny model learns on CPU.
@@ -103,6 +106,7 @@ __all__ = [
     "Problem",
     "SATEnv",
     "Score",
+    "TRLEnvironment",
     "check_env_kwargs",
     "env_arguments",
     "env_factory",

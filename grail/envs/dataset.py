@@ -195,12 +195,14 @@ class RowReader:
 
     prompt_field: str = "prompt"
     prompt_template: str | None = None
-    answer_field: str = "answer"
+    answer_field: str | None = "answer"  # None: no reference (checker none)
     answer_after: str | None = None
     checker: Checker = "exact"
 
     def __post_init__(self) -> None:
         require(self.checker)
+        if self.answer_field is None and self.checker != "none":
+            raise ValueError(f"checker {self.checker!r} needs an answer_field to check against")
         if self.prompt_template is not None:
             _template_fields(self.prompt_template)
 
@@ -219,7 +221,10 @@ class RowReader:
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected an object, got {type(row).__name__}")
         template = _template_fields(self.prompt_template) if self.prompt_template else []
-        needed = [self.answer_field, *(template or [self.prompt_field])]
+        needed = [
+            *(template or [self.prompt_field]),
+            *([self.answer_field] if self.answer_field else []),
+        ]
         missing = [name for name in dict.fromkeys(needed) if name not in row]
         if missing:
             raise DatasetError(
@@ -239,6 +244,18 @@ class RowReader:
                     f"{where}: {self.prompt_field!r} must be a string or a list of messages, got "
                     f"{type(prompt).__name__}"
                 )
+        reference = self._reference(row, where)
+        fields = {
+            k: _plain(v)
+            for k, v in row.items()
+            if k != self.prompt_field or self.prompt_template is not None
+        }
+        return Record(index, prompt, reference, fields, messages)
+
+    def _reference(self, row: dict[str, Any], where: str) -> str:
+        """The row's reference answer as the checker compares it ("" without an answer field)."""
+        if self.answer_field is None:
+            return ""
         answer = row[self.answer_field]
         if isinstance(answer, bool) or not isinstance(answer, str | int | float):
             raise DatasetError(
@@ -260,12 +277,7 @@ class RowReader:
                 f"{where}: {self.answer_field!r} gives {text.strip()[:80]!r}, which the "
                 f"{self.checker} checker cannot read as an answer"
             )
-        fields = {
-            k: _plain(v)
-            for k, v in row.items()
-            if k != self.prompt_field or self.prompt_template is not None
-        }
-        return Record(index, prompt, reference, fields, messages)
+        return reference
 
 
 def _conversation(value: list[Any], what: str) -> tuple[dict[str, str], ...]:
@@ -317,7 +329,7 @@ class DatasetEnv:
         hub_test_split: str = "test",
         prompt_field: str = "prompt",
         prompt_template: str | None = None,
-        answer_field: str = "answer",
+        answer_field: str | None = "answer",
         answer_after: str | None = None,
         checker: str = "exact",
         system_prompt: str = "",

@@ -12,16 +12,6 @@ from grail.core.errors import ConfigError, UserError
 RewardFn = Callable[..., list[float]]
 
 
-# Where a plugin module may live. `uv run grail-train` runs the console script, so the working
-# directory is not on sys.path; the project's root is (its editable install adds it), as are the
-# environment's installed packages and PYTHONPATH.
-IMPORTABLE = (
-    "put it in the project's root directory (on the path of `uv run grail-train`; the working "
-    "directory is not), or add its directory with PYTHONPATH=DIR, or install its package into "
-    "the environment (`uv pip install -e DIR`)"
-)
-
-
 def check_timeout(where: str, value: object) -> float:
     """A reward entry's `timeout_s` as a float, if it is a finite number > 0; a ConfigError
     starting with `where` otherwise."""

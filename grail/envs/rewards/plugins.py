@@ -38,7 +38,6 @@ instead (grail/envs/rewards/remote.py), so its calls are not wrapped again.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
@@ -47,10 +46,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from grail.core.errors import ConfigError
+from grail.core.imports import SpecError, import_spec
 from grail.core.threads import DeadlineExceeded, call_with_deadline
 from grail.envs.base import Environment, Problem, Score
 from grail.envs.rewards.base import (
-    IMPORTABLE,
     RewardError,
     RewardFn,
     RewardTimeout,
@@ -126,24 +125,9 @@ def load_reward_fn(spec: str) -> RewardFn:
             "'package.module:function' plugin spec",
         )
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or module_name
-        detail = (
-            f"module {module_name!r} not found; {IMPORTABLE}"
-            if missing == module_name or module_name.startswith(missing + ".")
-            else f"importing module {module_name!r} failed: it needs {missing!r}, which is missing"
-        )
-        raise RewardError(spec, detail) from exc
-    except Exception as exc:
-        raise RewardError(
-            spec, f"importing module {module_name!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
-    obj: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise RewardError(spec, f"module {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, part)
+        obj = import_spec(spec)
+    except SpecError as exc:
+        raise RewardError(spec, str(exc)) from exc.__cause__
     if not callable(obj):
         raise RewardError(spec, f"{attr_path!r} is a {type(obj).__name__}, not callable")
     _check_signature(spec, obj)
