@@ -215,14 +215,13 @@ def test_a_run_trains_on_a_dataset_written_here(tmp_path: Path) -> None:
         "data.env_kwargs.prompt_field=question",
         "data.env_kwargs.checker=number",
         "generation.max_new_tokens=8",
-        "train.iterations=2",
+        "train.iterations=1",
         "data.problems_per_iteration=4",
-        "eval.interval=2",
         "eval.num_ids=8",
     )
     run(cfg, tmp_path / "run")
     records = train_records(tmp_path / "run")
-    assert [r["iteration"] for r in records] == [0, 1]
+    assert [r["iteration"] for r in records] == [0]
     evals = sorted((tmp_path / "run" / "metrics").glob("eval_iter_*.json"))
     assert evals, "the held-out rows were evaluated"
     assert all(0.0 <= r["success_rate"] <= 1.0 and "reward_mean" in r for r in records)
