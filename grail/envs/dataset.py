@@ -38,6 +38,7 @@ as keyword arguments as TRL's do; fields named like a reward function's own argu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -203,8 +204,12 @@ class RowReader:
         require(self.checker)
         if self.answer_field is None and self.checker != "none":
             raise ValueError(f"checker {self.checker!r} needs an answer_field to check against")
-        if self.prompt_template is not None:
-            _template_fields(self.prompt_template)
+        _ = self._template  # parsed and checked here, once for every row
+
+    @functools.cached_property
+    def _template(self) -> list[str]:
+        """The field names `prompt_template` uses ([] without one)."""
+        return _template_fields(self.prompt_template) if self.prompt_template else []
 
     def load(self, path: str | Path) -> list[Record]:
         """The records of a local file, in file order."""
@@ -220,7 +225,7 @@ class RowReader:
         """Row `index` of its source (`where` names it in errors) as a Record."""
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected an object, got {type(row).__name__}")
-        template = _template_fields(self.prompt_template) if self.prompt_template else []
+        template = self._template
         needed = [
             *(template or [self.prompt_field]),
             *([self.answer_field] if self.answer_field else []),
@@ -378,9 +383,13 @@ class DatasetEnv:
         meta.update((k, v) for k, v in record.fields.items() if k not in _RESERVED)
         return meta
 
+    def record(self, seed: int) -> Record:
+        """The record problem `seed` is made from: row `seed % len(self)` of the split."""
+        return self.records[check_seed(seed) % len(self.records)]
+
     def problem(self, seed: int) -> Problem:
         s = check_seed(seed)
-        rec = self.records[s % len(self.records)]
+        rec = self.record(s)
         own = list(rec.messages) if rec.messages else [{"role": "user", "content": rec.prompt}]
         messages = []
         if self.system_prompt and own[0]["role"] != "system":

@@ -151,8 +151,7 @@ class TRLEnvironment(DatasetEnv):
         )
 
     def reset(self, seed: int) -> _Episode | Awaitable[_Episode]:
-        problem = self.problem(seed)
-        record = self.records[seed % len(self.records)]
+        problem, record = self.problem(seed), self.record(seed)
         instance = self.factory()
         observation = instance.reset(**self._row(record))
         if inspect.isawaitable(observation):

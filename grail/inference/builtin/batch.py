@@ -4,6 +4,7 @@ padding and positions, and how two batches become one when queued sequences join
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,25 @@ def room_for(length: int) -> int:
     return length + max(32, length // 2)
 
 
+def left_padded(
+    blocks: Sequence[tuple[int | slice, torch.Tensor, torch.Tensor]],
+    rows: int,
+    width: int,
+    room: int,
+) -> RoomyLayer:
+    """A layer of `rows` rows `width` positions long, with `room` more to grow: each block's
+    keys and values (rows `where`: one row, or a slice of rows) written right-aligned, the
+    padding before them zeros. One copy of each value (padding, stacking or concatenating and
+    selecting copied them up to four times)."""
+    _, first, _ = blocks[0]
+    shape = (rows, first.shape[-3], width + room, first.shape[-1])
+    keys, values = first.new_zeros(shape), first.new_zeros(shape)
+    for where, k, v in blocks:
+        keys[where, :, width - k.shape[-2] : width] = k
+        values[where, :, width - v.shape[-2] : width] = v
+    return RoomyLayer.over(keys, values, width)
+
+
 def roomy_cache(layers: list[RoomyLayer]) -> DynamicCache:
     """A cache of these layers, as they are."""
     cache = DynamicCache()
@@ -138,16 +158,18 @@ def roomy(cache: DynamicCache) -> None:
 
 def merge(a: Batch, b: Batch) -> Batch:
     """One batch holding the rows of ``a`` then ``b``, left-padded to a common length: each
-    layer one copy, into a tensor with room to grow (`RoomyLayer`)."""
+    layer one copy, into a tensor with room to grow (`left_padded`)."""
     width = max(a.mask.shape[1], b.mask.shape[1])
-    layers = []
-    for (ka, va), (kb, vb) in zip(map(kv, a.cache.layers), map(kv, b.cache.layers), strict=True):
-        shape = (len(a.rows) + len(b.rows), ka.shape[1], room_for(width), ka.shape[-1])
-        keys, values = ka.new_zeros(shape), va.new_zeros(shape)
-        for rows, k, v in ((slice(0, len(a.rows)), ka, va), (slice(len(a.rows), None), kb, vb)):
-            keys[rows, :, width - k.shape[-2] : width] = k
-            values[rows, :, width - v.shape[-2] : width] = v
-        layers.append(RoomyLayer.over(keys, values, width))
+    rows, split = len(a.rows) + len(b.rows), len(a.rows)
+    layers = [
+        left_padded(
+            [(slice(0, split), ka, va), (slice(split, None), kb, vb)],
+            rows,
+            width,
+            room_for(width) - width,
+        )
+        for (ka, va), (kb, vb) in zip(map(kv, a.cache.layers), map(kv, b.cache.layers), strict=True)
+    ]
     extra_a, extra_b = width - a.mask.shape[1], width - b.mask.shape[1]
     return Batch(
         rows=a.rows + b.rows,

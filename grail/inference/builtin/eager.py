@@ -26,6 +26,7 @@ from grail.inference.builtin.batch import (
     Batch,
     RoomyLayer,
     kv,
+    left_padded,
     merge,
     room_for,
     roomy,
@@ -53,20 +54,14 @@ def _stacked(
     parts: list[_Partial], width: int, index: list[int] | None = None, room: int = 0
 ) -> list[RoomyLayer]:
     """The keys and values of `parts` left-padded to `width` tokens, row r holding part
-    `index[r]` (default: one row each), each layer one tensor with `room` positions to grow:
-    one copy (padding, stacking and selecting rows copied them three times)."""
+    `index[r]` (default: one row each), each layer one tensor with `room` positions to grow."""
     index = list(range(len(parts))) if index is None else index
-    out = []
-    for layer in range(len(parts[0].layers)):
-        k0 = parts[0].layers[layer][0]
-        shape = (len(index), k0.shape[0], width + room, k0.shape[-1])
-        keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
-        for r, i in enumerate(index):
-            part = parts[i]
-            keys[r, :, width - part.length : width] = part.layers[layer][0]
-            values[r, :, width - part.length : width] = part.layers[layer][1]
-        out.append(RoomyLayer.over(keys, values, width))
-    return out
+    return [
+        left_padded(
+            [(r, *parts[i].layers[layer]) for r, i in enumerate(index)], len(index), width, room
+        )
+        for layer in range(len(parts[0].layers))
+    ]
 
 
 class EagerDecoder:
