@@ -23,6 +23,7 @@ from grail.envs.dataset import DatasetEnv
 from grail.envs.episodes import AnyEnvironment
 from grail.envs.gsm8k import GSM8KEnv
 from grail.envs.lookup import LookupEnv
+from grail.envs.open_env import OpenEnvEnv
 from grail.envs.sat import SATEnv
 from grail.envs.trl_environment import TRLEnvironment
 
@@ -36,6 +37,8 @@ ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     MathEnv.name: MathEnv,
     # A class TRL's GRPOTrainer takes as environment_factory, over a dataset's rows.
     TRLEnvironment.name: TRLEnvironment,
+    # An OpenEnv environment: a server's URL, or a class served in-process.
+    OpenEnvEnv.name: OpenEnvEnv,
     # The learnable toy task (the default job's environment, grail/envs/copy_digits.py).
     CopyDigitsEnv.name: CopyDigitsEnv,
     # The same over several turns: the multi-turn episode the tiny model learns on CPU.
@@ -103,6 +106,7 @@ __all__ = [
     "Environment",
     "GSM8KEnv",
     "MathEnv",
+    "OpenEnvEnv",
     "Problem",
     "SATEnv",
     "Score",

@@ -12,7 +12,11 @@ and OpenEnv:
 
 `step` may be a plain method or an `async def`; the turn loop (grail/rollouts/episodes.py) runs a
 plain one in a worker thread under a deadline, so a slow environment does not stall the others.
-One `Episode` object per episode: many are in flight at once, each with its own state.
+One `Episode` object per episode: many are in flight at once, each with its own state. `reset`
+may be an `async def` too. An episode holding something (a connection, a session) may have a
+`close()`, plain or async, which the turn loop calls once when the episode ends, however it ends;
+an environment whose episodes share a limited resource may cap how many are in flight at once
+with an int attribute `max_episodes` (an OpenEnv server's sessions).
 
 The episode's reward is the sum of its steps' rewards (an environment that pays only at the end
 returns 0 before); its success is the last step's; its components are summed like the reward.
@@ -31,6 +35,8 @@ turns remain, the model is asked to try again.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +74,7 @@ class EpisodeEnvironment(Protocol):
     # single-turn environments: extra rewards must not reuse them).
     components: tuple[str, ...]
 
-    def reset(self, seed: int) -> Episode: ...
+    def reset(self, seed: int) -> Episode | Awaitable[Episode]: ...
 
 
 # Either kind: what `data.environment` names.
@@ -85,8 +91,33 @@ def problem_maker(env: AnyEnvironment) -> Callable[[int], Problem]:
     what a stored group is rebuilt with (grail/rollouts/codec.py)."""
     if is_episodic(env):
         episodic: EpisodeEnvironment = env  # type: ignore[assignment]
-        return lambda seed: episodic.reset(seed).problem
+        return lambda seed: opening(episodic, seed)[0]
     return env.problem  # type: ignore[union-attr]
+
+
+def opening(env: EpisodeEnvironment, seed: int) -> tuple[Problem, Sequence[Callable[..., Any]]]:
+    """An episode's first messages and its tools, read outside the turn loop (no event loop
+    running): the episode is reset (awaited if `reset` is async) and closed again."""
+
+    async def opened() -> tuple[Problem, Sequence[Callable[..., Any]]]:
+        episode = env.reset(seed)
+        if inspect.isawaitable(episode):
+            episode = await episode
+        try:
+            return episode.problem, tools_of(episode)
+        finally:
+            await close_episode(episode)
+
+    return asyncio.run(opened())
+
+
+async def close_episode(episode: Episode) -> None:
+    """The episode's `close()` when it has one (awaited if async)."""
+    close = getattr(episode, "close", None)
+    if close is not None:
+        result = close()
+        if inspect.isawaitable(result):
+            await result
 
 
 def tools_of(episode: Episode) -> Sequence[Callable[..., Any]]:

@@ -27,7 +27,8 @@ in flight, and the same config and seed give the same episodes.
 
 Concurrency. Every episode of the batch runs as its own task: a turn is sent the moment its
 environment has answered (no barrier per turn across the batch), and the client caps the
-requests in flight. A plain `step` runs in a daemon thread under `data.env_step_timeout_s`.
+requests in flight. A plain `step` runs in a daemon thread under `data.env_step_timeout_s`. An
+environment's `max_episodes` caps the episodes in flight (each waits for a slot before its reset).
 
 A fleet. The balancer picks the server of an episode's first turn, and its later turns go to the
 server that answered the one before (`TurnBatcher`), which holds the episode's tokens so far in
@@ -44,7 +45,9 @@ numbers on a hit or a miss, but not those of the prompt sent as one chunk (float
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -53,7 +56,13 @@ from typing import TYPE_CHECKING, Any
 from grail.core.errors import UserError, first_line
 from grail.core.threads import DaemonWorkers
 from grail.envs.base import Problem
-from grail.envs.episodes import Episode, EpisodeEnvironment, Step, check_step, tools_of
+from grail.envs.episodes import (
+    Episode,
+    EpisodeEnvironment,
+    Step,
+    check_step,
+    tools_of,
+)
 from grail.envs.tools import ToolBox, ToolTimeout, ToolTurn
 from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.batch import EpisodeStats, Group, Sample
@@ -63,6 +72,8 @@ from grail.rollouts.seeds import request_seed, stable_hash
 
 if TYPE_CHECKING:
     from grail.inference.client import Completer
+
+log = logging.getLogger(__name__)
 
 # Sampling seeds stay below 2**31 with head-room, as `request_seed`'s do.
 _SEED_RANGE = 2**31 - 2**16
@@ -252,10 +263,16 @@ class EpisodeRunner:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         self._turns.new_batch(len(problem_seeds) * replicas, self.sampling)
+        most = getattr(self.env, "max_episodes", None)
+        slots = asyncio.Semaphore(most) if most else contextlib.nullcontext()
+
+        async def one(seed: int, first_seed: int) -> tuple[Problem, list[int], Sample]:
+            async with slots:
+                return await self.episode(seed, first_seed)
 
         async def group(seed: int) -> Group:
             first = request_seed(self.base_seed, round_index, seed)
-            runs = await asyncio.gather(*(self.episode(seed, first + i) for i in range(replicas)))
+            runs = await asyncio.gather(*(one(seed, first + i) for i in range(replicas)))
             if on_progress is not None:
                 on_progress(1)
             (problem, prompt), samples = runs[0][:2], [sample for _, _, sample in runs]
@@ -273,9 +290,23 @@ class EpisodeRunner:
             await self._turns.aclose()
 
     async def episode(self, seed: int, first_seed: int) -> tuple[Problem, list[int], Sample]:
-        """One episode of problem `seed`, its turn 0 sampled with `first_seed`."""
-        limits = self.limits
+        """One episode of problem `seed`, its turn 0 sampled with `first_seed`; the episode
+        closed at the end (its `close()`, if it has one), however it ends."""
         episode = await self._call(self.env.reset, seed, seed=seed, turn=0)
+        try:
+            return await self._turns_of(episode, seed, first_seed)
+        finally:
+            close = getattr(episode, "close", None)
+            if close is not None:
+                try:
+                    await self._call(close, seed=seed, turn=0)
+                except EnvironmentFailed as exc:
+                    log.warning("closing an episode failed: %s", exc)
+
+    async def _turns_of(
+        self, episode: Episode, seed: int, first_seed: int
+    ) -> tuple[Problem, list[int], Sample]:
+        limits = self.limits
         toolbox = _toolbox(episode)
         schemas = toolbox.schemas if toolbox is not None else None
         problem = episode.problem

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from grail.core.records import atomic_write_text
 from grail.envs.base import Problem
-from grail.envs.episodes import is_episodic, problem_maker, tools_of
+from grail.envs.episodes import is_episodic, opening, problem_maker
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, Resampling, Reused, RolloutBatch
 from grail.rollouts.chat import ChatRenderer
@@ -131,7 +131,7 @@ def _prompt_ids(env: AnyEnvironment, tokenizer: Any, problem: Problem) -> list[i
         return render_prompt_ids(tokenizer, problem)
     from grail.envs.tools import ToolBox
 
-    tools = tools_of(env.reset(problem.seed))  # type: ignore[union-attr]
+    tools = opening(env, problem.seed)[1]  # type: ignore[arg-type]
     schemas = ToolBox(tools).schemas if tools else None
     return ChatRenderer(tokenizer).render(problem.prompt_messages, schemas, generation_prompt=True)
 

@@ -24,16 +24,14 @@ import asyncio
 import concurrent.futures
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-import uvicorn
-
 from grail.core.errors import UserError
+from grail.core.http_thread import ServerThread
 from grail.envs.base import Problem
 from grail.rollouts.batch import (
     EpisodeStats,
@@ -89,9 +87,7 @@ class ServiceRollouts:
         self.dir = run_dir / SERVICE_DIR
         self.start_iteration = start_iteration
         self._progress = progress
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: ServerThread | None = None
         self.core: ServiceCore | None = None
         self.store: LedgerStore | None = None
         # Over a fleet: its servers' records when the previous batch was taken.
@@ -142,28 +138,21 @@ class ServiceRollouts:
             check_spans=service.check_spans,
         )
         app = create_app(self.core, api_key, service.max_body_bytes)
-        config = uvicorn.Config(
+        self._server = ServerThread(
             app,
-            host=service.host,
-            port=service.port,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
+            service.host,
+            service.port,
+            name="grail-service",
+            start_timeout_s=_START_TIMEOUT_S,
+            stop_timeout_s=_STOP_TIMEOUT_S,
         )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._serve, name="grail-service", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise ServiceError(
-                    f"the service did not start listening on {service.host}:"
-                    f"{service.port} (service.host, service.port) within "
-                    f"{_START_TIMEOUT_S:g} s: is the port taken? (service.port=0 picks a "
-                    "free one)"
-                )
-            time.sleep(0.01)
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        url = f"http://{host}:{port}"
+        try:
+            url = self._server.start()
+        except TimeoutError as exc:
+            raise ServiceError(
+                f"{exc} (service.host, service.port): is the port taken? (service.port=0 picks "
+                "a free one)"
+            ) from None
         write_endpoint(self.dir, url, api_key)
         log.info(
             "service listening on %s (key in %s); %d groups queued",
@@ -171,15 +160,6 @@ class ServiceRollouts:
             self.dir / ENDPOINT,
             len(ledger.queue),
         )
-
-    def _serve(self) -> None:
-        assert self._server is not None
-        asyncio.run(self._serve_async())
-
-    async def _serve_async(self) -> None:
-        assert self._server is not None
-        self._loop = asyncio.get_running_loop()
-        await self._server.serve()
 
     def _load_ledger(self) -> Ledger:
         """A fresh ledger, or with resume=true the saved one, rewound to the checkpoint."""
@@ -208,12 +188,9 @@ class ServiceRollouts:
         return ledger
 
     def close(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(_STOP_TIMEOUT_S)
-            if self._thread.is_alive():
-                log.warning("the service did not stop within %g s", _STOP_TIMEOUT_S)
-        self._server = self._thread = None
+        if self._server is not None:
+            self._server.close()
+        self._server = None
         if self.store is not None:
             self.store.close()
         self.inner.close()
@@ -281,10 +258,9 @@ class ServiceRollouts:
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the service's loop and wait (Ctrl-C cancels it there)."""
-        assert self._loop is not None, "the service is not running"
-        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(
-            coroutine, self._loop
-        )
+        loop = self._server.loop if self._server is not None else None
+        assert loop is not None, "the service is not running"
+        future: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coroutine, loop)
         return wait(future)
 
 
