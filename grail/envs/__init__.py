@@ -22,6 +22,7 @@ from grail.envs.countdown import CountdownEnv
 from grail.envs.dataset import DatasetEnv
 from grail.envs.episodes import AnyEnvironment
 from grail.envs.gsm8k import GSM8KEnv
+from grail.envs.ifeval import IFEvalEnv
 from grail.envs.lookup import LookupEnv
 from grail.envs.open_env import OpenEnvEnv
 from grail.envs.sat import SATEnv
@@ -35,6 +36,8 @@ ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     DatasetEnv.name: DatasetEnv,
     # MATH-style problems graded with math-verify: a dataset task with MATH's fields.
     MathEnv.name: MathEnv,
+    # IFEval's verifiable instructions, graded as TorchRL's GRPO grades them.
+    IFEvalEnv.name: IFEvalEnv,
     # A class TRL's GRPOTrainer takes as environment_factory, over a dataset's rows.
     TRLEnvironment.name: TRLEnvironment,
     # An OpenEnv environment: a server's URL, or a class served in-process.
@@ -105,6 +108,7 @@ __all__ = [
     "DatasetEnv",
     "Environment",
     "GSM8KEnv",
+    "IFEvalEnv",
     "MathEnv",
     "OpenEnvEnv",
     "Problem",
