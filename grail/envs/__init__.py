@@ -27,6 +27,7 @@ from grail.envs.lookup import LookupEnv
 from grail.envs.open_env import OpenEnvEnv
 from grail.envs.sat import SATEnv
 from grail.envs.trl_environment import TRLEnvironment
+from grail.envs.verifiers_env import VerifiersEnv
 
 ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     SATEnv.name: SATEnv,
@@ -42,6 +43,8 @@ ENVIRONMENTS: dict[str, type[AnyEnvironment]] = {
     TRLEnvironment.name: TRLEnvironment,
     # An OpenEnv environment: a server's URL, or a class served in-process.
     OpenEnvEnv.name: OpenEnvEnv,
+    # A verifiers taskset and harness, run by verifiers' own rollout code against grail's server.
+    VerifiersEnv.name: VerifiersEnv,
     # The learnable toy task (the default job's environment, grail/envs/copy_digits.py).
     CopyDigitsEnv.name: CopyDigitsEnv,
     # The same over several turns: the multi-turn episode the tiny model learns on CPU.
@@ -115,6 +118,7 @@ __all__ = [
     "SATEnv",
     "Score",
     "TRLEnvironment",
+    "VerifiersEnv",
     "check_env_kwargs",
     "env_arguments",
     "env_factory",

@@ -41,6 +41,7 @@ OpenEnv's own server in tests/test_openenv.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import typing
@@ -49,6 +50,7 @@ from typing import Any
 
 import httpx
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from grail.core.errors import UserError
 from grail.core.http_thread import ServerThread
@@ -91,8 +93,11 @@ class _Session:
     async def call(self, message: dict[str, Any]) -> tuple[dict[str, Any], float, bool]:
         """Send `message`; the answer's observation fields, reward (None: 0) and done."""
         env = self.env
-        try:
+        # A refused session (at capacity) gets an error frame and the close: when the close beats
+        # the send, the frame is still there to read (as OpenEnv's own client does).
+        with contextlib.suppress(ConnectionClosed):
             await self.socket.send(json.dumps(message))
+        try:
             async with asyncio.timeout(env.message_timeout_s):
                 raw = await self.socket.recv()
         except TimeoutError:

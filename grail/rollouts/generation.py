@@ -26,6 +26,7 @@ from grail.inference.completions import SamplingParams
 from grail.rollouts.batch import Group, Resampling, RolloutBatch, Sample, informative
 from grail.rollouts.episodes import EpisodeLimits, EpisodeRunner
 from grail.rollouts.seeds import request_seed
+from grail.rollouts.verifiers import VerifiersRunner
 
 if TYPE_CHECKING:
     from grail.core.config import GenerationConfig
@@ -102,8 +103,19 @@ class RolloutGenerator:
         self.sampling = sampling
         self.base_seed = base_seed
         self.extra_rewards = extra_rewards
-        self.episodes: EpisodeRunner | None = None
-        if is_episodic(env):
+        self.episodes: EpisodeRunner | VerifiersRunner | None = None
+        if getattr(env, "samples_itself", False):  # verifiers: its own agent loop samples
+            if episodes is None:
+                raise ValueError(f"environment {env.name!r} runs episodes: give their limits")
+            self.episodes = VerifiersRunner(
+                env,  # type: ignore[arg-type]
+                tokenizer,
+                client,
+                sampling,
+                episodes,
+                base_seed=base_seed,
+            )
+        elif is_episodic(env):
             if episodes is None:
                 raise ValueError(f"environment {env.name!r} runs episodes: give their limits")
             self.episodes = EpisodeRunner(
