@@ -195,6 +195,28 @@ def test_ids_and_mask_are_those_trls_own_code_builds(rows: Path, tokenizer: Any)
     assert sample.sampled_mask == [1] * len(first) + [0] * len(suffix) + [1] * len(answer)
 
 
+def test_the_docs_example_runs_as_written(
+    rows: Path, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
+    section = page[page.index("## TRL environment classes (`env=trl`)") :]
+    start = section.index("```python\n") + len("```python\n")
+    (tmp_path / "my_envs.py").write_text(section[start : section.index("```\n", start)])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env(
+        "trl",
+        environment_factory="my_envs:Counter",
+        path=str(rows),
+        test_path=str(rows.with_name("test.jsonl")),
+    )
+
+    def policy(conversation: str) -> str:
+        left = _target(conversation) - _counter(conversation)
+        return _call(min(left, 3)) if left else "done"
+
+    assert [s.reward for s in _episodes(env, policy, range(6), tokenizer)] == [1.0] * 6
+
+
 def test_a_run_trains_on_a_trl_environment_class(rows: Path, tmp_path: Path) -> None:
     """docs/environments.md's TRL example, shorter: grail-train with env=trl on the tiny model."""
     from helpers.short_runs import short_config, train_records
