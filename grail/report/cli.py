@@ -12,6 +12,9 @@ best (best / worse / not separated yet / equivalent; nothing learnt, for every s
 every run is at 0: grail/study/verdicts.py), written to
 `stats.csv` beside summary.csv (or `--csv PATH`).
 
+`--html [PATH]` also writes all of it as one self-contained page (default OUT/report.html;
+grail/report/html.py), the one a race rewrites after every run.
+
 It reads only what runs write (`.hydra/overrides.yaml`, `metrics/*.json`, `summary.json`), each
 file atomically, so it works on a sweep that is still running and on runs that failed or were
 killed: a run is "done" (summary says completed), "failed" (summary says failed, with the error),
@@ -35,6 +38,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from grail.core.records import atomic_write_text
+from grail.report.html import REPORT_HTML, write_report
 from grail.report.load import SORT_KEYS, RunReport, load_runs
 from grail.report.plots import grid_of, heatmap_path, plot, plot_heatmap, plot_seeds
 from grail.report.seeds import (
@@ -46,7 +50,7 @@ from grail.report.seeds import (
     stats_csv_text,
 )
 from grail.report.table import CSV_NAME, build_table, sort_runs, write_csv
-from grail.study.stats import DEFAULT_SEED, METRICS, REPORT_SETTINGS, seed_of
+from grail.study.stats import DEFAULT_SEED, METRICS, REPORT_SETTINGS, SettingStats, seed_of
 from grail.study.verdicts import VerdictSettings
 
 PNG_NAME = "report.png"
@@ -121,6 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "when exactly two keys are swept (e.g. train.lr x train.kl_coef), also a heat map of "
         "the metric's mean and CI per setting to PLOT_heatmap.png",
     )
+    parser.add_argument(
+        "--html",
+        type=Path,
+        nargs="?",
+        const=True,  # `--html` alone: OUT/report.html
+        default=None,
+        help="write the study as one self-contained HTML page (tables with what each statistic "
+        "means, the learning curves, a race's rounds, a search's trials), to this path "
+        f"(default: OUT/{REPORT_HTML})",
+    )
     args = parser.parse_args(argv)
     try:
         settings = VerdictSettings(
@@ -148,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(runs, out / PNG_NAME, title)
     console.print(f"wrote {out / CSV_NAME} and {out / PNG_NAME}")
 
+    stats: list[SettingStats] | None = None  # the HTML page shows them when the table does
     options = (args.metric, args.csv, args.runs_csv, args.plot)
     wanted = any(x is not None for x in options) or settings != REPORT_SETTINGS
     if wanted or any(seed_of(r.overrides) != DEFAULT_SEED for r in runs):
@@ -168,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 plot_heatmap(grid, heatmap_path(args.plot), f"{root} — {metric} over seeds")
                 written.append(heatmap_path(args.plot))
         console.print("wrote " + ", ".join(str(p) for p in written))
+    if args.html is not None:
+        html_path: Path = out / REPORT_HTML if args.html is True else args.html
+        write_report(root, html_path, runs=runs, stats=stats, settings=settings)
+        console.print(f"wrote {html_path}")
     return 0
 
 

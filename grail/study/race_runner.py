@@ -15,7 +15,7 @@ import logging
 import queue
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,50 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
     }
 
 
+# ---- report.html ------------------------------------------------------------------------------
+
+
+class PageWriter:
+    """report.html, drawn by `draw(sweep_dir, race_over=...)` (grail/report/html.py's
+    write_report, given by the layer above: hydra_plugins/grail_race) on a thread of its own
+    each time verdict.json is written: drawing takes about 0.5 s (matplotlib), which must not
+    hold up the launch of the next run in a free slot. Requests made while it draws fold into
+    one, drawn next from the newest state, so a burst of runs ending costs two pages, not one
+    per run."""
+
+    def __init__(self, sweep_dir: Path, draw: Callable[..., Any]) -> None:
+        self.sweep_dir, self.draw = sweep_dir, draw
+        self.lock = threading.Lock()
+        self.wanted: bool | None = None  # race_over of the newest request not drawn yet
+        self.thread: threading.Thread | None = None
+
+    def request(self, race_over: bool) -> None:
+        with self.lock:
+            self.wanted = race_over
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._draw, name="race-page", daemon=True)
+                self.thread.start()
+
+    def wait(self) -> None:
+        """Until every request made so far is drawn."""
+        with self.lock:
+            thread = self.thread
+        if thread is not None:
+            thread.join()
+
+    def _draw(self) -> None:
+        while True:
+            with self.lock:
+                race_over, self.wanted = self.wanted, None
+                if race_over is None:
+                    self.thread = None
+                    return
+            try:
+                self.draw(self.sweep_dir, race_over=race_over)
+            except Exception:  # the page costs a warning, never the race
+                log.warning("race: could not draw its page in %s", self.sweep_dir, exc_info=True)
+
+
 # ---- the runner ---------------------------------------------------------------------------------
 
 
@@ -159,7 +203,9 @@ class RaceRunner:
         launcher_target: str | None,
         metric: str,
         parallel: int | None,
+        page: Callable[..., Any] | None = None,
     ) -> None:
+        """`page(sweep_dir, race_over=...)`: draws report.html after each verdict.json, if given."""
         self.race = race
         self.settings = {s.label: s for s in settings}
         self.fixed = fixed
@@ -172,6 +218,7 @@ class RaceRunner:
         self.jobs_in_slot = [0] * self.slots
         self.returns: list[Any] = []
         self.to_relaunch: list[Run] = []
+        self.page = PageWriter(sweep_dir, page) if page is not None else None
 
     def run_dir(self, run: Run) -> Path:
         label, seed = run
@@ -291,6 +338,8 @@ class RaceRunner:
             raise SystemExit(130) from None
         finally:
             self._write_verdict()
+            if self.page is not None:
+                self.page.wait()  # the last page drawn, without its reload once the race is over
         if error is not None:
             raise error
         self._finish()
@@ -311,6 +360,9 @@ class RaceRunner:
     def _write_verdict(self) -> None:
         record = verdict_record(self.race, list(self.settings.values()))
         atomic_write_text(self.sweep_dir / VERDICT, json.dumps(record, indent=2) + "\n")
+        # and report.html beside it: a browser tab left open on it follows the race
+        if self.page is not None:
+            self.page.request(race_over=self.race.over())
 
     def _finish(self) -> None:
         record = verdict_record(self.race, list(self.settings.values()))

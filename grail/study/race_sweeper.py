@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,10 @@ def parse_settings(
 class RaceSweeper(GrailSweeper):
     """Hydra sweeper running a race (see the module doc). Hydra instantiates it as
     hydra_plugins.grail_race.race_sweeper.RaceSweeper: plugins must live there."""
+
+    # report.html's drawing, `draw_page(sweep_dir, race_over=...)`: the report layer's, which
+    # the plugin (above every layer) sets; None draws no page.
+    draw_page: Callable[..., Any] | None = None
 
     def __init__(
         self,
@@ -228,6 +232,7 @@ class RaceSweeper(GrailSweeper):
             launcher_target=OmegaConf.select(self.config, "hydra.launcher._target_", default=None),
             metric=self.metric,
             parallel=self.max_batch_size,
+            page=self.draw_page,
         )
         log.info(
             "race of %d settings in %s: %d seeds each, then up to %d, %s, alpha %g, delta %g",
