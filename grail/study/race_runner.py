@@ -15,6 +15,7 @@ import logging
 import queue
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from typing import Any
 from hydra.plugins.launcher import Launcher
 
 from grail.core.records import atomic_write_text, metric_records, override_key
-from grail.study.race import BEST, NOT_SEPARATED, Race, Run
+from grail.study.progress import Row, State, StudyProgress
+from grail.study.race import BEST, IN_RACE, NOT_SEPARATED, Race, Run
 from grail.study.runs import read_overrides, run_status
 from grail.study.stats import SEED_KEY, censored_value, seed_run
 from grail.study.sweep import SUBMITIT_LOCAL, SUBMITIT_SLURM, SweepError
@@ -141,6 +143,66 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
     }
 
 
+def runs_left(race: Race) -> int:
+    """At most how many more runs the race starts, by its budget and the verdicts so far: the rest
+    of the initial round, then up to max_seeds for each setting still in the race (a setting
+    without a value counts in it until its initial round ended), within max_runs. An upper
+    bound: the verdicts may be decided sooner."""
+    if race.over():
+        return 0
+    options = race.options
+    judged = {v.label: v.outcome for v in race.verdicts()}
+    in_race = {
+        label
+        for label, seeds in race.started.items()
+        if judged.get(label) in IN_RACE
+        or (
+            label not in judged
+            and (len(seeds) < options.initial_seeds or any(r[0] == label for r in race.running))
+        )
+    }
+    if race.is_decided() or race.nothing_learnt():
+        in_race = set()
+    left = sum(
+        max(0, (options.max_seeds if label in in_race else options.initial_seeds) - len(seeds))
+        for label, seeds in race.started.items()
+    )
+    return left if options.max_runs is None else min(left, max(0, options.max_runs - race.runs))
+
+
+def progress_state(race: Race, settings: Sequence[Setting], metric: str) -> State:
+    """What the terminal shows of the race (grail/study/progress.py), per setting from the same
+    verdicts as verdict.json."""
+    record = verdict_record(race, settings)
+    running = Counter(label for label, _ in race.running)
+    rows = []
+    for entry in record["settings"]:
+        label = " ".join(f"{k}={v}" for k, v in entry["overrides"].items())
+        judged = entry["mean"] is not None
+        rows.append(
+            Row(
+                label,
+                ended=len(race.started[label]) - running[label],
+                running=running[label],
+                outcome=entry["outcome"] if judged else None,
+                mean=entry["mean"],
+                ci=tuple(entry["ci"]) if entry["ci"] is not None else None,
+            )
+        )
+    note = "nothing learnt" if record["nothing_learnt"] else "decided" if record["decided"] else ""
+    return State(
+        "race",
+        "runs",
+        metric,
+        ended=race.ended,
+        running=len(race.running),
+        left=runs_left(race),
+        bounded=True,
+        rows=tuple(rows),
+        note=note,
+    )
+
+
 # ---- report.html ------------------------------------------------------------------------------
 
 
@@ -219,6 +281,9 @@ class RaceRunner:
         self.returns: list[Any] = []
         self.to_relaunch: list[Run] = []
         self.page = PageWriter(sweep_dir, page) if page is not None else None
+        self.progress = StudyProgress(
+            lambda: progress_state(self.race, settings, metric), in_process=not self.threaded
+        )
 
     def run_dir(self, run: Run) -> Path:
         label, seed = run
@@ -297,6 +362,7 @@ class RaceRunner:
         free = list(range(self.slots))
         running: dict[int, Run] = {}
         error: BaseException | None = None
+        self.progress.start()
         try:
             while True:
                 while free and error is None and (nxt := self._next()) is not None:
@@ -312,6 +378,7 @@ class RaceRunner:
                         self.run_dir(run).name,
                         slot,
                     )
+                    self.progress.update()
                     job = self._job_number(slot)
                     if self.threaded:
                         threading.Thread(
@@ -337,7 +404,10 @@ class RaceRunner:
             )
             raise SystemExit(130) from None
         finally:
-            self._write_verdict()
+            try:
+                self._write_verdict()
+            finally:
+                self.progress.stop()  # before the page's wait: the last state on screen at once
             if self.page is not None:
                 self.page.wait()  # the last page drawn, without its reload once the race is over
         if error is not None:
@@ -356,6 +426,7 @@ class RaceRunner:
             log.warning("race: %s has no %s (%s)", self.run_dir(run), self.metric, result.status)
         self.race.end(run, result.value)
         self._write_verdict()
+        self.progress.update()
 
     def _write_verdict(self) -> None:
         record = verdict_record(self.race, list(self.settings.values()))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import yaml
 
 from grail.core.records import LAUNCH_KEYS, atomic_write_text
+from grail.study.progress import Row, State, StudyProgress
 from grail.study.search_outcome import COMPLETE, FAIL, PRUNED, trial_outcome
 from grail.study.search_space import (
     Space,
@@ -31,7 +32,7 @@ from grail.study.search_space import (
 )
 from grail.study.search_study import BEST, SEARCH_DIR, trial_sampler
 from grail.study.stats import t_interval
-from grail.study.sweep import SweepError
+from grail.study.sweep import SUBMITIT_LOCAL, SUBMITIT_SLURM, SweepError
 
 if TYPE_CHECKING:
     import optuna
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("grail.study.search")  # one logger for the whole search
 
 TOP_TRIALS = 5  # rows of the table printed at the end
+TOP_SHOWN = 3  # complete trials the progress display lists, above the running ones
 
 
 @dataclass
@@ -86,6 +88,14 @@ class SearchRunner:
         self.sweep_dir = sweep_dir
         self.returns: list[Any] = []
         self.left_running = 0  # trials this invocation could not finish (a run without summary)
+        self.running: list[_Pending] = []  # trials whose jobs are out, not told yet
+        launcher = type(sweeper.launcher)
+        # the basic launcher runs each job in this process, printing on this terminal
+        in_process = f"{launcher.__module__}.{launcher.__qualname__}" not in (
+            SUBMITIT_LOCAL,
+            SUBMITIT_SLURM,
+        )
+        self.progress = StudyProgress(self._progress_state, in_process=in_process)
 
     def run_dir(self, job: int) -> Path:
         return self.sweep_dir / str(job)
@@ -97,6 +107,13 @@ class SearchRunner:
         return len(self.study.get_trials(deepcopy=False, states=states))
 
     def run(self) -> list[Any]:
+        self.progress.start()
+        try:
+            return self._run()
+        finally:
+            self.progress.stop()
+
+    def _run(self) -> list[Any]:
         import optuna
         from optuna.trial import TrialState
 
@@ -157,6 +174,8 @@ class SearchRunner:
             log.info("trial %d: %s (jobs %s)", p.number, " ".join(p.setting), _span(p.jobs))
             for job, seed in zip(p.jobs, self.seeds, strict=True):
                 by_job[job] = job_overrides(self.space.fixed, p.setting, seed)
+        self.running = list(pending)
+        self.progress.update()
         for block in launch_blocks(list(by_job), self.sweeper.max_batch_size):
             batch = [by_job[j] for j in block]
             self.sweeper.validate_batch_is_legal(batch)
@@ -166,6 +185,8 @@ class SearchRunner:
             self.returns.append(results)
         for p in pending:
             self._tell(p)
+            self.running.remove(p)
+            self.progress.update()
 
     def _tell(self, p: _Pending) -> None:
         from optuna.trial import TrialState
@@ -206,6 +227,54 @@ class SearchRunner:
                 label,
                 outcome.reason,
             )
+
+    def _progress_state(self) -> State:
+        """What the terminal shows (grail/study/progress.py): the best trials so far, then the
+        running ones."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        finished = sum(
+            t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL) for t in trials
+        )
+        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+        reverse = self.sweeper.direction == "maximize"
+        complete.sort(key=lambda t: t.value, reverse=reverse)  # type: ignore[arg-type,return-value]
+        rows = []
+        for i, t in enumerate(complete[:TOP_SHOWN]):
+            interval = t_interval(self._seed_values(t))
+            setting = t.user_attrs.get("overrides") or setting_overrides(t.params, self.names)
+            rows.append(
+                Row(
+                    f"trial {t.number} {' '.join(setting)}",
+                    ended=interval.n,
+                    running=0,
+                    outcome="best" if i == 0 else "complete",
+                    mean=t.value,
+                    ci=None
+                    if interval.lo is None or interval.hi is None
+                    else (interval.lo, interval.hi),
+                )
+            )
+        for p in self.running:
+            label = f"trial {p.number} {' '.join(p.setting)}"
+            rows.append(Row(label, ended=0, running=len(p.jobs), outcome="running"))
+        left = self.sweeper.n_trials - finished - self.left_running - len(self.running)
+        pruned = sum(t.state == TrialState.PRUNED for t in trials)
+        failed = sum(t.state == TrialState.FAIL for t in trials)
+        return State(
+            f"search {self.study.study_name!r}",
+            "trials",
+            self.sweeper.metric,
+            ended=finished,
+            running=len(self.running),
+            left=max(0, left),
+            rows=tuple(rows),
+            judged_by="state",
+            note=", ".join(
+                f"{n} {what}" for n, what in ((pruned, "pruned"), (failed, "failed")) if n
+            ),
+        )
 
     # -- the end --
 
