@@ -50,7 +50,9 @@ from grail.report.seeds import (
     stats_csv_text,
 )
 from grail.report.table import CSV_NAME, build_table, sort_runs, write_csv
+from grail.report.transfer import fidelity_names, report_transfer
 from grail.study.stats import DEFAULT_SEED, METRICS, REPORT_SETTINGS, SettingStats, seed_of
+from grail.study.transfer import transfer
 from grail.study.verdicts import VerdictSettings
 
 PNG_NAME = "report.png"
@@ -135,6 +137,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "means, the learning curves, a race's rounds, a search's trials), to this path "
         f"(default: OUT/{REPORT_HTML})",
     )
+    parser.add_argument(
+        "--transfer",
+        type=Path,
+        default=None,
+        metavar="EXPENSIVE",
+        help="PATH is a cheap study (fewer iterations, a smaller model, LoRA...); EXPENSIVE the "
+        "same settings at the expensive fidelity: say whether the cheap best holds there (its "
+        "verdict among the expensive runs, paired by seed) and how well the settings' order "
+        "agrees (Kendall's tau, bootstrap interval over seeds); writes transfer.csv and "
+        "transfer.png",
+    )
     args = parser.parse_args(argv)
     try:
         settings = VerdictSettings(
@@ -182,6 +195,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if (grid := grid_of(stats)) is not None:  # a 2-D study, e.g. train.lr x train.kl_coef
                 plot_heatmap(grid, heatmap_path(args.plot), f"{root} — {metric} over seeds")
                 written.append(heatmap_path(args.plot))
+        console.print("wrote " + ", ".join(str(p) for p in written))
+    if args.transfer is not None:
+        metric = args.metric or "auc"
+        expensive = load_runs(args.transfer) if args.transfer.is_dir() else []
+        if not expensive:
+            parser.error(f"--transfer {args.transfer}: no runs there")
+        cheap_stats = stats if stats is not None else seed_stats(runs, metric, settings)[1]
+        result = transfer(cheap_stats, seed_stats(expensive, metric, settings)[1])
+        console.print()
+        written = report_transfer(
+            console, result, metric, fidelity_names(runs, expensive), out, settings
+        )
         console.print("wrote " + ", ".join(str(p) for p in written))
     if args.html is not None:
         html_path: Path = out / REPORT_HTML if args.html is True else args.html

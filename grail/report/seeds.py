@@ -205,7 +205,7 @@ LEFT_OUT = ("failed", "incomplete")
 RUNS_CSV_COLUMNS = ("setting", "seed", "status", "final", "best", "auc", "run", "error")
 
 
-def _csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+def csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
@@ -249,7 +249,7 @@ def stats_csv_text(stats: Sequence[SettingStats]) -> str:
                 "censored_seeds": " ".join(sorted(s.censored, key=natural_key)),
             }
         )
-    return _csv_text(STATS_CSV_COLUMNS, rows)
+    return csv_text(STATS_CSV_COLUMNS, rows)
 
 
 def runs_csv_text(groups: dict[str, list[SeedRun]]) -> str:
@@ -268,7 +268,7 @@ def runs_csv_text(groups: dict[str, list[SeedRun]]) -> str:
         for label, runs in groups.items()
         for r in runs
     ]
-    return _csv_text(RUNS_CSV_COLUMNS, rows)
+    return csv_text(RUNS_CSV_COLUMNS, rows)
 
 
 def print_seed_stats(

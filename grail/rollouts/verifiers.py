@@ -53,9 +53,6 @@ if TYPE_CHECKING:
     from grail.inference.client import Completer
 
 MODEL_NAME = "grail-policy"
-_KEY_VARIABLE = (
-    "GRAIL_VERIFIERS_GATEWAY_KEY"  # verifiers reads its key from an environment variable
-)
 _START_TIMEOUT_S = 30.0
 
 
@@ -71,9 +68,10 @@ class _Session:
 class Gateway:
     """vLLM's tokens-in route on 127.0.0.1, answered through grail's completion client."""
 
-    def __init__(self, turns: TurnBatcher, sampling: SamplingParams, max_tokens: int) -> None:
-        self.turns, self.sampling, self.max_tokens = turns, sampling, max_tokens
-        self.key = secrets.token_urlsafe(24)
+    def __init__(
+        self, turns: TurnBatcher, sampling: SamplingParams, max_tokens: int, key: str
+    ) -> None:
+        self.turns, self.sampling, self.max_tokens, self.key = turns, sampling, max_tokens, key
         self.sessions: dict[str, _Session] = {}
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -166,6 +164,11 @@ class VerifiersRunner:
         # The gateway's port, kept from batch to batch: verifiers' renderer caches what
         # GET /v1/models says per URL, for the life of the process.
         self._port = 0
+        # verifiers reads the gateway's key from an environment variable it is told the name of:
+        # one per runner (the training and the evaluation runners may generate at once).
+        self._key = secrets.token_urlsafe(24)
+        self._key_variable = f"GRAIL_VERIFIERS_KEY_{secrets.token_hex(4).upper()}"
+        os.environ[self._key_variable] = self._key
 
     async def generate_groups(
         self,
@@ -179,10 +182,14 @@ class VerifiersRunner:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         _unbind_renderers_lock()
         self._turns.new_batch(len(problem_seeds) * replicas, self.sampling)
-        gateway = Gateway(self._turns, self.sampling, self.limits.max_tokens)
-        url = await gateway.start(self._port)
+        gateway = Gateway(self._turns, self.sampling, self.limits.max_tokens, self._key)
+        try:
+            url = await gateway.start(self._port)
+        except RuntimeError:
+            if not self._port:
+                raise
+            url = await gateway.start(0)  # the port was taken meanwhile: any other
         self._port = int(url.rsplit(":", 1)[1].split("/")[0])
-        os.environ[_KEY_VARIABLE] = gateway.key
         slots = asyncio.Semaphore(self.env.max_concurrent)
         environment = self.env.environment()
 
@@ -229,7 +236,7 @@ class VerifiersRunner:
 
         client = vf.TrainClientConfig(
             base_url=url,
-            api_key_var=_KEY_VARIABLE,
+            api_key_var=self._key_variable,
             renderer=DefaultRendererConfig(),
             renderer_model_name=self.tokenizer_name,
         )
