@@ -21,6 +21,7 @@ openenv = pytest.importorskip(
 
 from fastapi import FastAPI  # noqa: E402
 from helpers import openenv_classes  # noqa: E402
+from helpers.docs_examples import install_example  # noqa: E402
 from helpers.scripted import Policy, ScriptedPolicy  # noqa: E402
 from openenv.core.env_server.http_server import create_app  # noqa: E402
 
@@ -214,13 +215,9 @@ def test_a_named_action_field_takes_the_text(tokenizer: Any) -> None:
 def test_the_docs_example_runs_as_written(
     tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    page = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
-    section = page[page.index("## OpenEnv (`env=openenv`)") :]
-    code = section[
-        section.index("```python\n") + 10 : section.index("```\n", section.index("```python"))
-    ]
-    (tmp_path / "my_envs.py").write_text(code)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_example(
+        "environments.md", "## OpenEnv (`env=openenv`)", "my_envs", tmp_path, monkeypatch
+    )
     env = make_env("openenv", environment="my_envs:Guess", max_sessions=8)
     try:
         samples = _episodes(env, tokenizer)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from helpers import trl_classes
+from helpers.docs_examples import install_example
 from helpers.scripted import Policy, ScriptedPolicy
 
 from grail.core.errors import ConfigError
@@ -198,11 +199,13 @@ def test_ids_and_mask_are_those_trls_own_code_builds(rows: Path, tokenizer: Any)
 def test_the_docs_example_runs_as_written(
     rows: Path, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    page = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
-    section = page[page.index("## TRL environment classes (`env=trl`)") :]
-    start = section.index("```python\n") + len("```python\n")
-    (tmp_path / "my_envs.py").write_text(section[start : section.index("```\n", start)])
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_example(
+        "environments.md",
+        "## TRL environment classes (`env=trl`)",
+        "my_envs",
+        tmp_path,
+        monkeypatch,
+    )
     env = make_env(
         "trl",
         environment_factory="my_envs:Counter",

@@ -19,6 +19,7 @@ pytest.importorskip(
     reason="verifiers is not installed: uv sync --group dev --group verifiers (.ci/run does)",
 )
 
+from helpers.docs_examples import install_example  # noqa: E402
 from helpers.scripted import ScriptedPolicy  # noqa: E402
 
 from grail.core.errors import ConfigError  # noqa: E402
@@ -141,11 +142,9 @@ def test_what_verifiers_cannot_load_is_refused_naming_it(
 def test_the_docs_example_runs_as_written(
     tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    page = (Path(__file__).parents[1] / "docs" / "environments.md").read_text()
-    section = page[page.index("## verifiers (`env=verifiers`)") :]
-    start = section.index("```python\n") + len("```python\n")
-    (tmp_path / "my_tasks.py").write_text(section[start : section.index("```\n", start)])
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_example(
+        "environments.md", "## verifiers (`env=verifiers`)", "my_tasks", tmp_path, monkeypatch
+    )
     env = make_env("verifiers", taskset="my_tasks", holdout_fraction=0.25)
     groups = _groups(env, ScriptedPolicy(tokenizer, _policy), tokenizer, range(3), 2)
     assert [s.reward for g in groups for s in g.samples] == [1.0] * 6  # the first reply is right

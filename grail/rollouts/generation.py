@@ -104,28 +104,22 @@ class RolloutGenerator:
         self.base_seed = base_seed
         self.extra_rewards = extra_rewards
         self.episodes: EpisodeRunner | VerifiersRunner | None = None
-        if getattr(env, "samples_itself", False):  # verifiers: its own agent loop samples
+        samples_itself = getattr(env, "samples_itself", False)  # verifiers: its own agent loop
+        if samples_itself or is_episodic(env):
             if episodes is None:
                 raise ValueError(f"environment {env.name!r} runs episodes: give their limits")
-            self.episodes = VerifiersRunner(
-                env,  # type: ignore[arg-type]
-                tokenizer,
-                client,
-                sampling,
-                episodes,
-                base_seed=base_seed,
-            )
-        elif is_episodic(env):
-            if episodes is None:
-                raise ValueError(f"environment {env.name!r} runs episodes: give their limits")
-            self.episodes = EpisodeRunner(
-                env,  # type: ignore[arg-type]
-                tokenizer,
-                client,
-                sampling,
-                episodes,
-                base_seed=base_seed,
-                prefix_cache=prefix_cache,
+            self.episodes = (
+                VerifiersRunner(env, tokenizer, client, sampling, episodes, base_seed=base_seed)  # type: ignore[arg-type]
+                if samples_itself
+                else EpisodeRunner(
+                    env,  # type: ignore[arg-type]
+                    tokenizer,
+                    client,
+                    sampling,
+                    episodes,
+                    base_seed=base_seed,
+                    prefix_cache=prefix_cache,
+                )
             )
 
     async def generate(
