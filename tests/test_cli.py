@@ -61,7 +61,10 @@ def test_help_says_what_the_program_does_its_groups_and_first_commands() -> None
     assert result.returncode == 0, out
     assert "GRPO" in out and "powered by Hydra" not in out
     # the config groups with their options, from conf/ itself
-    assert "env: copy_digits, copy_turns, countdown, dataset, gsm8k, lookup, math, sat" in out
+    assert (
+        "env: copy_digits, copy_turns, countdown, dataset, gsm8k, ifeval, lookup, math, openenv, "
+        "sat, trl, verifiers" in out
+    )
     assert "generation: builtin, sglang, vllm" in out
     assert "model: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, tiny" in out
     # the three commands a user needs first

@@ -115,7 +115,7 @@ GROUP_OPTION = re.compile(
     r"(?<![\w.$/-])(\+?prune|model|env|generation|hydra/launcher|hydra/sweeper)=([\w.,-]+)"
 )
 # Named on purpose although they do not exist: an error's example, an option that was removed.
-NOT_PRESETS = {"env=doesnotexist", "+prune=median"}
+NOT_PRESETS = {"env=doesnotexist", "+prune=median", "model=ctx.model"}  # the last: a keyword
 
 
 def test_every_config_group_option_the_docs_name_exists() -> None:

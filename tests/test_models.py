@@ -81,7 +81,7 @@ def test_the_avx2_child_builds_the_same_weights(tmp_path: Path) -> None:
     # (tests/conftest.py): the same bytes, so every machine starts from the same model.
     assert torch.backends.cpu.get_cpu_capability() == "AVX2"
     here = tiny.build_tiny_model(tmp_path / "here", seed=0)
-    child = tiny._build_in_avx2_child(tmp_path / "child", seed=0)
+    child = tiny._build_in_avx2_child(tmp_path / "child", 0, "tiny")
     assert _hashes(here) == _hashes(child)
 
 
@@ -319,12 +319,30 @@ def counted_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = tiny.build_tiny_model
 
-    def counting(out_dir: Path, seed: int = 0) -> Path:
+    def counting(out_dir: Path, seed: int = 0, name: str = "tiny") -> Path:
         calls.append(seed)
-        return real(out_dir, seed=seed)
+        return real(out_dir, seed=seed, name=name)
 
     monkeypatch.setattr(tiny, "build_tiny_model", counting)
     return calls
+
+
+def test_the_wide_preset_is_the_tiny_family_at_twice_the_width(tmp_path: Path) -> None:
+    narrow = tiny.ensure_tiny_model(tmp_path, seed=0)
+    wide = tiny.ensure_tiny_model(tmp_path, seed=0, name="tiny-wide")
+    assert narrow.name.startswith("tiny-qwen2-") and wide.name.startswith("tiny-wide-qwen2-")
+    a, b = (json.loads((d / "config.json").read_text()) for d in (narrow, wide))
+    assert (a["hidden_size"], b["hidden_size"]) == (64, 128)
+    assert a["num_hidden_layers"] == b["num_hidden_layers"] and a["vocab_size"] == b["vocab_size"]
+    head = (
+        a["hidden_size"] // a["num_attention_heads"],
+        b["hidden_size"] // b["num_attention_heads"],
+    )
+    assert head == (16, 16)
+    assert (narrow / "tokenizer.json").read_bytes() == (wide / "tokenizer.json").read_bytes()
+    assert tiny.resolve_model("tiny-wide") == str(tiny.ensure_tiny_model(name="tiny-wide"))
+    with pytest.raises(ValueError, match="no tiny preset 'tiny-huge'; known: tiny, tiny-wide"):
+        tiny.ensure_tiny_model(tmp_path, name="tiny-huge")
 
 
 def test_ensure_builds_once_then_reuses(tmp_path: Path, counted_builds: list[int]) -> None:

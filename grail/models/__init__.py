@@ -8,3 +8,7 @@ before, measured with `time uv run grail-train train.lr=inf`).
 
 #: The model name `grail-train` (`model.train_id`) and `grail-serve --model` give the tiny model.
 TINY_MODEL_NAME = "tiny"
+#: Every offline model of the tiny family by name (grail/models/tiny.py TINY_PRESETS): the same
+#: tokenizer, depth and head size at other widths, for studies whose cheap fidelity is a
+#: narrower model of the family (docs/transfer.md).
+TINY_MODEL_NAMES = (TINY_MODEL_NAME, "tiny-wide")

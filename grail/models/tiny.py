@@ -12,12 +12,14 @@ builds with the same arguments produce byte-identical files.
 Public entry points:
 - `build_tokenizer()`: the shared byte-level BPE tokenizer (a `PreTrainedTokenizerFast`).
 - `build_random_qwen2(out_dir, hidden_size=..., num_layers=..., ..., seed=...)`: any size.
-- `build_tiny_model(out_dir, seed)`: the tiny preset (`TINY_PRESET`).
+- `build_tiny_model(out_dir, seed, name)`: a preset of the tiny family (`TINY_PRESETS`: `tiny`,
+  and `tiny-wide` at twice its width).
 - `MID_PRESET`: a ~0.47B shape for `build_random_qwen2` (GPU tests, benchmarks).
-- `ensure_tiny_model(cache_dir, seed)`: the tiny preset, built once and cached, safe under
+- `ensure_tiny_model(cache_dir, seed, name)`: a preset, built once and cached, safe under
   concurrent callers, rebuilt when the cache is partial or corrupt.
 - `resolve_model(model_id)`: what a model name means to `grail-train` (`model.train_id`) and
-  `grail-serve --model`: `tiny` is this model; anything else is left for transformers.
+  `grail-serve --model`: `tiny` (or another preset's name) is this model; anything else is
+  left for transformers.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from grail.core.manifest import file_entry, file_problem
-from grail.models import TINY_MODEL_NAME
+from grail.models import TINY_MODEL_NAME, TINY_MODEL_NAMES
 
 # Bump when anything that changes the built files changes (sizes, corpus, template, init): the
 # cache directory is named after it, so old caches are never mistaken for new ones.
@@ -331,6 +333,24 @@ TINY_PRESET: dict[str, Any] = {
 }
 
 
+# The tiny family at twice the width: the same tokenizer, depth and head size (16), as a model
+# family grows (Qwen2.5 keeps head_dim 128 from 0.5B to 72B): the narrow/wide pair a width
+# fidelity study needs on CPU (docs/transfer.md).
+TINY_WIDE_PRESET: dict[str, Any] = {
+    **TINY_PRESET,
+    "hidden_size": 128,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "intermediate_size": 512,
+}
+
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    TINY_MODEL_NAME: TINY_PRESET,
+    "tiny-wide": TINY_WIDE_PRESET,
+}
+assert set(TINY_PRESETS) == set(TINY_MODEL_NAMES)
+
+
 # A Qwen2 shape with ~0.47B parameters at the tiny tokenizer's 512-token vocabulary (Qwen2.5-0.5B
 # has 0.36B outside its 151,936-token embedding): 24 layers of attention 2*d^2 + 2*d*(d/4) and
 # SwiGLU MLP 3*d*5504, d = 1024. Built with `build_random_qwen2(dir, **MID_PRESET)` wherever a
@@ -346,9 +366,9 @@ MID_PRESET: dict[str, Any] = {
 }
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Build the tiny preset (`TINY_PRESET`) into `out_dir`: the same bytes for a `seed` on every
-    x86-64 CPU with AVX2.
+def build_tiny_model(out_dir: Path, seed: int = 0, name: str = TINY_MODEL_NAME) -> Path:
+    """Build the tiny family's preset `name` (`TINY_PRESETS`) into `out_dir`: the same bytes for
+    a `seed` on every x86-64 CPU with AVX2.
 
     torch draws normal weights with AVX2 code only where it runs its AVX2 kernels; with AVX-512
     ones (or plain ones) it runs other code, and the weights differ in their last bits (measured:
@@ -358,15 +378,16 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     process pinned to the AVX2 kernels (the variable is read at torch's first operation, so it
     cannot be changed in this one)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2" and torch.cpu._is_avx2_supported():
-        return _build_in_avx2_child(Path(out_dir), seed)
-    return build_random_qwen2(Path(out_dir), seed=seed, **TINY_PRESET)
+        return _build_in_avx2_child(Path(out_dir), seed, name)
+    return build_random_qwen2(Path(out_dir), seed=seed, **TINY_PRESETS[name])
 
 
-def _build_in_avx2_child(out_dir: Path, seed: int) -> Path:
+def _build_in_avx2_child(out_dir: Path, seed: int, name: str) -> Path:
     """`build_tiny_model` in a child process that runs torch's AVX2 kernels."""
-    code = "import sys; from grail.models.tiny import build_tiny_model as b; b(sys.argv[1], int(sys.argv[2]))"  # noqa: E501
+    code = "import sys; from grail.models.tiny import build_tiny_model as b; b(sys.argv[1], int(sys.argv[2]), sys.argv[3])"  # noqa: E501
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    subprocess.run([sys.executable, "-c", code, str(out_dir), str(seed)], env=env, check=True)
+    argv = [sys.executable, "-c", code, str(out_dir), str(seed), name]
+    subprocess.run(argv, env=env, check=True)
     return out_dir
 
 
@@ -434,21 +455,25 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _is_complete(model_dir: Path, seed: int) -> bool:
+def _is_complete(model_dir: Path, seed: int, name: str) -> bool:
     """An intact build of the current preset (a preset edited without a version bump rebuilds)."""
     if not model_dir.is_dir() or manifest_problems(model_dir):
         return False
     manifest = json.loads((model_dir / MANIFEST_NAME).read_text())
-    return manifest.get("seed") == seed and manifest.get("preset") == TINY_PRESET
+    return manifest.get("seed") == seed and manifest.get("preset") == TINY_PRESETS[name]
 
 
-def tiny_model_cache_path(cache_dir: Path | None = None, seed: int = 0) -> Path:
-    """Where `ensure_tiny_model` keeps the model for `seed` (whether or not it is built yet)."""
+def tiny_model_cache_path(
+    cache_dir: Path | None = None, seed: int = 0, name: str = TINY_MODEL_NAME
+) -> Path:
+    """Where `ensure_tiny_model` keeps preset `name` for `seed` (built or not yet)."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return root / "models" / f"tiny-qwen2-v{BUILDER_VERSION}-seed{seed}"
+    return root / "models" / f"{name}-qwen2-v{BUILDER_VERSION}-seed{seed}"
 
 
-def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
+def ensure_tiny_model(
+    cache_dir: Path | None = None, seed: int = 0, name: str = TINY_MODEL_NAME
+) -> Path:
     """Return a directory holding the tiny model for `seed`, building it only when needed.
 
     The cache lives under `cache_dir` (default `$GRAIL_CACHE_DIR` or `~/.cache/grail`) in a
@@ -458,16 +483,18 @@ def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     match the files (partial copy, truncated weights) is rebuilt. Concurrent callers (processes
     or threads) serialise on a file lock: the first builds, the others find the finished build.
     """
-    target = tiny_model_cache_path(cache_dir, seed)
-    if _is_complete(target, seed):
+    if name not in TINY_PRESETS:
+        raise ValueError(f"no tiny preset {name!r}; known: {', '.join(TINY_PRESETS)}")
+    target = tiny_model_cache_path(cache_dir, seed, name)
+    if _is_complete(target, seed, name):
         return target
     with _file_lock(target.parent / f".{target.name}.lock"):
-        if _is_complete(target, seed):
+        if _is_complete(target, seed, name):
             return target  # another process built it while we waited
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
         try:
-            build_tiny_model(tmp, seed=seed)
-            write_manifest(tmp, {"seed": seed, "preset": TINY_PRESET})
+            build_tiny_model(tmp, seed=seed, name=name)
+            write_manifest(tmp, {"seed": seed, "preset": TINY_PRESETS[name]})
             if target.exists():
                 # Move the broken build aside first: a rename over a non-empty directory fails.
                 trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -480,6 +507,7 @@ def ensure_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
 
 
 def resolve_model(model_id: str) -> str:
-    """'tiny' is the offline tiny model (built once, cached); anything else (a local directory or
-    a hub id) is returned as is, for transformers."""
-    return str(ensure_tiny_model()) if model_id == TINY_MODEL_NAME else model_id
+    """'tiny' (or another preset's name, `TINY_PRESETS`) is the offline model (built once,
+    cached); anything else (a local directory or a hub id) is returned as is, for
+    transformers."""
+    return str(ensure_tiny_model(name=model_id)) if model_id in TINY_PRESETS else model_id

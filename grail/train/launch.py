@@ -39,7 +39,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     from grail.envs import ENVIRONMENTS, env_factory, make_env
     from grail.envs.rewards.base import RewardError
     from grail.envs.rewards.plugins import RewardFunctions
-    from grail.models import TINY_MODEL_NAME
+    from grail.models import TINY_MODEL_NAMES
 
     validate(config)
     # The GPUs named for the trainer ranks and the server exist on this machine.
@@ -61,7 +61,7 @@ def preflight(config: Config, env_group: str | None = None) -> None:
         raise ConfigError(str(exc)) from exc
     for key in ("train_id", "ref_id"):
         model_id = getattr(config.model, key)
-        if model_id is not None and model_id != TINY_MODEL_NAME:
+        if model_id is not None and model_id not in TINY_MODEL_NAMES:
             from grail.models.loading import check_hub_source, resolve_source
 
             try:
