@@ -152,19 +152,12 @@ def test_the_docs_example_runs_as_written(
 
 def test_a_run_trains_on_a_verifiers_taskset(tmp_path: Path) -> None:
     """docs/environments.md's verifiers example, shorter: the tiny model on the built-in server."""
-    from helpers.short_runs import short_config, train_records
+    from helpers.short_runs import one_iteration
 
-    from grail.train.loop import run
-
-    cfg = short_config(
+    records = one_iteration(
+        tmp_path / "run",
         "env=verifiers",
         f"data.env_kwargs.taskset={TASKSET}",
         "generation.max_new_tokens=4",
-        "train.iterations=1",
-        "data.problems_per_iteration=4",
-        "eval.num_ids=2",
     )
-    run(cfg, tmp_path / "run")
-    records = train_records(tmp_path / "run")
-    assert [r["iteration"] for r in records] == [0]
     assert records[0]["episodes"]["turns_mean"] == 2.0  # the harness's two calls, each episode

@@ -35,6 +35,20 @@ def train_records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in paths]
 
 
+def one_iteration(run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
+    """One training iteration of 4 problems in-process with `overrides` (an environment's
+    "a run trains on it" test), its train records, checked to be iteration 0's."""
+    from grail.train.loop import run
+
+    cfg = short_config(
+        *overrides, "train.iterations=1", "data.problems_per_iteration=4", "eval.num_ids=4"
+    )
+    run(cfg, run_dir)
+    records = train_records(run_dir)
+    assert [r["iteration"] for r in records] == [0]
+    return records
+
+
 def results(run_dir: Path) -> list[dict[str, Any]]:
     """The run's train and eval records without their times (`TIMED`, and every `*_s` key)."""
     paths = sorted((run_dir / "metrics").glob("*_iter_*.json"))
