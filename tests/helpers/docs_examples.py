@@ -3,6 +3,7 @@ heading, installed as an importable module (docs/environments.md's environment c
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ def python_block(page: str, heading: str) -> str:
 def install_example(
     page: str, heading: str, module: str, directory: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """That block as module `module` (a file in `directory`, put on sys.path for the test)."""
+    """That block as module `module` (a file in `directory`, put on sys.path for the test); a
+    module of that name another page's example left in sys.modules is dropped, for the test."""
     (directory / f"{module}.py").write_text(python_block(page, heading))
     monkeypatch.syspath_prepend(str(directory))
+    monkeypatch.delitem(sys.modules, module, raising=False)
