@@ -22,7 +22,7 @@ from grail.envs import make_env
 from grail.envs.episodes import is_episodic
 from grail.inference.completions import SamplingParams
 from grail.models.loading import load_tokenizer
-from grail.rollouts.batch import Sample
+from grail.rollouts.batch import RolloutBatch, Sample
 from grail.rollouts.episodes import EpisodeLimits
 from grail.rollouts.generation import RolloutGenerator
 
@@ -59,7 +59,7 @@ def _call(step: int, name: str = "increment") -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {{"step": {step}}}}}\n</tool_call>'
 
 
-def _episodes(env: Any, policy: Policy, seeds: Sequence[int], tokenizer: Any) -> list[Sample]:
+def _batch(env: Any, policy: Policy, seeds: Sequence[int], tokenizer: Any) -> RolloutBatch:
     generator = RolloutGenerator(
         env,
         tokenizer,
@@ -67,7 +67,11 @@ def _episodes(env: Any, policy: Policy, seeds: Sequence[int], tokenizer: Any) ->
         SamplingParams(max_tokens=64),
         episodes=EpisodeLimits(max_turns=4, max_tokens=2048, step_timeout_s=10.0),
     )
-    return asyncio.run(generator.generate(list(seeds), 1)).samples
+    return asyncio.run(generator.generate(list(seeds), 1))
+
+
+def _episodes(env: Any, policy: Policy, seeds: Sequence[int], tokenizer: Any) -> list[Sample]:
+    return _batch(env, policy, seeds, tokenizer).samples
 
 
 @pytest.fixture(scope="module")
@@ -155,14 +159,7 @@ def test_ids_and_mask_are_those_trls_own_code_builds(rows: Path, tokenizer: Any)
     def policy(conversation: str) -> str:
         return _call(2) if _counter(conversation) == 0 else "done"
 
-    generator = RolloutGenerator(
-        env,
-        tokenizer,
-        ScriptedPolicy(tokenizer, policy),
-        SamplingParams(max_tokens=64),
-        episodes=EpisodeLimits(max_turns=4, max_tokens=2048, step_timeout_s=10.0),
-    )
-    (group,) = asyncio.run(generator.generate([0], 1)).groups
+    (group,) = _batch(env, policy, [0], tokenizer).groups
     (sample,) = group.samples
     assert sample.reward == 1.0 and sample.sampled_mask is not None
 

@@ -56,13 +56,7 @@ from typing import TYPE_CHECKING, Any
 from grail.core.errors import UserError, first_line
 from grail.core.threads import DaemonWorkers
 from grail.envs.base import Problem
-from grail.envs.episodes import (
-    Episode,
-    EpisodeEnvironment,
-    Step,
-    check_step,
-    tools_of,
-)
+from grail.envs.episodes import Episode, EpisodeEnvironment, Step, check_step, tools_of
 from grail.envs.tools import ToolBox, ToolTimeout, ToolTurn
 from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.batch import EpisodeStats, Group, Sample

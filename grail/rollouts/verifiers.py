@@ -33,16 +33,15 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from grail.core.errors import first_line
+from grail.core.http_thread import LoopServer
 from grail.envs.verifiers_env import VerifiersEnv
 from grail.inference.completions import SamplingParams
 from grail.rollouts.batch import EpisodeStats, Group, Sample
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     from grail.inference.client import Completer
 
 MODEL_NAME = "grail-policy"
-_START_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -73,8 +71,7 @@ class Gateway:
     ) -> None:
         self.turns, self.sampling, self.max_tokens, self.key = turns, sampling, max_tokens, key
         self.sessions: dict[str, _Session] = {}
-        self._server: uvicorn.Server | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._server: LoopServer | None = None
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -124,24 +121,14 @@ class Gateway:
 
     async def start(self, port: int = 0) -> str:
         """Serve on this event loop, on `port` (0: a free one); the base URL verifiers is given
-        (".../v1")."""
-        config = uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_level="warning")
-        self._server = uvicorn.Server(config)
-        self._task = asyncio.ensure_future(self._server.serve())
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self._server.started:
-            if self._task.done() or time.monotonic() > deadline:
-                await self.stop()
-                raise RuntimeError("the verifiers gateway did not start on 127.0.0.1")
-            await asyncio.sleep(0.005)
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}/v1"
+        (".../v1"). TimeoutError when it does not listen (the port taken)."""
+        self._server = LoopServer(self.app(), "127.0.0.1", port, name="the verifiers gateway")
+        return f"{await self._server.start()}/v1"
 
     async def stop(self) -> None:
-        if self._server is not None and self._task is not None:
-            self._server.should_exit = True
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._server = self._task = None
+        if self._server is not None:
+            await self._server.stop()
+        self._server = None
 
 
 class VerifiersRunner:
@@ -185,7 +172,7 @@ class VerifiersRunner:
         gateway = Gateway(self._turns, self.sampling, self.limits.max_tokens, self._key)
         try:
             url = await gateway.start(self._port)
-        except RuntimeError:
+        except TimeoutError:
             if not self._port:
                 raise
             url = await gateway.start(0)  # the port was taken meanwhile: any other
