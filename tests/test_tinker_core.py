@@ -1,9 +1,9 @@
 """grail/tinker/core.py and checkpoints.py in-process (the SDK-driven tests are
 tests/test_tinker.py): sessions whose client died are reaped, on a timer; request ids are new on
 every start and bound to their client; checkpoint names and paths are checked (whole names, as
-every name and id grail checks); the key and the address grail-tinker starts with; the gradients
-of the losses whose formulas hold a term constant; no step after the runs ended; a checkpoint
-loads into a client of its shape whatever its seed."""
+every name and id grail checks); the key, the address and the tiny presets grail-tinker starts
+with; the gradients of the losses whose formulas hold a term constant; no step after the runs
+ended; a checkpoint loads into a client of its shape whatever its seed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from grail.models.loading import load_model
-from grail.models.tiny import ensure_tiny_model
+from grail.models.tiny import TINY_PRESETS, ensure_tiny_model
 from grail.tinker import core as tinker_core
 from grail.tinker import losses, wire
 from grail.tinker.checkpoints import Checkpoints
@@ -150,6 +150,14 @@ def test_grail_tinker_refuses_a_key_the_sdk_cannot_send(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", sorted(TINY_PRESETS))
+def test_grail_tinker_serves_every_tiny_preset_by_name(name: str) -> None:
+    """`--model tiny-wide` was taken for a directory of that name (only `tiny` was a preset)."""
+    from grail.tinker.cli import _model_dir
+
+    assert _model_dir(name) == ensure_tiny_model(name=name)
 
 
 @pytest.mark.parametrize(

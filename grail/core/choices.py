@@ -55,6 +55,16 @@ class LossType(Choice):
     dapo = "dapo"
 
 
+class LrRule(Choice):
+    """How train.lr carries over to the trained model from train.lr_reference, the model it was
+    stated for (grail/models/lr_rules.py): none: as given | hidden: by hidden size per model
+    family | params: by 1/sqrt(parameter count)."""
+
+    none = "none"
+    hidden = "hidden"
+    params = "params"
+
+
 class ImportanceSamplingLevel(Choice):
     token = "token"
     sequence = "sequence"

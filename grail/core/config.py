@@ -19,6 +19,7 @@ from grail.core.choices import (
     ISCorrection,
     KLEstimator,
     LossType,
+    LrRule,
     Mode,
     PruneMetric,
     PrunerName,
@@ -108,6 +109,15 @@ class GenerationConfig:
 class TrainConfig:
     iterations: int = 20
     lr: float = 1e-3
+    # Transfer rules (grail/models/lr_rules.py, docs/transfer.md "Transfer rules"): state lr for
+    # another model, lr_reference, fine-tuned in full, so that one lr carries over across widths,
+    # sizes and LoRA. The trainer uses lr x m(model.train_id) / m(lr_reference), x 10 under
+    # LoRA. none: lr as given (lr_reference ignored) | hidden: m = (2000 / hidden_size)^p, p per
+    # model family | params: m = 1 / sqrt(parameter count).
+    lr_rule: LrRule = LrRule.none
+    # The model lr is stated for: a preset (tiny), a local directory or a hub id, read as
+    # model.train_id is (its config.json only, never its weights). Required unless lr_rule=none.
+    lr_reference: str | None = None
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     batch_size: int = 32  # micro-batch, in samples: what the loss normalises over
@@ -294,6 +304,11 @@ class Config:
     # runs. null: a sweep's hydra.sweep.dir (every run of `grail-train -m` joins it), none for a
     # single run. Set it to make single runs, or several sweeps, one study.
     study_dir: str | None = None
+    # The fidelity this run measures its setting at, as a multi-fidelity race names its rung
+    # (hydra.sweeper.ladder, e.g. "train.iterations=67"; docs/transfer.md): set by the race,
+    # recorded in the run's config and summary, and what grail-report groups a study's runs by.
+    # Changes nothing in the run. null: not part of a ladder.
+    fidelity: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)

@@ -436,16 +436,20 @@ def write_summary(
     pruned: dict[str, Any] | None = None,
     environment: str | None = None,
     config: dict[str, Any] | None = None,
+    lr_rule: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write summary.json: "completed", "failed" with why when `error` is given, or "pruned" with
     when and why (`pruned`: iteration, value, metric, pruner, rung, best, seeds, p; see
-    `read_pruned`); returns it.
+    `read_pruned`); returns it. `lr_rule`: how train.lr_rule turned train.lr into the lr the run
+    trained with (grail.models.lr_transfer.LrTransfer.record), for a run with a rule.
 
     Only while holding the run's lock: when another process runs in `run_dir` (a second
     grail-train that failed because of it, say), the summary belongs to that run and is not
     written; a warning says so."""
     status = "failed" if error is not None else "pruned" if pruned is not None else "completed"
     summary = run_summary(run_dir, status, wall_time_s, environment=environment, config=config)
+    if lr_rule is not None:
+        summary["lr_rule"] = lr_rule
     if pruned is not None and error is None:
         summary["pruned"] = pruned
     if error is not None:

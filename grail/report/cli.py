@@ -15,6 +15,11 @@ every run is at 0: grail/study/verdicts.py), written to
 `--html [PATH]` also writes all of it as one self-contained page (default OUT/report.html;
 grail/report/html.py), the one a race rewrites after every run.
 
+A multi-fidelity race (runs with a `fidelity=`, grail/study/ladder.py) is reported per fidelity:
+the statistics of each (stats.csv gets a `fidelity` column), then each cheaper fidelity's transfer
+to the top one (`transfer_<k>.csv` and `.png`, as `--transfer` words it); --runs-csv, --plot and
+the page show the top fidelity.
+
 It reads only what runs write (`.hydra/overrides.yaml`, `metrics/*.json`, `summary.json`), each
 file atomically, so it works on a sweep that is still running and on runs that failed or were
 killed: a run is "done" (summary says completed), "failed" (summary says failed, with the error),
@@ -38,6 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from grail.core.records import atomic_write_text
+from grail.report.fidelity import by_fidelity, report_fidelities
 from grail.report.html import REPORT_HTML, write_report
 from grail.report.load import SORT_KEYS, RunReport, load_runs
 from grail.report.plots import grid_of, heatmap_path, plot, plot_heatmap, plot_seeds
@@ -178,14 +184,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats: list[SettingStats] | None = None  # the HTML page shows them when the table does
     options = (args.metric, args.csv, args.runs_csv, args.plot)
     wanted = any(x is not None for x in options) or settings != REPORT_SETTINGS
-    if wanted or any(seed_of(r.overrides) != DEFAULT_SEED for r in runs):
+    # a multi-fidelity race: its statistics per fidelity, and each cheaper one's transfer to the top
+    fidelities = by_fidelity(runs, root)
+    if fidelities or wanted or any(seed_of(r.overrides) != DEFAULT_SEED for r in runs):
         metric: str = args.metric or "auc"
-        groups, stats = seed_stats(runs, metric, settings)
-        console.print()
-        print_seed_stats(console, groups, stats, metric, settings)
         stats_csv: Path = args.csv if args.csv is not None else out / STATS_CSV_NAME
-        atomic_write_text(stats_csv, stats_csv_text(stats))
-        written = [stats_csv]
+        if fidelities:
+            written = report_fidelities(console, fidelities, metric, settings, out, stats_csv)
+            # --runs-csv, --plot and the page: the top fidelity's, the study's verdict
+            groups, stats = seed_stats(fidelities[-1][1], metric, settings)
+        else:
+            groups, stats = seed_stats(runs, metric, settings)
+            console.print()
+            print_seed_stats(console, groups, stats, metric, settings)
+            atomic_write_text(stats_csv, stats_csv_text(stats))
+            written = [stats_csv]
         if args.runs_csv is not None:
             atomic_write_text(args.runs_csv, runs_csv_text(groups))
             written.append(args.runs_csv)

@@ -218,6 +218,11 @@ def stats_csv_text(stats: Sequence[SettingStats]) -> str:
     """One row per setting (best first): its verdict (outcome, Holm-adjusted p and effect against
     the best, seeds to separate), n and censored seeds, mean and interval; p and effect empty for
     the best, seeds_to_separate empty unless not separated."""
+    return csv_text(STATS_CSV_COLUMNS, stats_csv_rows(stats))
+
+
+def stats_csv_rows(stats: Sequence[SettingStats]) -> list[dict[str, Any]]:
+    """stats_csv_text's rows."""
     rows = []
     for s in stats:
         v = s.verdict
@@ -249,7 +254,7 @@ def stats_csv_text(stats: Sequence[SettingStats]) -> str:
                 "censored_seeds": " ".join(sorted(s.censored, key=natural_key)),
             }
         )
-    return csv_text(STATS_CSV_COLUMNS, rows)
+    return rows
 
 
 def runs_csv_text(groups: dict[str, list[SeedRun]]) -> str:

@@ -96,6 +96,9 @@ class Race:
     options: RaceOptions
     judge: Judge
     decided: Decided
+    # A rung of a multi-fidelity race (grail/study/ladder.py) may hold one setting, the only one
+    # promoted to it: it runs its initial seeds, and is best by elimination.
+    alone: bool = False
     started: dict[str, set[int]] = field(default_factory=dict)  # seeds launched (ended or not)
     running: set[Run] = field(default_factory=set)
     values: dict[str, dict[int, float]] = field(default_factory=dict)  # ended with a value
@@ -103,7 +106,7 @@ class Race:
     _verdicts: list[Verdict] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.settings) < 2:
+        if len(self.settings) < (1 if self.alone else 2):
             named = f" ({self.settings[0]})" if self.settings else ""
             raise SweepError(
                 f"a race needs at least two settings to compare, got {len(self.settings)}{named}: "
@@ -148,7 +151,7 @@ class Race:
 
     def verdicts(self) -> list[Verdict]:
         """The judge's verdicts over the values so far (settings without one are left out);
-        [] until two settings have values."""
+        [] until two settings have values (one, in a race of one setting)."""
         if self._verdicts is not None:
             return self._verdicts
         scored = {
@@ -156,7 +159,8 @@ class Race:
             for label, by_seed in self.values.items()
             if by_seed
         }
-        self._verdicts = list(self.judge(scored)) if len(scored) >= 2 else []
+        enough = min(2, len(self.settings))
+        self._verdicts = list(self.judge(scored)) if len(scored) >= enough else []
         return self._verdicts
 
     def is_decided(self) -> bool:

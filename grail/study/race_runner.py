@@ -170,7 +170,9 @@ def runs_left(race: Race) -> int:
     return left if options.max_runs is None else min(left, max(0, options.max_runs - race.runs))
 
 
-def progress_state(race: Race, settings: Sequence[Setting], metric: str) -> State:
+def progress_state(
+    race: Race, settings: Sequence[Setting], metric: str, title: str = "race"
+) -> State:
     """What the terminal shows of the race (grail/study/progress.py), per setting from the same
     verdicts as verdict.json."""
     record = verdict_record(race, settings)
@@ -191,7 +193,7 @@ def progress_state(race: Race, settings: Sequence[Setting], metric: str) -> Stat
         )
     note = "nothing learnt" if record["nothing_learnt"] else "decided" if record["decided"] else ""
     return State(
-        "race",
+        title,
         "runs",
         metric,
         ended=race.ended,
@@ -266,12 +268,28 @@ class RaceRunner:
         metric: str,
         parallel: int | None,
         page: Callable[..., Any] | None = None,
+        subdir: str = "",
+        grid_size: int | None = None,
+        title: str = "race",
+        reuse: Callable[[Setting, int, Path], bool] | None = None,
     ) -> None:
-        """`page(sweep_dir, race_over=...)`: draws report.html after each verdict.json, if given."""
+        """`page(sweep_dir, race_over=...)`: draws report.html after each verdict.json, if given.
+        A rung of a multi-fidelity race (grail/study/ladder.py) is a race in a directory below
+        the sweep's: `subdir` (e.g. "r1/") names it for hydra.sweep.subdir, and `grid_size` is
+        the number of the study's settings, of which `settings` (those promoted to the rung) may
+        be a few."""
         self.race = race
         self.settings = {s.label: s for s in settings}
         self.fixed = fixed
         self.sweep_dir = sweep_dir
+        self.subdir = subdir
+        self.grid_size = len(settings) if grid_size is None else grid_size
+        # `reuse(setting, seed, run_dir)`: before a run's first launch, may fill its directory
+        # with a run to continue (a ladder's cheaper rung, grail/study/ladder_runner.py); True:
+        # it did, and the run is launched with resume=true
+        self.reuse = reuse
+        self.resumed: set[Run] = set()
+        self._resuming = any(override_key(o) == "resume" for o in fixed)
         self.launcher = launcher
         self.metric = metric
         self.threaded = launcher_target in THREADED_LAUNCHERS
@@ -282,7 +300,7 @@ class RaceRunner:
         self.to_relaunch: list[Run] = []
         self.page = PageWriter(sweep_dir, page) if page is not None else None
         self.progress = StudyProgress(
-            lambda: progress_state(self.race, settings, metric), in_process=not self.threaded
+            lambda: progress_state(self.race, settings, metric, title), in_process=not self.threaded
         )
 
     def run_dir(self, run: Run) -> Path:
@@ -296,20 +314,28 @@ class RaceRunner:
             *self.fixed,
             *self.settings[label].overrides,
             f"{SEED_KEY}={seed}",
-            f"hydra.sweep.subdir={name}",
+            f"hydra.sweep.subdir={self.subdir}{name}",
+            *(["resume=true"] if run in self.resumed and not self._resuming else []),
         ]
 
     def load(self) -> None:
         """Every run an earlier invocation started (whatever max_seeds was then): ended ones
         read, the others (killed, failed) to be launched again first. A directory made for
         another setting raises SweepError."""
-        by_index = list(self.settings.values())
+        by_index = {s.index: s for s in self.settings.values()}
         found = []
         for path in self.sweep_dir.iterdir() if self.sweep_dir.is_dir() else []:
             if path.is_dir() and (match := RUN_NAME.fullmatch(path.name)):
                 index, seed = int(match[1]), int(match[2])
-                if index >= len(by_index):
-                    raise SweepError(f"{path} is not a run of this race's {len(by_index)} settings")
+                if index >= self.grid_size:
+                    raise SweepError(
+                        f"{path} is not a run of this race's {self.grid_size} settings"
+                    )
+                if index not in by_index:
+                    # a rung's run of a setting no longer promoted to it (a resume retried a
+                    # failed run below, which changed the verdicts): kept, not raced
+                    log.warning("race: %s is not a run of a setting in this rung; left out", path)
+                    continue
                 found.append((seed, index, path))
         for seed, index, run_dir in sorted(found):
             setting = by_index[index]
@@ -369,6 +395,10 @@ class RaceRunner:
                     run, again = nxt
                     if not again:
                         self.race.start(run)
+                        if self.reuse is not None and self.reuse(
+                            self.settings[run[0]], run[1], self.run_dir(run)
+                        ):
+                            self.resumed.add(run)
                     slot = free.pop(0)
                     running[slot] = run
                     log.info(

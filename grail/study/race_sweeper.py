@@ -41,8 +41,16 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from grail.core.records import LAUNCH_KEYS, atomic_write_text, override_key
+from grail.study.ladder import FRACTIONS, Rung, continued_iterations, parse_ladder
+from grail.study.ladder_runner import (
+    LADDER_RECORD,
+    check_ladder_record,
+    climb,
+    continue_run,
+    fidelity_override,
+)
 from grail.study.race import Decided, Judge, Race, RaceOptions
-from grail.study.race_runner import RaceRunner, Setting
+from grail.study.race_runner import RaceRunner, Setting, run_name
 from grail.study.stats import SEED_KEY
 from grail.study.sweep import SweepError
 from grail.study.sweeper_base import GrailSweeper, sweep_overrides
@@ -68,6 +76,7 @@ class RaceSweeperConf:
     alpha: float = 0.05
     delta: float = 0.02
     max_batch_size: int | None = None
+    ladder: list[str] | None = None  # cheaper fidelities, cheapest first (grail/study/ladder.py)
 
 
 ConfigStore.instance().store(
@@ -134,8 +143,10 @@ class RaceSweeper(GrailSweeper):
         alpha: float = 0.05,
         delta: float = 0.02,
         max_batch_size: int | None = None,
+        ladder: Sequence[str] | None = None,
     ) -> None:
         super().__init__(params, max_batch_size)
+        self.ladder = None if ladder is None else list(ladder)
         self.initial_seeds = initial_seeds
         self.max_seeds = max_seeds
         self.max_runs = max_runs
@@ -218,6 +229,14 @@ class RaceSweeper(GrailSweeper):
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         resume = bool(OmegaConf.select(self.config, "resume", default=False))
+        if self.ladder is not None:
+            return self._climb(settings, fixed, options, sweep_dir, resume)
+        if (sweep_dir / LADDER_RECORD).is_file():
+            raise SweepError(
+                f"{sweep_dir} holds a multi-fidelity race ({LADDER_RECORD}): rerun its own "
+                "command (with its hydra.sweeper.ladder) and resume=true, or choose another "
+                "hydra.sweep.dir"
+            )
         record = self._record(settings, fixed)
         self._check_record(sweep_dir, record, resume)
         atomic_write_text(sweep_dir / RACE_RECORD, json.dumps(record, indent=2) + "\n")
@@ -246,3 +265,109 @@ class RaceSweeper(GrailSweeper):
         )
         runner.load()
         return runner.run()
+
+    # -- the multi-fidelity race --
+
+    def _base(self, fixed: Sequence[str]) -> dict[str, int]:
+        """The values a rung's fractions scale: the command's (a fixed override wins over the
+        composed config, which Hydra composes without the sweep's own params)."""
+        assert self.config is not None
+        base = {}
+        for key in FRACTIONS.values():
+            value = OmegaConf.select(self.config, key, default=None)
+            for override in fixed:
+                if override_key(override) == key:
+                    value = override.split("=", 1)[1]
+            try:
+                base[key] = int(value)
+            except (TypeError, ValueError):
+                continue
+        return base
+
+    def _climb(
+        self,
+        settings: list[Setting],
+        fixed: list[str],
+        options: RaceOptions,
+        sweep_dir: Path,
+        resume: bool,
+    ) -> list[Any]:
+        assert self.config is not None and self.launcher is not None
+        base = self._base(fixed)
+        rungs = parse_ladder(self.ladder or [], base)
+        for rung in rungs[:-1]:  # a rung's misspelt key fails here, before any run
+            self.validate_batch_is_legal(
+                [[*fixed, *rung.overrides, fidelity_override(rung), *settings[0].overrides]]
+            )
+        record = {
+            **self._record(settings, fixed),
+            "ladder": [{"fidelity": r.name, "overrides": list(r.overrides)} for r in rungs],
+        }
+        if (sweep_dir / RACE_RECORD).is_file():
+            raise SweepError(
+                f"{sweep_dir} holds a race without a ladder ({RACE_RECORD}): choose another "
+                "hydra.sweep.dir for a multi-fidelity race"
+            )
+        check_ladder_record(sweep_dir, record, resume)
+        atomic_write_text(sweep_dir / LADDER_RECORD, json.dumps(record, indent=2) + "\n")
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        judge, decided = self._judge()
+        launcher = self.launcher
+        launcher_target = OmegaConf.select(self.config, "hydra.launcher._target_", default=None)
+        log.info(
+            "multi-fidelity race of %d settings in %s, rungs %s: %d seeds each, then up to %d, "
+            "%s, alpha %g, delta %g",
+            len(settings),
+            sweep_dir,
+            " -> ".join(r.name for r in rungs),
+            options.initial_seeds,
+            options.max_seeds,
+            self.metric,
+            self.alpha,
+            self.delta,
+        )
+
+        def start_rung(rung: Rung, members: list[Setting]) -> tuple[Race, RaceRunner]:
+            race = Race([s.label for s in members], options, judge, decided, alone=True)
+            rung_dir = sweep_dir / rung.directory
+            own = {override_key(o) for o in rung.overrides}
+            rung_fixed = [
+                *(o for o in fixed if override_key(o) not in own),
+                *rung.overrides,
+                fidelity_override(rung),
+            ]
+            rung_record = self._record(members, rung_fixed)
+            self._check_record(rung_dir, rung_record, resume=True)  # the ladder was checked
+            rung_dir.mkdir(parents=True, exist_ok=True)
+            below = rungs[rung.index - 1] if rung.index else None
+            continued = None if below is None else continued_iterations(below, rung, base)
+
+            def reuse(setting: Setting, seed: int, run_dir: Path) -> bool:
+                """A promoted setting's run continues its run of the rung below (same seed),
+                when the two rungs differ only in train.iterations."""
+                assert below is not None and continued is not None
+                lower = sweep_dir / below.directory / run_name(setting, seed)
+                overrides = runner.overrides((setting.label, seed))
+                return continue_run(lower, run_dir, continued, rung.name, overrides)
+
+            atomic_write_text(rung_dir / RACE_RECORD, json.dumps(rung_record, indent=2) + "\n")
+            self.race = race
+            runner = RaceRunner(
+                race,
+                members,
+                rung_fixed,
+                rung_dir,
+                launcher=launcher,
+                launcher_target=launcher_target,
+                metric=self.metric,
+                parallel=self.max_batch_size,
+                page=self.draw_page,
+                subdir=f"{rung.directory}/",
+                grid_size=len(settings),
+                title=f"race, rung {rung.index + 1}/{len(rungs)} ({rung.name})",
+                reuse=None if continued is None else reuse,
+            )
+            runner.load()
+            return race, runner
+
+        return climb(rungs, settings, start_rung, sweep_dir)

@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (the offline tiny model), a local model directory or a hub id",
+        help="an offline tiny model (tiny, or tiny-wide at twice its width), a local model "
+        "directory or a hub id",
     )
     p.add_argument(
         "--name",
@@ -201,7 +202,6 @@ def serve(args: argparse.Namespace) -> None:
 
     from grail.core.records import run_lock
     from grail.models.loading import load_model
-    from grail.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
     from grail.tinker.app import create_app
     from grail.tinker.checkpoints import Checkpoints
     from grail.tinker.core import ModelInfo, TinkerCore
@@ -216,7 +216,7 @@ def serve(args: argparse.Namespace) -> None:
     )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise TinkerArgsError(f"--device {args.device}: CUDA is not available on this machine")
-    model_dir = _model_dir(args.model, TINY_MODEL_NAME, ensure_tiny_model)
+    model_dir = _model_dir(args.model)
     name = args.name or args.model
     run_dir = args.run_dir or Path("outputs/tinker") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     run_dir = run_dir.resolve()
@@ -287,13 +287,15 @@ def sampler_engine(
         raise TinkerArgsError(f"--sampler {args.sampler}: {exc}") from exc
 
 
-def _model_dir(model: str, tiny_name: str, ensure_tiny: object) -> Path:
-    """A local directory holding the model: the tiny model's cache, the directory given, or a
-    hub id's snapshot (downloaded once; the engine and the SDK's tokenizer read it locally)."""
+def _model_dir(model: str) -> Path:
+    """A local directory holding the model: a tiny preset's cache (`TINY_PRESETS`, as
+    grail-train's model.train_id names them), the directory given, or a hub id's snapshot
+    (downloaded once; the engine and the SDK's tokenizer read it locally)."""
     from grail.models.loading import check_model_source, is_hub_id
+    from grail.models.tiny import TINY_PRESETS, ensure_tiny_model
 
-    if model == tiny_name:
-        return Path(ensure_tiny())  # type: ignore[operator]
+    if model in TINY_PRESETS:
+        return ensure_tiny_model(name=model)
     path = Path(model).expanduser()
     if path.exists() or not is_hub_id(model):
         check_model_source(path)

@@ -42,6 +42,7 @@ from grail.core.records import (
     write_summary,
 )
 from grail.models.loading import check_model_source
+from grail.models.lr_transfer import LrTransfer, lr_transfer
 from grail.models.tiny import resolve_model
 from grail.rollouts.batch import GeneratedBatch, RolloutBatch, RolloutSource, Sample, WeightSync
 from grail.study.prune import open_trial
@@ -121,7 +122,7 @@ def train(
         run_iterations(cfg, run_dir, parts.trainer, parts.source, recorder)
 
     part.save()  # its wall time in parts.json, then in the summary
-    return summarize(cfg, run_dir, part.wall_time_s, parts.display)
+    return summarize(cfg, run_dir, part.wall_time_s, parts.display, parts.trainer.lr_transfer)
 
 
 def run_iterations(
@@ -292,7 +293,8 @@ def finished(
     wall_time_s = (read_json(run_dir / SUMMARY) or {}).get("wall_time_s", 0.0)
     if not isinstance(wall_time_s, int | float):
         wall_time_s = 0.0
-    return summarize(cfg, run_dir, wall_time_s, Display())
+    # Still nothing loads: a rule reads the two models' configs only.
+    return summarize(cfg, run_dir, wall_time_s, Display(), lr_transfer(cfg.train, cfg.model))
 
 
 def check_models(cfg: Config, resume_from: CheckpointRef | None) -> None:
@@ -308,15 +310,23 @@ def check_models(cfg: Config, resume_from: CheckpointRef | None) -> None:
 # ---- records --------------------------------------------------------------------------------
 
 
-def summarize(cfg: Config, run_dir: Path, wall_time_s: float, display: Display) -> dict[str, Any]:
+def summarize(
+    cfg: Config,
+    run_dir: Path,
+    wall_time_s: float,
+    display: Display,
+    transfer: LrTransfer | None = None,
+) -> dict[str, Any]:
     """Write summary.json (see grail/core/records.py for `wall_time_s`) and show it; returns it.
-    "pruned" when the run's prune_trial.json says the pruner stopped it."""
+    "pruned" when the run's prune_trial.json says the pruner stopped it. `transfer`: the lr
+    train.lr_rule made of train.lr, recorded as `lr_rule` beside the config's stated train.lr."""
     summary = write_summary(
         run_dir,
         wall_time_s,
         pruned=read_pruned(run_dir),
         environment=cfg.data.environment,
         config=config_record(cfg),
+        lr_rule=None if transfer is None else transfer.record(),
     )
     display.summary(summary, run_dir)
     return summary

@@ -36,6 +36,7 @@ from grail.models.lora import (
     with_new_adapter,
     with_saved_adapter,
 )
+from grail.models.lr_transfer import LrTransfer, lr_transfer
 from grail.models.packed_attention import use_packed_sdpa
 from grail.models.tiny import resolve_model
 from grail.rollouts.batch import Group, RolloutBatch
@@ -192,9 +193,14 @@ class Trainer:
                     use_packed_sdpa(self.ref_model)
                 self.ref_model = self._shard(self.ref_model)
         model = self._shard(model)
+        # train.lr_rule: train.lr stated for another model, carried over to this one; without a
+        # rule, train.lr itself (the default job's numbers stay bit for bit).
+        self.lr_transfer: LrTransfer | None = lr_transfer(cfg.train, cfg.model)
+        if self.lr_transfer is not None:
+            log.info("%s", self.lr_transfer.describe())
         optimizer = torch.optim.AdamW(
             trainable_parameters(model),
-            lr=cfg.train.lr,
+            lr=cfg.train.lr if self.lr_transfer is None else self.lr_transfer.lr,
             betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
             weight_decay=cfg.train.weight_decay,
         )
