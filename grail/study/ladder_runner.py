@@ -33,7 +33,6 @@ from grail.study.ladder import TOP, Overturned, Rung, overturned, promoted
 from grail.study.race import Race
 from grail.study.race_runner import VERDICT, RaceRunner, Setting, verdict_record
 from grail.study.runs import append_attempt, read_config, run_status
-from grail.study.sweep import SweepError
 
 log = logging.getLogger("grail.study.race")
 
@@ -105,26 +104,6 @@ def ladder_record(climbed: Sequence[Climbed], rungs: Sequence[Rung]) -> dict[str
 
 def _as_dict(overrides: Sequence[str]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in overrides)
-
-
-def check_ladder_record(sweep_dir: Path, record: dict[str, Any], resume: bool) -> None:
-    """A directory that holds a ladder continues only with resume=true and the same ladder."""
-    path = sweep_dir / LADDER_RECORD
-    if not path.is_file():
-        return
-    if not resume:
-        raise SweepError(
-            f"{sweep_dir} holds a multi-fidelity race already ({LADDER_RECORD}): add resume=true "
-            "to continue it, or choose another hydra.sweep.dir"
-        )
-    stored = json.loads(path.read_text())
-    changed = [k for k in record if stored.get(k) != record[k]]
-    if changed:
-        what = "; ".join(f"{k}: {stored.get(k)} before, {record[k]} now" for k in changed)
-        raise SweepError(
-            f"{sweep_dir} holds another multi-fidelity race ({what}): rerun its own command with "
-            "resume=true, or start a new one (a new hydra.sweep.dir)"
-        )
 
 
 def continue_run(

@@ -16,7 +16,7 @@ import queue
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,6 +203,26 @@ def progress_state(
         rows=tuple(rows),
         note=note,
     )
+
+
+def check_record(path: Path, record: Mapping[str, Any], resume: bool, what: str) -> None:
+    """A directory that holds a study (its record at `path`: race.json, a ladder's ladder.json)
+    continues only with resume=true and the same study; `what` names it in the messages."""
+    if not path.is_file():
+        return
+    if not resume:
+        raise SweepError(
+            f"{path.parent} holds {what} already ({path.name}): add resume=true to continue it, "
+            "or choose another hydra.sweep.dir"
+        )
+    stored = json.loads(path.read_text())
+    changed = [k for k in record if stored.get(k) != record[k]]
+    if changed:
+        diff = "; ".join(f"{k}: {stored.get(k)} before, {record[k]} now" for k in changed)
+        raise SweepError(
+            f"{path.parent} holds another {what.removeprefix('a ')} ({diff}): rerun its own "
+            "command with resume=true, or start a new one (a new hydra.sweep.dir)"
+        )
 
 
 # ---- report.html ------------------------------------------------------------------------------

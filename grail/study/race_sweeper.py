@@ -44,13 +44,12 @@ from grail.core.records import LAUNCH_KEYS, atomic_write_text, override_key
 from grail.study.ladder import FRACTIONS, Rung, continued_iterations, parse_ladder
 from grail.study.ladder_runner import (
     LADDER_RECORD,
-    check_ladder_record,
     climb,
     continue_run,
     fidelity_override,
 )
 from grail.study.race import Decided, Judge, Race, RaceOptions
-from grail.study.race_runner import RaceRunner, Setting, run_name
+from grail.study.race_runner import RaceRunner, Setting, check_record, run_name
 from grail.study.stats import SEED_KEY
 from grail.study.sweep import SweepError
 from grail.study.sweeper_base import GrailSweeper, sweep_overrides
@@ -195,25 +194,6 @@ class RaceSweeper(GrailSweeper):
             "metric": self.metric,
         }
 
-    def _check_record(self, sweep_dir: Path, record: Mapping[str, Any], resume: bool) -> None:
-        """A directory that holds a race continues it only with resume=true and the same race."""
-        path = sweep_dir / RACE_RECORD
-        if not path.is_file():
-            return
-        if not resume:
-            raise SweepError(
-                f"{sweep_dir} holds a race already ({RACE_RECORD}): add resume=true to continue "
-                "it, or choose another hydra.sweep.dir"
-            )
-        stored = json.loads(path.read_text())
-        changed = [k for k in ("settings", "fixed", "metric") if stored.get(k) != record[k]]
-        if changed:
-            what = "; ".join(f"{k}: {stored.get(k)} before, {record[k]} now" for k in changed)
-            raise SweepError(
-                f"{sweep_dir} holds another race ({what}): rerun its own command with "
-                "resume=true, or start a new race (a new hydra.sweep.dir)"
-            )
-
     # -- the race --
 
     def sweep(self, arguments: list[str]) -> list[Any]:
@@ -238,7 +218,7 @@ class RaceSweeper(GrailSweeper):
                 "hydra.sweep.dir"
             )
         record = self._record(settings, fixed)
-        self._check_record(sweep_dir, record, resume)
+        check_record(sweep_dir / RACE_RECORD, record, resume, "a race")
         atomic_write_text(sweep_dir / RACE_RECORD, json.dumps(record, indent=2) + "\n")
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         self.race = race
@@ -308,7 +288,7 @@ class RaceSweeper(GrailSweeper):
                 f"{sweep_dir} holds a race without a ladder ({RACE_RECORD}): choose another "
                 "hydra.sweep.dir for a multi-fidelity race"
             )
-        check_ladder_record(sweep_dir, record, resume)
+        check_record(sweep_dir / LADDER_RECORD, record, resume, "a multi-fidelity race")
         atomic_write_text(sweep_dir / LADDER_RECORD, json.dumps(record, indent=2) + "\n")
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         judge, decided = self._judge()
@@ -337,7 +317,8 @@ class RaceSweeper(GrailSweeper):
                 fidelity_override(rung),
             ]
             rung_record = self._record(members, rung_fixed)
-            self._check_record(rung_dir, rung_record, resume=True)  # the ladder was checked
+            # the ladder was checked: a rung directory left by another ladder still is refused
+            check_record(rung_dir / RACE_RECORD, rung_record, True, "a race")
             rung_dir.mkdir(parents=True, exist_ok=True)
             below = rungs[rung.index - 1] if rung.index else None
             continued = None if below is None else continued_iterations(below, rung, base)
