@@ -267,6 +267,8 @@ def test_a_real_ladder_through_grail_train(tmp_path: Path) -> None:
         parts = json.loads((run / "summary.json").read_text())["parts"]
         assert [p["first_iteration"] for p in parts] == [0, 1], parts
     assert f"{top[0]} continues {tmp_path / 'r0' / top[0].name}" in out
+    cheap = json.loads((tmp_path / "r0" / top[0].name / "summary.json").read_text())
+    assert cheap["status"] == "completed" and cheap["iterations"] == 1  # left as it was
 
     # and its metrics are a fresh three-iteration run's, bitwise (the cheap run's last eval gone)
     overrides = yaml.safe_load((top[0] / ".hydra" / "overrides.yaml").read_text())
