@@ -633,14 +633,27 @@ import ast  # noqa: E402
 import importlib  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
+import types  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
+from helpers import forked  # noqa: E402
 from helpers.run_dirs import make_run  # noqa: E402
 
 # The smallest grail-train run that evaluates (seeds.py and service.py read its final eval).
 RUN = "data.problems_per_iteration=2 data.rollouts_per_problem=2 eval.num_ids=2 eval.replicates=1"
 RUN += " eval.report_ks=[1]"
 NO_CUDA = "needs a CUDA device; torch sees none"
+
+
+# `subprocess` as the scripts see it here: its Popen forks a `python -m grail.train.cli` worker
+# (common.run_worker's, service.py's trainer) from this pytest worker's runner, as the suite's
+# own grail-train runs are (tests/helpers/forked.py: the same arguments, environment, session
+# and exit status), instead of a new interpreter importing torch again (~5 CPU-s a worker;
+# study.py and under_load.py start two). Any other command (a script re-running itself as its
+# worker, the hogs) is subprocess.Popen's own.
+_FORKING = types.ModuleType("subprocess")
+_FORKING.__dict__.update(vars(subprocess))
+_FORKING.Popen = forked.popen  # type: ignore[attr-defined]
 
 
 def _main(script: str, args: str, *more: str | Path) -> int | None:
@@ -791,6 +804,7 @@ def smoke_seeds(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def smoke_service(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp / "r.json"
+    monkeypatch.setattr(importlib.import_module("service"), "subprocess", _FORKING)
     _main("service.py", f"--workers 2 --timeout 300 train.iterations=1 {RUN} --out", out)
     assert _results(out)["groups"] >= 1
 
@@ -883,6 +897,7 @@ def test_every_benchmark_runs_its_smallest_configuration(
     script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads = torch.get_num_threads()  # several scripts set this process's
+    monkeypatch.setattr(common, "subprocess", _FORKING)  # run_worker's workers
     try:
         SMOKE[script](tmp_path, monkeypatch)
     finally:

@@ -64,8 +64,13 @@ def perturbed_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def servers(model_dir: Path, perturbed_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     logs = tmp_path_factory.mktemp("logs")
+    # `fresh` ends in test_sigterm_shuts_the_server_down_cleanly: a new interpreter, whose own
+    # exit (its threads included) that test checks.
     with side_by_side(
-        logs, main=(model_dir, ("--api-key", API_KEY)), fresh=(perturbed_dir, ())
+        logs,
+        new_interpreters=("fresh",),
+        main=(model_dir, ("--api-key", API_KEY)),
+        fresh=(perturbed_dir, ()),
     ) as started:
         yield started
 

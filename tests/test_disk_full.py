@@ -221,12 +221,13 @@ def test_a_run_whose_disk_fills_in_a_checkpoint_stops_in_one_line_and_resumes(
 ) -> None:
     run_dir = tmp_path / "run"
     args = [*SMALL, "train.iterations=3", "eval.enabled=false", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(
+    proc = forked.popen(  # the program forked from the runner: no new interpreter's imports
         [sys.executable, "-c", _FULL_AT_SECOND_CHECKPOINT, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        program=True,
     )
     out = finish(proc)
     assert proc.returncode == 1, out[-3000:]

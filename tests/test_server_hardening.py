@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import forked
 from helpers.builtin_server import (
     API_KEY,
     AUTH,
@@ -406,6 +407,8 @@ def test_train_and_serve_resolve_model_names_in_one_place() -> None:
 def test_an_unknown_model_says_what_model_takes(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     command = [sys.executable, "-m", "grail.inference.builtin.server", "--model", str(missing)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    # Forked from the test runner (helpers/forked.py): what it prints and its exit code are the
+    # program's, without a new interpreter's imports.
+    proc = forked.run(command, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert str(missing) in proc.stderr and "'tiny'" in proc.stderr

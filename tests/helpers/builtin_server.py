@@ -7,7 +7,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Self
 
@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from grail.inference.os_process import free_port
+from helpers.forked import popen
 
 API_KEY = "test-key"
 NAME = "tiny"
@@ -32,20 +33,27 @@ class ServerProcess:
     health_path = "/health"
     stop_timeout = 15.0
 
-    def __init__(self, model_dir: Path | str, log_path: Path, *extra: str) -> None:
+    def __init__(
+        self, model_dir: Path | str, log_path: Path, *extra: str, new_interpreter: bool = False
+    ) -> None:
         self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
         self.port = free_port()
         self._spawn(log_path, [
             sys.executable, "-m", "grail.inference.builtin.server",
             "--model", str(model_dir), "--served-model-name", NAME,
             "--port", str(self.port), "--threads", "1", "--max-batch-size", "16", *extra,
-        ])  # fmt: skip
+        ], new_interpreter)  # fmt: skip
 
-    def _spawn(self, log_path: Path, command: list[str]) -> None:
+    def _spawn(self, log_path: Path, command: list[str], new_interpreter: bool = False) -> None:
+        """Start `command`. grail-serve is forked from the test runner (helpers/forked.py), as
+        grail-train forks its servers from its zygote: ready without a new interpreter's ~5 s
+        of imports. `new_interpreter` for a test of how the process itself ends (a forked one
+        leaves by os._exit, without the interpreter's wait for its threads)."""
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        start = subprocess.Popen if new_interpreter else popen
+        self.proc = start(command, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -87,14 +95,19 @@ class ServerProcess:
 
 @contextlib.contextmanager
 def side_by_side(
-    logs: Path, **specs: tuple[Path | str, tuple[str, ...]]
+    logs: Path,
+    new_interpreters: Collection[str] = (),
+    **specs: tuple[Path | str, tuple[str, ...]],
 ) -> Iterator[dict[str, ServerProcess]]:
-    """Servers started side by side, name=(model, extra args), each logging to `logs`/name.log;
-    yielded once all are ready, all stopped on exit."""
+    """Servers started side by side, name=(model, extra args), each logging to `logs`/name.log
+    (those named in `new_interpreters` as new interpreters: `ServerProcess`); yielded once all
+    are ready, all stopped on exit."""
     started: dict[str, ServerProcess] = {}
     try:
         for name, (model, extra) in specs.items():
-            started[name] = ServerProcess(model, logs / f"{name}.log", *extra)
+            started[name] = ServerProcess(
+                model, logs / f"{name}.log", *extra, new_interpreter=name in new_interpreters
+            )
         for server in started.values():
             server.wait_ready()
         yield started

@@ -14,11 +14,17 @@ stderr as Popen set them up, its own session or process group when asked, the de
 dispositions, a process title that is its command line (tests find processes by it), and none of
 the runner's files. Where it could differ it is not forked: a request whose environment differs
 from the runner's in any variable a module may read at import time (all but `LAZY`: a test's
-PYTHONPATH hook, another HF_HOME), any other command, or any Popen option this module does not
-reproduce (`preexec_fn`, `pass_fds`, `user`, ...) starts a new interpreter as before. torch reads
-ATEN_CPU_CAPABILITY at the first tensor operation and MKL its variables at the first GEMM, which
-the runner never runs: a forked run picks its kernels from its own environment, as a new
-interpreter does (the fingerprint test checks it bitwise).
+PYTHONPATH hook, another HF_HOME; unless the request names it as read only by the interpreters
+grail-train starts, `for_its_children`), any other command, or any Popen option this module
+does not reproduce (`preexec_fn`, `pass_fds`, `user`, ...) starts a new interpreter as before.
+torch reads ATEN_CPU_CAPABILITY at the first tensor operation and MKL its variables at the first
+GEMM, which the runner never runs: a forked run picks its kernels from its own environment, as a
+new interpreter does (the fingerprint test checks it bitwise). grail-serve (`python -m
+grail.inference.builtin.server`) is forked the same way, as grail-train's zygote forks its
+servers, and so is a `python -c PROGRAM` that a test marks as running grail-train (`popen`'s
+`program`). What a forked process does not do is a new interpreter's own exit: it ends with
+os._exit after its atexit functions, without waiting for its non-daemon threads, so a test of
+how a process ends with a thread still running starts a new interpreter.
 
 Exit statuses: the forked grail-train is the runner's child; the runner reaps it and sends its
 raw wait status over the request's connection, which `ForkedPopen._try_wait` reads where Popen
@@ -40,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +57,9 @@ from grail.inference.zygote import (
 )
 
 FORKED_MODULE = "grail.train.cli"
+# What else a request may run (`python -m MODULE`): grail-serve, which the runner imports for
+# grail-train's zygote anyway, and which grail-train's runs fork from their zygote just so.
+FORKED_MODULES = (FORKED_MODULE, "grail.inference.builtin.server")
 # Variables read when they are used, not when a module is imported: a request may differ from
 # the runner in these and still be forked.
 LAZY = frozenset(
@@ -59,6 +69,11 @@ LAZY = frozenset(
         "MKL_CBWR",
         "CUDA_VISIBLE_DEVICES",
         "PYTEST_CURRENT_TEST",  # pytest sets it for each test
+        # The Tinker SDK reads it as a client starts (tinker.lib.telemetry). The worker gets it
+        # (setdefault) when helpers/tinker_server.py or benchmarks/tinker_overhead.py is
+        # imported: after that, in a worker whose runner had started, every run was exec'd.
+        "TINKER_TELEMETRY",
+        "GRAIL_TEST_STUCK_MARKER",  # tests/cli_plugins.py reads it as its plugin is called
     }
 )
 _SUPPORTED = {"executable": None, "preexec_fn": None, "shell": False, "pass_fds": ()}
@@ -68,20 +83,37 @@ _runner: _Runner | None = None
 _runner_lock = threading.Lock()
 
 
-def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+def popen(
+    args: list[str],
+    *,
+    for_its_children: frozenset[str] = frozenset(),
+    program: bool = False,
+    **kwargs: Any,
+) -> subprocess.Popen[Any]:
     """subprocess.Popen(args, **kwargs), forked from this worker's runner when `args` is
-    `sys.executable -m grail.train.cli ...` and nothing asks for more than the runner gives."""
+    `sys.executable -m grail.train.cli ...` (or another of `FORKED_MODULES`) and nothing asks for
+    more than the runner gives.
+    `for_its_children`: variables the environment may set apart from the runner's because only
+    the new interpreters grail-train starts read them (a PYTHONPATH hook for the trainer ranks,
+    which torch spawns): the forked grail-train has them in its environment, which they
+    inherit. `program`: `sys.executable -c PROGRAM ...` too, for a PROGRAM that patches
+    grail-train's own process and runs it (`grail.train.cli.main()`); the forked child runs it
+    as a new interpreter's `__main__`."""
     env = kwargs.get("env")
     env = dict(os.environ if env is None else env)
+    head, what = list(args[:2]), args[2] if len(args) >= 3 else None
+    known = what is not None and (
+        (head == [sys.executable, "-m"] and what in FORKED_MODULES)
+        or (program and head == [sys.executable, "-c"])
+    )
     forkable = (
-        len(args) >= 3
-        and list(args[:3]) == [sys.executable, "-m", FORKED_MODULE]
+        known
         and all(kwargs.get(key, default) == default for key, default in _SUPPORTED.items())
         and not set(kwargs) - _KNOWN_KWARGS
         and os.environ.get("GRAIL_TEST_EXEC") != "1"  # the escape hatch: every run exec'd
     )
     if forkable:
-        runner = _runner_for(env)
+        runner = _runner_for(env, for_its_children)
         if runner is not None:
             return ForkedPopen(args, runner=runner, **kwargs)
     return subprocess.Popen(args, **kwargs)
@@ -230,7 +262,7 @@ class _Runner:
             self.process.wait()
 
 
-def _runner_for(env: dict[str, str]) -> _Runner | None:
+def _runner_for(env: dict[str, str], for_its_children: frozenset[str]) -> _Runner | None:
     """This worker's runner, started at the first request, if `env` may be forked from it."""
     global _runner
     with _runner_lock:
@@ -239,7 +271,7 @@ def _runner_for(env: dict[str, str]) -> _Runner | None:
             atexit.register(_runner.close)
         runner = _runner
     differs = {k for k in set(env) | set(runner.env) if env.get(k) != runner.env.get(k)}
-    return None if differs - LAZY else runner
+    return None if differs - LAZY - for_its_children else runner
 
 
 # -- the runner ----------------------------------------------------------------------------------
@@ -340,11 +372,17 @@ def _forked_main(request: dict[str, Any], fds: list[int], settled: int) -> int:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     atexit._clear()
+    if argv[1] == "-c":  # popen's `program`
+        sys.argv = ["-c", *argv[3:]]
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(argv[2], "<string>", "exec"), main.__dict__)
+        return 0
     sys.argv = [argv[0], *argv[3:]]
-    # `-m` runs the module as __main__ only: imported as grail.train.cli too only if another
-    # module imports it, as in a new interpreter.
-    sys.modules.pop(FORKED_MODULE, None)
-    runpy.run_module(FORKED_MODULE, run_name="__main__", alter_sys=True)
+    # `-m` runs the module as __main__ only: imported under its name too only if another module
+    # imports it, as in a new interpreter.
+    sys.modules.pop(argv[2], None)
+    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
     return 0
 
 

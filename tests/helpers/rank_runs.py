@@ -73,9 +73,15 @@ def start_grail_train(
 ) -> subprocess.Popen[str]:
     """grail-train in its own session, its output piped (see `finish`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    hook: frozenset[str] = frozenset()
     if fault is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_HOOK), env.get("PYTHONPATH")]))
         env["GRAIL_TEST_RANK_FAULT"] = fault
+        # The hook patches grail.train.sharded, which only the ranks import (new interpreters
+        # that torch spawns with grail-train's environment), never grail-train's own process:
+        # a grail-train forked from the runner (without the hook) runs the same faulty ranks,
+        # and saves the seconds of a new interpreter's imports.
+        hook = frozenset({"PYTHONPATH", "GRAIL_TEST_RANK_FAULT"})
     return popen(
         [sys.executable, "-m", "grail.train.cli", f"hydra.run.dir={run_dir}", *SMALL, *overrides],
         stdout=subprocess.PIPE,
@@ -83,6 +89,7 @@ def start_grail_train(
         text=True,
         env=env,
         start_new_session=True,
+        for_its_children=hook,
     )
 
 

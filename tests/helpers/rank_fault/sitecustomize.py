@@ -3,8 +3,9 @@ and set GRAIL_TEST_RANK_FAULT=RANK:ACTION:N, and rank RANK's N-th policy update 
 RuntimeError (ACTION=raise), SIGKILLs its own process (ACTION=kill), as a crash or the OOM
 killer would, or sleeps for good before the update's first collective (ACTION=hang), as a rank
 stuck in a driver call or a deadlock would.
-Python imports `sitecustomize` at the start of every process (grail-train, its
-ranks, the inference server); only grail.train.sharded is patched, when it is imported."""
+Python imports `sitecustomize` at the start of every new interpreter of the run (its ranks, a
+server started anew; grail-train itself where it is not forked from the test runner,
+helpers/rank_runs.py); only grail.train.sharded is patched, when it is imported: by the ranks."""
 
 from __future__ import annotations
 
