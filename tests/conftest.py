@@ -137,6 +137,7 @@ HEAVIEST_FILES = (
     "test_server_rollouts.py",  # 46
     "test_server_hardening.py",  # 46
     "test_race.py",  # 43
+    "test_ladder.py",  # 40 (2026-11-29)
     "test_rollout_reuse.py",  # 40
     "test_prune.py",  # 36
     "test_tinker.py",  # 36

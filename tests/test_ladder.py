@@ -232,7 +232,7 @@ def test_grail_report_groups_a_ladder_by_fidelity_and_transfers_each_rung_to_the
 
 
 def test_a_real_ladder_through_grail_train(tmp_path: Path) -> None:
-    """Two settings, two seeds, a rung at a third of the iterations under real training: each
+    """Two settings, two seeds, a rung at half the iterations under real training: each
     run's config records its fidelity, and a promoted setting's top run continues its cheap run
     to the metrics a fresh run has."""
     result = grail_train(
@@ -241,8 +241,8 @@ def test_a_real_ladder_through_grail_train(tmp_path: Path) -> None:
         "train.lr=1e-3,5e-3",
         "hydra.sweeper.initial_seeds=2",
         "hydra.sweeper.max_seeds=2",
-        'hydra.sweeper.ladder=["iterations=1/3"]',
-        "train.iterations=3",
+        'hydra.sweeper.ladder=["iterations=1/2"]',
+        "train.iterations=2",
         *TINY_RUN,
         "eval.interval=2",  # the cheap run's last eval (iteration 0) is not one of the top's
         f"hydra.sweep.dir={tmp_path}",
@@ -251,17 +251,17 @@ def test_a_real_ladder_through_grail_train(tmp_path: Path) -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     verdict = json.loads((tmp_path / VERDICT).read_text())
-    assert verdict["ladder"] == ["iterations=1/3", "full"] and verdict["runs"] >= 6
+    assert verdict["ladder"] == ["iterations=1/2", "full"] and verdict["runs"] >= 6
     for run in sorted((tmp_path / "r0").glob("s*_seed*")):
         config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
-        assert config["fidelity"] == "iterations=1/3" and config["train"]["iterations"] == 1
+        assert config["fidelity"] == "iterations=1/2" and config["train"]["iterations"] == 1
         summary = json.loads((run / "summary.json").read_text())
-        assert summary["config"]["fidelity"] == "iterations=1/3"
+        assert summary["config"]["fidelity"] == "iterations=1/2"
     top = sorted((tmp_path / "r1").glob("s*_seed*"))
     assert top, "no setting promoted"
     for run in top:
         config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
-        assert config["fidelity"] == "full" and config["train"]["iterations"] == 3
+        assert config["fidelity"] == "full" and config["train"]["iterations"] == 2
         assert "fidelity='full'" in yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
         # it continued the cheap rung's run of its setting and seed: one part there, one here
         parts = json.loads((run / "summary.json").read_text())["parts"]
@@ -270,7 +270,7 @@ def test_a_real_ladder_through_grail_train(tmp_path: Path) -> None:
     cheap = json.loads((tmp_path / "r0" / top[0].name / "summary.json").read_text())
     assert cheap["status"] == "completed" and cheap["iterations"] == 1  # left as it was
 
-    # and its metrics are a fresh three-iteration run's, bitwise (the cheap run's last eval gone)
+    # and its metrics are a fresh two-iteration run's, bitwise (the cheap run's last eval gone)
     overrides = yaml.safe_load((top[0] / ".hydra" / "overrides.yaml").read_text())
     fresh = tmp_path / "fresh"
     result = grail_train(*overrides, f"hydra.run.dir={fresh}", timeout=300)

@@ -28,7 +28,12 @@ from grail.models.lr_rules import (
     lr_factor,
     params_multiplier,
 )
-from grail.models.lr_transfer import _parameter_count, lr_transfer, model_shape
+from grail.models.lr_transfer import (
+    _parameter_count,
+    check_lr_transfer,
+    lr_transfer,
+    model_shape,
+)
 from grail.models.tiny import ensure_tiny_model
 from grail.train.cli import CONF_DIR
 from grail.train.trainer import lr_multiplier
@@ -110,14 +115,20 @@ def test_a_rule_that_cannot_apply_is_refused_naming_the_key(
     overrides: list[str], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        validate(_composed(*overrides))
+        _checked(_composed(*overrides))
 
 
 def test_a_family_the_hidden_rule_does_not_know_is_named(tmp_path: Path) -> None:
     GPT2Config(n_embd=64, n_layer=1, n_head=2).save_pretrained(tmp_path)
     bad = _composed("train.lr_rule=hidden", f"train.lr_reference={tmp_path}")
     with pytest.raises(ConfigError, match=r"train\.lr_reference=.* 'gpt2' model.*known: qwen2"):
-        validate(bad)
+        _checked(bad)
+
+
+def _checked(cfg: Config) -> None:
+    """What grail-train checks before anything loads (grail/train/launch.py)."""
+    validate(cfg)
+    check_lr_transfer(cfg.train, cfg.model)
 
 
 def _composed(*overrides: str) -> Config:

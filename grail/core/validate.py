@@ -313,7 +313,6 @@ def validate_train(cfg: Config) -> None:
         _positive(f"train.{key}", getattr(t, key))
     if t.lr > 1:  # AdamW steps each weight by ~lr: past 1 the weights are noise (1e308 overflowed)
         raise ConfigError(f"train.lr must be <= 1, got {t.lr}")
-    validate_lr_rule(cfg)
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
@@ -333,25 +332,6 @@ def validate_train(cfg: Config) -> None:
     if t.epsilon_high is not None and t.epsilon_high < t.epsilon:
         raise ConfigError(
             f"train.epsilon_high ({t.epsilon_high}) must be >= train.epsilon ({t.epsilon})"
-        )
-
-
-def validate_lr_rule(cfg: Config) -> None:
-    """The learning rate a transfer rule makes of train.lr (grail/models/lr_transfer.py), held to
-    train.lr's bound. Only with a rule set, as it reads both models' configs and loads
-    transformers (a preset is built if not cached): the run needs them next anyway."""
-    t = cfg.train
-    if t.lr_rule == LrRule.none:
-        return
-    from grail.models.lr_transfer import lr_transfer
-
-    transfer = lr_transfer(t, cfg.model)
-    assert transfer is not None  # a rule is set
-    if not transfer.lr <= 1:  # the bound of train.lr above, and its reason
-        raise ConfigError(
-            f"train.lr={t.lr} under train.lr_rule={t.lr_rule} (train.lr_reference="
-            f"{t.lr_reference}) is an effective lr of {transfer.lr:.6g} on {cfg.model.train_id} "
-            f"(x {transfer.factor:.6g}); it must be <= 1"
         )
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from safetensors import SafetensorError, safe_open
 
 from grail.core.choices import LrRule
 from grail.core.config import ModelConfig, TrainConfig
@@ -158,7 +159,7 @@ def _parameter_count(source: str, config: PretrainedConfig, model_id: str, key: 
         try:
             for shard in shards:
                 shapes.update(_safetensors_shapes(shard))
-        except (OSError, struct.error, ValueError, KeyError, TypeError) as exc:
+        except (OSError, SafetensorError) as exc:
             raise ConfigError(f"{key}={model_id}: unreadable safetensors header: {exc}") from exc
         return sum(math.prod(shape) for shape in shapes.values())
     import torch
@@ -187,9 +188,25 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from a safetensors header: an 8-byte little-endian length, then that
-    many bytes of JSON; the tensors' bytes are never read."""
-    with path.open("rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header: dict[str, Any] = json.loads(f.read(length))
-    return {name: meta["shape"] for name, meta in header.items() if name != "__metadata__"}
+    """Tensor name -> shape from a safetensors file's header (safetensors reads the header and
+    maps the file; no tensor's bytes are read)."""
+    with safe_open(str(path), framework="numpy") as f:
+        return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+
+
+def check_lr_transfer(train: TrainConfig, model: ModelConfig) -> None:
+    """The learning rate a transfer rule makes of train.lr (`lr_transfer`), held to train.lr's
+    bound (grail.core.validate checks train.lr itself). Only with a rule set, as it
+    reads both models' configs and loads transformers (a preset is built if not cached): the run
+    needs them next anyway. Here, not in grail.core.validate, which sits below the models."""
+    t = train
+    if t.lr_rule == LrRule.none:
+        return
+    transfer = lr_transfer(t, model)
+    assert transfer is not None  # a rule is set
+    if not transfer.lr <= 1:  # AdamW steps each weight by ~lr: past 1 the weights are noise
+        raise ConfigError(
+            f"train.lr={t.lr} under train.lr_rule={t.lr_rule} (train.lr_reference="
+            f"{t.lr_reference}) is an effective lr of {transfer.lr:.6g} on {model.train_id} "
+            f"(x {transfer.factor:.6g}); it must be <= 1"
+        )

@@ -40,8 +40,12 @@ def preflight(config: Config, env_group: str | None = None) -> None:
     from grail.envs.rewards.base import RewardError
     from grail.envs.rewards.plugins import RewardFunctions
     from grail.models import TINY_MODEL_NAMES
+    from grail.models.lr_transfer import check_lr_transfer
 
     validate(config)
+    check_lr_transfer(
+        config.train, config.model
+    )  # the effective lr a train.lr_rule makes, held to train.lr's bound
     # The GPUs named for the trainer ranks and the server exist on this machine.
     trainer_devices(config.gpu, config.train.processes, visible_gpus(), config.generation.servers)
     name = config.data.environment
