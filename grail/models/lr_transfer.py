@@ -106,12 +106,6 @@ def lr_transfer(train: TrainConfig, model: ModelConfig) -> LrTransfer | None:
     )
 
 
-def effective_lr(train: TrainConfig, model: ModelConfig) -> float:
-    """The learning rate the optimizer starts from: train.lr itself without a rule."""
-    transfer = lr_transfer(train, model)
-    return train.lr if transfer is None else transfer.lr
-
-
 def model_shape(model_id: str, key: str, *, count_parameters: bool) -> ModelShape:
     """model_type and hidden size (and, if asked, the parameter count) of the model `model_id`
     names, as `key` names it; ConfigError naming `key` when it cannot be read."""

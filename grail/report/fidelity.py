@@ -107,12 +107,7 @@ def report_fidelities(
     for k, (name, stats) in enumerate(per_fidelity[:-1]):
         console.print()
         console.print(f"[bold]transfer: fidelity {name} -> {top_name}[/]")
-        where = out / f"transfer_{k}"
-        paths = report_transfer(
-            console, transfer(stats, top_stats), metric, (name, top_name), out, settings
-        )
-        for path in paths:  # report_transfer names them for a lone pair; one pair per rung here
-            target = where.with_suffix(path.suffix)
-            path.replace(target)
-            written.append(target)
+        result = transfer(stats, top_stats)
+        names = (name, top_name)
+        written += report_transfer(console, result, metric, names, out, settings, f"transfer_{k}")
     return written

@@ -22,9 +22,6 @@ from grail.study.stats import SEED_KEY
 from grail.study.transfer import Transfer
 from grail.study.verdicts import VerdictSettings
 
-CSV_NAME = "transfer.csv"
-PNG_NAME = "transfer.png"
-
 
 def fidelity(runs: Sequence[RunReport]) -> list[str]:
     """The overrides every run of a study shares (its fixed settings, seed and launch keys
@@ -170,12 +167,14 @@ def report_transfer(
     names: tuple[str, str],
     out: Path,
     settings: VerdictSettings,
+    name: str = "transfer",
 ) -> list[Path]:
-    """Print the transfer table and its summary; write transfer.csv and transfer.png to `out`."""
+    """Print the transfer table and its summary; write `name`.csv and `name`.png (transfer.csv
+    and transfer.png by default) to `out`."""
     console.print(build_transfer_table(result, metric, names, settings))
     for line in summary_lines(result, metric):
         console.print(escape(line))
-    csv_path, png_path = out / CSV_NAME, out / PNG_NAME
+    csv_path, png_path = out / f"{name}.csv", out / f"{name}.png"
     atomic_write_text(csv_path, transfer_csv_text(result))
     plot_transfer(result, names, metric, png_path)
     return [csv_path, png_path]

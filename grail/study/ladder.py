@@ -29,13 +29,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from grail.study.race import BEST, NOTHING_LEARNT
+from grail.core.records import override_key
+from grail.study.race import BEST, EQUIVALENT, NOTHING_LEARNT, WORSE
 from grail.study.sweep import SweepError
 
 TOP = "full"  # the fidelity of the top rung: the command's own config
 # shorthand -> the config key it is a fraction of
 FRACTIONS = {"iterations": "train.iterations", "problems": "data.problems_per_iteration"}
-EQUIVALENT, WORSE = "equivalent", "worse"
+ITERATIONS = FRACTIONS["iterations"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def parse_ladder(entries: Sequence[str], base: Mapping[str, int]) -> list[Rung]:
                 f"without quotes (and not {TOP!r}, the top rung's name)"
             )
         overrides = [_expand(item, base, where) for item in text.split()]
-        keys = [o.split("=", 1)[0] for o in overrides]
+        keys = [override_key(o) for o in overrides]
         if len(set(keys)) != len(keys):
             raise SweepError(f"{where}: a key is set twice: {' '.join(overrides)}")
         rungs.append(Rung(i, text, tuple(overrides)))
@@ -108,17 +109,14 @@ def _expand(item: str, base: Mapping[str, int], where: str) -> str:
     return f"{target}={max(1, round(fraction * base[target]))}"
 
 
-ITERATIONS = FRACTIONS["iterations"]
-
-
 def continued_iterations(lower: Rung, upper: Rung, base: Mapping[str, int]) -> int | None:
     """The upper rung's train.iterations when its runs can continue the lower rung's (the two
     differ in train.iterations alone, the upper's larger: a resume may raise it, and the run
     trains on as if it had been started that long, grail/train/resume.py); else None."""
 
     def split(rung: Rung) -> tuple[set[str], int | None]:
-        rest = {o for o in rung.overrides if o.split("=", 1)[0] != ITERATIONS}
-        given = [o.split("=", 1)[1] for o in rung.overrides if o.split("=", 1)[0] == ITERATIONS]
+        rest = {o for o in rung.overrides if override_key(o) != ITERATIONS}
+        given = [o.split("=", 1)[1] for o in rung.overrides if override_key(o) == ITERATIONS]
         value = given[0] if given else base.get(ITERATIONS)
         try:
             return rest, None if value is None else int(value)
@@ -136,15 +134,12 @@ def promoted(outcomes: Mapping[str, str], settings: Sequence[str]) -> list[str]:
     judged and not shown worse (best, equivalent, not separated). When nothing was learnt the
     rung told nothing apart, so all judged settings go up. A setting without any value (every
     run failed) is not judged and does not go up."""
+    nothing_learnt = bool(outcomes) and all(o == NOTHING_LEARNT for o in outcomes.values())
     return [
         label
         for label in settings
-        if label in outcomes and (outcomes[label] != WORSE or _nothing_learnt(outcomes))
+        if label in outcomes and (outcomes[label] != WORSE or nothing_learnt)
     ]
-
-
-def _nothing_learnt(outcomes: Mapping[str, str]) -> bool:
-    return bool(outcomes) and all(o == NOTHING_LEARNT for o in outcomes.values())
 
 
 @dataclass(frozen=True)

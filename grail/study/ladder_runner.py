@@ -31,7 +31,7 @@ from grail.core.records import (
 )
 from grail.study.ladder import TOP, Overturned, Rung, overturned, promoted
 from grail.study.race import Race
-from grail.study.race_runner import VERDICT, RaceRunner, Setting, verdict_record
+from grail.study.race_runner import VERDICT, RaceRunner, Setting, overrides_dict, verdict_record
 from grail.study.runs import append_attempt, read_config, run_status
 
 log = logging.getLogger("grail.study.race")
@@ -70,7 +70,7 @@ def ladder_record(climbed: Sequence[Climbed], rungs: Sequence[Rung]) -> dict[str
                 **verdict_record(c.race, c.settings),
                 "promoted": None
                 if c.promoted is None
-                else [_as_dict(by_label[label].overrides) for label in c.promoted],
+                else [overrides_dict(by_label[label].overrides) for label in c.promoted],
             }
         )
     top = climbed[-1] if climbed and climbed[-1].rung.name == TOP else None
@@ -92,7 +92,7 @@ def ladder_record(climbed: Sequence[Climbed], rungs: Sequence[Rung]) -> dict[str
         "overturned": [
             {
                 "fidelity": f.fidelity,
-                "overrides": _as_dict(labels[f.setting].overrides),
+                "overrides": overrides_dict(labels[f.setting].overrides),
                 "was": f.was,
                 "now": f.now,
             }
@@ -100,10 +100,6 @@ def ladder_record(climbed: Sequence[Climbed], rungs: Sequence[Rung]) -> dict[str
         ],
         "rungs": entries,
     }
-
-
-def _as_dict(overrides: Sequence[str]) -> dict[str, str]:
-    return dict(o.split("=", 1) for o in overrides)
 
 
 def continue_run(
@@ -185,13 +181,13 @@ def climb(
         finally:
             # what is known so far, also when a run's job raised or Ctrl-C stopped the rung
             climbed.append(Climbed(rung, race, members, None))
-            _write(sweep_dir, climbed, rungs)
+            record = _write(sweep_dir, climbed, rungs)
         if rung.name == TOP:
             break
         outcomes = {v.label: v.outcome.value for v in race.verdicts()}
         up = promoted(outcomes, [s.label for s in members])
         climbed[-1].promoted = up
-        _write(sweep_dir, climbed, rungs)
+        record = _write(sweep_dir, climbed, rungs)
         if not up:
             log.warning(
                 "race: no setting of rung %s has a value (every run failed): nothing to promote; "
@@ -201,7 +197,6 @@ def climb(
             break
         log.info("race: rung %s promotes %s", rung.name, ", ".join(up))
         members = [s for s in members if s.label in up]
-    record = ladder_record(climbed, rungs)
     for flip in record["overturned"]:
         log.info(
             "race: the top rung overturns %s's verdict on %s: %s there, %s at the top",
@@ -213,6 +208,8 @@ def climb(
     return returns
 
 
-def _write(sweep_dir: Path, climbed: Sequence[Climbed], rungs: Sequence[Rung]) -> None:
+def _write(sweep_dir: Path, climbed: Sequence[Climbed], rungs: Sequence[Rung]) -> dict[str, Any]:
+    """verdict.json as it stands; returns it."""
     record = ladder_record(climbed, rungs)
     atomic_write_text(sweep_dir / VERDICT, json.dumps(record, indent=2) + "\n")
+    return record

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 # The verdict outcomes (grail.study.verdicts.Outcome's values, compared as text so that this
 # module loads without numpy and scipy) that keep a setting in the race.
 BEST, NOT_SEPARATED, NOTHING_LEARNT = "best", "not_separated", "nothing_learnt"
+EQUIVALENT, WORSE = "equivalent", "worse"
 IN_RACE = (BEST, NOT_SEPARATED)
 
 

@@ -88,7 +88,7 @@ def read_result(run_dir: Path, metric: str) -> Result:
 # ---- verdict.json -------------------------------------------------------------------------------
 
 
-def _as_dict(overrides: Sequence[str]) -> dict[str, str]:
+def overrides_dict(overrides: Sequence[str]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in overrides)
 
 
@@ -105,7 +105,7 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
     entries = []
     best = None
     for v in verdicts:
-        overrides = _as_dict(by_label[v.label].overrides)
+        overrides = overrides_dict(by_label[v.label].overrides)
         if v.outcome == BEST:
             best = overrides
         entries.append(
@@ -124,7 +124,7 @@ def verdict_record(race: Race, settings: Sequence[Setting]) -> dict[str, Any]:
         if s.label not in judged:
             entries.append(
                 {
-                    "overrides": _as_dict(s.overrides),
+                    "overrides": overrides_dict(s.overrides),
                     "outcome": NOT_SEPARATED,
                     "n_seeds": len(race.values[s.label]),
                     "mean": None,

@@ -205,12 +205,11 @@ class RaceSweeper(GrailSweeper):
         # a misspelt key or a wrong type fails here, before any run, naming the key
         self.validate_batch_is_legal([[*fixed, *s.overrides, f"{SEED_KEY}=0"] for s in settings])
         judge, decided = self._judge()
-        race = Race([s.label for s in settings], options, judge, decided)
-
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         resume = bool(OmegaConf.select(self.config, "resume", default=False))
         if self.ladder is not None:
-            return self._climb(settings, fixed, options, sweep_dir, resume)
+            return self._climb(settings, fixed, options, (judge, decided), sweep_dir, resume)
+        race = Race([s.label for s in settings], options, judge, decided)
         if (sweep_dir / LADDER_RECORD).is_file():
             raise SweepError(
                 f"{sweep_dir} holds a multi-fidelity race ({LADDER_RECORD}): rerun its own "
@@ -269,6 +268,7 @@ class RaceSweeper(GrailSweeper):
         settings: list[Setting],
         fixed: list[str],
         options: RaceOptions,
+        statistics: tuple[Judge, Decided],
         sweep_dir: Path,
         resume: bool,
     ) -> list[Any]:
@@ -291,7 +291,7 @@ class RaceSweeper(GrailSweeper):
         check_record(sweep_dir / LADDER_RECORD, record, resume, "a multi-fidelity race")
         atomic_write_text(sweep_dir / LADDER_RECORD, json.dumps(record, indent=2) + "\n")
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        judge, decided = self._judge()
+        judge, decided = statistics
         launcher = self.launcher
         launcher_target = OmegaConf.select(self.config, "hydra.launcher._target_", default=None)
         log.info(
