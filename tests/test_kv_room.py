@@ -1,13 +1,22 @@
 """The built-in engine's keys and values with room to grow (grail/inference/builtin/batch.py):
 a `RoomyLayer` holds what a transformers `DynamicLayer` holds through appends, row selections and
-its room running out, and `merge` left-pads two batches into one without changing a value."""
+its room running out, and `merge` and `assemble` left-pad rows of batches into one without
+changing a value."""
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from grail.inference.builtin.batch import Batch, RoomyLayer, kv, merge, room_for, roomy_cache
+from grail.inference.builtin.batch import (
+    Batch,
+    RoomyLayer,
+    assemble,
+    kv,
+    merge,
+    room_for,
+    roomy_cache,
+)
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -67,3 +76,28 @@ def test_merge_left_pads_the_shorter_batch_and_keeps_every_value() -> None:
         assert torch.equal(keys[3:, :, 3:], kv(lb)[0]) and torch.equal(values[3:, :, 3:], kv(lb)[1])
         assert not keys[3:, :, :3].any()  # padding is zeros
         assert layer._room is not None and layer._room[0].shape[2] == room_for(7)
+
+
+def test_assemble_picks_rows_of_batches_in_any_order_and_keeps_every_value() -> None:
+    a, b = _batch(4, 6, seed=0), _batch(3, 9, seed=70)
+    a.pad_starts = [0, 2, 0, 3]  # rows 1 and 3 are shorter (left-padded)
+    a.next_pos = [6, 4, 6, 3]
+    a.tokens, b.tokens = [10, 11, 12, 13], [20, 21, 22]
+    # a row repeated, consecutive rows of a batch, rows dropped, the two batches interleaved
+    picks = [(b, 2), (a, 1), (a, 1), (a, 1), (b, 0), (b, 1), (a, 3)]
+    out = assemble(picks)
+    assert out.pad_starts == [0, 5, 5, 5, 0, 0, 6]  # 9 wide: b's rows are the longest
+    assert out.next_pos == [9, 4, 4, 4, 9, 9, 3] and out.tokens == [22, 11, 11, 11, 20, 21, 13]
+    assert out.mask.tolist() == [[int(j >= p) for j in range(9)] for p in out.pad_starts]
+    for layer in range(2):
+        for which in range(2):  # keys, values
+            got = kv(out.cache.layers[layer])[which]
+            assert got.shape == (7, 2, 9, 8)
+            for r, (src, row) in enumerate(picks):
+                length = src.mask.shape[1] - src.pad_starts[row]
+                expected = kv(src.cache.layers[layer])[which][row, :, -length:]
+                assert torch.equal(got[r, :, 9 - length :], expected)
+                assert not got[r, :, : 9 - length].any()  # padding is zeros
+        roomy = out.cache.layers[layer]
+        assert isinstance(roomy, RoomyLayer) and roomy._room is not None
+        assert roomy._room[0].shape[2] == room_for(9)

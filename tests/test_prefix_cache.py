@@ -47,16 +47,20 @@ def test_bad_spans_are_refused_naming_the_span(spans: list[list[int]], why: str)
         check_spans(spans, 8)
 
 
-def test_the_cache_evicts_the_least_recently_used_beyond_its_capacity() -> None:
+def test_the_cache_evicts_the_oldest_beyond_its_capacity_and_a_hit_takes_its_entry() -> None:
     cache = PrefixCache(capacity_tokens=10)
     cache.store((1, 2, 3, 4), ((2, 5),), [])
     cache.store((5, 6, 7, 8), ((2, 5),), [])
-    assert cache.lookup((1, 2, 3, 4, 9, 9), ((2, 5),))[0] == 4  # used: now the most recent
-    cache.store((9, 9, 9, 9), ((2, 5),), [])  # 12 tokens: (5, 6, 7, 8) goes
+    assert cache.lookup((1, 2, 3, 4, 9, 9), ((2, 5),))[0] == 4
+    # The continuation leaves a longer entry when it finishes: this one served its purpose.
+    assert cache.lookup((1, 2, 3, 4, 9, 9), ((2, 5),)) == (0, None)
+    assert len(cache) == 1
+    cache.store((1, 2, 3, 4), ((2, 5),), [])
+    cache.store((9, 9, 9, 9), ((2, 5),), [])  # 12 tokens: (5, 6, 7, 8), the oldest, goes
     assert cache.lookup((5, 6, 7, 8, 1), ((2, 5),)) == (0, None)
-    assert cache.lookup((1, 2, 3, 4, 1), ((2, 5),))[0] == 4
     # A prefix computed in other units is no hit: its keys and values would differ.
     assert cache.lookup((1, 2, 3, 4, 1), ((3, 5),)) == (0, None)
+    assert cache.lookup((1, 2, 3, 4, 1), ((2, 5),))[0] == 4
     cache.clear()
     assert len(cache) == 0
 

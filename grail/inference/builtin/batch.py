@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -115,16 +114,64 @@ def left_padded(
     room: int,
 ) -> RoomyLayer:
     """A layer of `rows` rows `width` positions long, with `room` more to grow: each block's
-    keys and values (rows `where`: one row, or a slice of rows) written right-aligned, the
-    padding before them zeros. One copy of each value (padding, stacking or concatenating and
-    selecting copied them up to four times)."""
+    keys and values (rows `where`: one row, or a slice of rows; a block of one row may fill a
+    slice of several) written right-aligned, the padding before them zeros. One copy of each
+    value (padding, stacking or concatenating and selecting copied them up to four times). The
+    room is left as allocated: every step writes a position before anything reads it."""
     _, first, _ = blocks[0]
     shape = (rows, first.shape[-3], width + room, first.shape[-1])
-    keys, values = first.new_zeros(shape), first.new_zeros(shape)
+    keys, values = first.new_empty(shape), first.new_empty(shape)
     for where, k, v in blocks:
-        keys[where, :, width - k.shape[-2] : width] = k
-        values[where, :, width - v.shape[-2] : width] = v
+        start = width - k.shape[-2]
+        keys[where, :, :start] = 0
+        values[where, :, :start] = 0
+        keys[where, :, start:width] = k
+        values[where, :, start:width] = v
     return RoomyLayer.over(keys, values, width)
+
+
+def assemble(picks: Sequence[tuple[Batch, int]]) -> Batch:
+    """A batch whose row r is row `picks[r][1]` of batch `picks[r][0]` (rows of several
+    batches, a row several times, rows dropped), left-padded to its longest row, each layer one
+    tensor with room to grow. Consecutive rows of one batch, and one row repeated, are copied as
+    one block: copying rows by index took ~4x as long as copying a slice (a 256-row cache,
+    benchmarks/episodes.py). Every layer must be a plain one (not a sliding window's)."""
+    lengths = [b.mask.shape[1] - b.pad_starts[r] for b, r in picks]
+    width = max(lengths)
+    # (batch, its first row, rows, repeated: the one row `rows` times)
+    runs: list[tuple[Batch, int, int, bool]] = []
+    for b, r in picks:
+        if runs:
+            src, first, count, repeated = runs[-1]
+            if src is b and r == first and (count == 1 or repeated):
+                runs[-1] = (b, first, count + 1, True)
+                continue
+            if src is b and not repeated and r == first + count:
+                runs[-1] = (b, first, count + 1, False)
+                continue
+        runs.append((b, r, 1, False))
+    layers = []
+    for layer in range(len(picks[0][0].cache.layers)):
+        blocks: list[tuple[int | slice, torch.Tensor, torch.Tensor]] = []
+        at = 0
+        for b, first, count, repeated in runs:
+            k, v = kv(b.cache.layers[layer])
+            source = slice(first, first + (1 if repeated else count))
+            start = min(b.pad_starts[source])  # shorter rows bring their own padding along
+            blocks.append((slice(at, at + count), k[source, :, start:], v[source, :, start:]))
+            at += count
+        layers.append(left_padded(blocks, len(picks), width, room_for(width) - width))
+    pad_starts = [width - n for n in lengths]
+    device = picks[0][0].mask.device
+    mask = torch.arange(width, device=device) >= torch.tensor(pad_starts, device=device)[:, None]
+    return Batch(
+        rows=[b.rows[r] for b, r in picks],
+        cache=roomy_cache(layers),
+        mask=mask.long(),
+        pad_starts=pad_starts,
+        next_pos=[b.next_pos[r] for b, r in picks],
+        tokens=[b.tokens[r] for b, r in picks],
+    )
 
 
 def roomy_cache(layers: list[RoomyLayer]) -> DynamicCache:
@@ -149,6 +196,12 @@ def _with_room(tensor: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
+def plain_layers(cache: DynamicCache) -> bool:
+    """Whether every layer of `cache` is a plain one (`assemble` copies those; a sliding
+    window's keeps its own row selection)."""
+    return all(type(layer) in (DynamicLayer, RoomyLayer) for layer in cache.layers)
+
+
 def roomy(cache: DynamicCache) -> None:
     """Make the cache's plain layers `RoomyLayer`s (in place; sliding-window ones stay)."""
     for layer in cache.layers:
@@ -157,25 +210,6 @@ def roomy(cache: DynamicCache) -> None:
 
 
 def merge(a: Batch, b: Batch) -> Batch:
-    """One batch holding the rows of ``a`` then ``b``, left-padded to a common length: each
-    layer one copy, into a tensor with room to grow (`left_padded`)."""
-    width = max(a.mask.shape[1], b.mask.shape[1])
-    rows, split = len(a.rows) + len(b.rows), len(a.rows)
-    layers = [
-        left_padded(
-            [(slice(0, split), ka, va), (slice(split, None), kb, vb)],
-            rows,
-            width,
-            room_for(width) - width,
-        )
-        for (ka, va), (kb, vb) in zip(map(kv, a.cache.layers), map(kv, b.cache.layers), strict=True)
-    ]
-    extra_a, extra_b = width - a.mask.shape[1], width - b.mask.shape[1]
-    return Batch(
-        rows=a.rows + b.rows,
-        cache=roomy_cache(layers),
-        mask=torch.cat([F.pad(a.mask, (extra_a, 0)), F.pad(b.mask, (extra_b, 0))]),
-        pad_starts=[p + extra_a for p in a.pad_starts] + [p + extra_b for p in b.pad_starts],
-        next_pos=a.next_pos + b.next_pos,
-        tokens=a.tokens + b.tokens,
-    )
+    """One batch holding the rows of ``a`` then ``b``, left-padded to a common length
+    (`assemble`)."""
+    return assemble([(a, r) for r in range(len(a.rows))] + [(b, r) for r in range(len(b.rows))])

@@ -25,9 +25,11 @@ from transformers import DynamicCache
 from grail.inference.builtin.batch import (
     Batch,
     RoomyLayer,
+    assemble,
     kv,
     left_padded,
     merge,
+    plain_layers,
     room_for,
     roomy,
     roomy_cache,
@@ -99,12 +101,11 @@ class EagerDecoder:
         batch: Batch | None = None
         new = seqs
         while True:
+            part = None
             if new:
                 admitted.extend(new)
                 part = self.prefill(new)
-                batch = part if batch is None else merge(batch, part)
-            if batch is not None:
-                batch = self._compact(batch)
+            batch = self._compact(batch, part)
             if self.host.stopping:
                 for seq in admitted:
                     if not seq.future.done():
@@ -156,63 +157,86 @@ class EagerDecoder:
         rows: list[_Sequence | None] = [*seqs, *([None] * self._fill(len(seqs)))]
         index = [uniq[s.prompt] for s in seqs] + [0] * (len(rows) - len(seqs))
         select = torch.tensor(index, device=dev)
-        cache.batch_select_indices(select)
         logits = logits[select]
         tokens = [self.host.pad_id] * len(rows)
         tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
+        prompts_batch = Batch(
+            rows=[None] * len(prompts),
+            cache=cache,
+            mask=mask.to(dev),
+            pad_starts=pad_starts,
+            next_pos=[len(p) for p in prompts],
+            tokens=[self.host.pad_id] * len(prompts),
+        )
+        if plain_layers(cache):  # each sample's row a copy of its prompt's, room to grow
+            batch = assemble([(prompts_batch, i) for i in index])
+            batch.rows, batch.tokens = rows, tokens
+            return batch
+        cache.batch_select_indices(select)
         return Batch(
             rows=rows,
             cache=cache,
-            mask=mask.to(dev)[select],
+            mask=prompts_batch.mask[select],
             pad_starts=[pad_starts[i] for i in index],
             next_pos=[len(prompts[i]) for i in index],
             tokens=tokens,
         )
 
-    def _compact(self, batch: Batch) -> Batch | None:
-        """Drop finished rows, keeping as fillers only those the row quantum requires."""
-        running = [_running(s) for s in batch.rows]
-        if self.prefix_cache is not None:
-            self._keep_finished(batch, running)
-        live = [r for r, on in enumerate(running) if on]
+    def _compact(self, batch: Batch | None, new: Batch | None = None) -> Batch | None:
+        """The running rows of `batch`, then those of `new` (just prefilled), with as many
+        fillers as the row quantum requires: finished rows dropped, in one copy of the keys and
+        values (merging and then dropping copied them twice)."""
+        if batch is None:
+            batch, new = new, None
+        if batch is None:
+            return None
+        sources = [batch] if new is None else [batch, new]
+        live: list[tuple[Batch, int]] = []
+        idle: list[tuple[Batch, int]] = []
+        for source in sources:
+            running = [_running(s) for s in source.rows]
+            if self.prefix_cache is not None:
+                self._keep_finished(source, running)
+            for r, on in enumerate(running):
+                if not on:
+                    source.rows[r] = None  # a filler from now on, if the row quantum needs it
+                (live if on else idle).append((source, r))
         if not live:
             return None
-        keep = live + [r for r, on in enumerate(running) if not on]
-        keep = keep[: len(live) + self._fill(len(live))]
+        picks = live + idle[: self._fill(len(live))]
         if self.group_attention:
             # Rows of one padding side by side: their shared attention call reads them as a
             # view. Scattered, it gathered their keys and values every step (measured: ~10% of
             # the server's time in benchmarks/episodes.py, whose turns join at many lengths).
-            keep.sort(key=lambda r: batch.pad_starts[r])
-        if keep == list(range(len(batch.rows))):
+            picks.sort(key=lambda pick: pick[0].pad_starts[pick[1]] - pick[0].mask.shape[1])
+        if new is None and [r for _, r in picks] == list(range(len(batch.rows))):
             return batch
-        index = torch.tensor(keep, device=self.host.device)
-        batch.cache.batch_select_indices(index)
-        live_set = set(live)
-        return Batch(
-            rows=[batch.rows[r] if r in live_set else None for r in keep],
-            cache=batch.cache,
-            mask=batch.mask[index],
-            pad_starts=[batch.pad_starts[r] for r in keep],
-            next_pos=[batch.next_pos[r] for r in keep],
-            tokens=[batch.tokens[r] for r in keep],
-        )
+        if not plain_layers(batch.cache):  # a sliding window's layers: rows selected in place
+            index = torch.tensor([r for _, r in picks], device=self.host.device)
+            batch.cache.batch_select_indices(index)
+            return Batch(
+                rows=[batch.rows[r] for _, r in picks],
+                cache=batch.cache,
+                mask=batch.mask[index],
+                pad_starts=[batch.pad_starts[r] for _, r in picks],
+                next_pos=[batch.next_pos[r] for _, r in picks],
+                tokens=[batch.tokens[r] for _, r in picks],
+            )
+        return assemble(picks)
 
     def _keep_finished(self, batch: Batch, running: list[bool]) -> None:
-        """Store the keys and values of the rows that finished in the prefix cache, and make
-        them fillers (a finished row stays in the batch while the row quantum needs it)."""
+        """Store the keys and values of the rows that finished in the prefix cache."""
         assert self.prefix_cache is not None
         width = batch.mask.shape[1]
         # Views of the batch's keys and values, not copies (a clone per row and layer was ~1k
         # small copies at the end of a 256-episode turn, a gather per layer no faster): no step
         # writes where a finished row's tokens lie (`RoomyLayer` appends after them; selecting
         # or merging rows makes new tensors), so the views keep what they hold. The batch's
-        # tensors live until their last entry is evicted.
+        # tensors live until their last entry is taken or evicted.
         layers = [kv(layer) for layer in batch.cache.layers]
         for r, seq in enumerate(batch.rows):
             if seq is None or running[r] or not seq.keep or not seq.token_ids:
                 continue
-            batch.rows[r] = None
             start = batch.pad_starts[r]
             tokens = seq.prompt + tuple(seq.token_ids[:-1])  # the last token was never fed
             if width - start != len(tokens):
@@ -236,6 +260,14 @@ class EagerDecoder:
             done, entry = self.prefix_cache.lookup(prompt, spans)
             todo = [u for u in units(len(prompt), spans) if u[0] >= done]
             partial.append(_Partial(prompt, entry.layers if entry else [], done, todo))
+        # One unit each, of one length, after cached keys and values (a hit, as every later
+        # turn of an episode is): the round's own cache becomes the batch's, with room to grow,
+        # instead of being copied into a new one.
+        sizes = {
+            u[1] - u[0] if len(p.todo) == 1 and p.length else None for p in partial for u in p.todo
+        }
+        whole = len(partial) == len(seqs) and len(sizes) == 1 and None not in sizes
+        cache = None
         while any(p.todo for p in partial):
             rounds: dict[tuple[int, bool], list[_Partial]] = {}
             for p in partial:
@@ -243,13 +275,14 @@ class EagerDecoder:
                     start, end = p.todo[0]
                     rounds.setdefault((end - start, p.length == 0), []).append(p)
             for group in rounds.values():
-                self._next_unit(group)
+                cache = self._next_unit(group, grow=whole)
 
         width = max(p.length for p in partial)
         index = [keys[(s.prompt, s.spans)] for s in seqs]
         index += [0] * self._fill(len(index))
         select = torch.tensor(index, device=self.host.device)
-        layers = _stacked(partial, width, index, room_for(width) - width)
+        if not whole or cache is None:
+            cache = roomy_cache(_stacked(partial, width, index, room_for(width) - width))
         mask = torch.zeros((len(partial), width), dtype=torch.long, device=self.host.device)
         for i, p in enumerate(partial):
             mask[i, width - p.length :] = 1
@@ -261,16 +294,17 @@ class EagerDecoder:
         tokens[: len(seqs)] = self._sample_rows(seqs, logits[: len(seqs)])
         return Batch(
             rows=rows,
-            cache=roomy_cache(layers),
+            cache=cache,
             mask=mask[select],
             pad_starts=[width - partial[i].length for i in index],
             next_pos=[partial[i].length for i in index],
             tokens=tokens,
         )
 
-    def _next_unit(self, group: list[_Partial]) -> None:
+    def _next_unit(self, group: list[_Partial], grow: bool = False) -> DynamicCache:
         """Feed every prompt of `group` its next unit (all of one length) after its keys and
-        values so far (left-padded to the longest), in one forward."""
+        values so far (left-padded to the longest), in one forward; the cache it ran on (row r:
+        `group[r]`, then fillers), with room to decode in after it when `grow`."""
         dev = self.host.device
         rows = group + [group[0]] * self._fill(len(group))
         past = max(p.length for p in rows)
@@ -284,7 +318,8 @@ class EagerDecoder:
         if past == 0:
             cache = DynamicCache(config=self.host.model.config)
         else:
-            cache = roomy_cache(_stacked(rows, past, room=size))
+            room = room_for(past + size) - past if grow else size
+            cache = roomy_cache(_stacked(rows, past, room=room))
         logits = self._forward(ids.to(dev), mask.to(dev), positions.to(dev), cache, pad_starts)
         layers = [kv(layer) for layer in cache.layers]
         for r, p in enumerate(group):
@@ -292,6 +327,7 @@ class EagerDecoder:
             p.length += size
             p.todo.pop(0)
             p.logits = logits[r]
+        return cache
 
     def _step(self, batch: Batch) -> None:
         """Feed every row its last token and sample the next one."""
@@ -303,7 +339,9 @@ class EagerDecoder:
         step_pos = torch.tensor(batch.next_pos, device=dev).unsqueeze(1)
         logits = self._forward(step_ids, batch.mask, step_pos, batch.cache, batch.pad_starts)
         batch.next_pos = [p + 1 for p in batch.next_pos]
-        live = [(r, seq) for r, seq in enumerate(batch.rows) if seq is not None and _running(seq)]
+        # Compacted just before: every row that is not a filler is running (a request cancelled
+        # since decodes one more token, which its cancelled future refuses).
+        live = [(r, seq) for r, seq in enumerate(batch.rows) if seq is not None]
         if len(live) < len(batch.rows):
             logits = logits[torch.tensor([r for r, _ in live], device=dev)]
         tokens = self._sample_rows([seq for _, seq in live], logits)

@@ -23,14 +23,18 @@ the same numbers. Batch invariance (`invariance`) makes a unit's numbers indepen
 it runs with, so a hit and a miss give the same tokens and log-probabilities (tested). A request
 without spans is one chunk, as it always was, and never reads the cache.
 
-Entries live until evicted, least recently used first, beyond `capacity_tokens`, and all go when
-the weights change. An entry holds views of the keys and values of the batch its sequence
-finished in (copying them was the engine's largest cost at the end of a turn), so a batch's
-tensors stay until its last entry goes: memory can exceed the entries' own tokens by the batch's
-padding and spare room (up to ~2x). The units are the engine's whenever it decodes
-batch-invariantly, cache memory or none (``--prefix-cache-mb 0`` replays every continued prompt):
-a server's numbers never depend on its cache. Numbers differ in rounding from the same prompt
-sent without spans (one chunk).
+An entry serves one continuation: the request that continues it takes it (the sequence it computes
+leaves a longer entry when it finishes; a second request continuing the same prefix replays it).
+Entries not taken live until evicted, oldest first, beyond `capacity_tokens`, and all go when the
+weights change. Taking an entry frees what it holds as soon as its continuation has copied it: left
+in place, stale entries kept every turn's batch tensors alive, so each new batch's keys and values
+came from fresh memory (page faults: ~10 ms more for each 256-row copy of benchmarks/episodes.py's
+cache). An entry holds views of the keys and values of the batch its sequence finished in (copying
+them was the engine's largest cost at the end of a turn), so a batch's tensors stay until its last
+entry goes: memory can exceed the entries' own tokens by the batch's padding and spare room (up to
+~2x). The units are the engine's whenever it decodes batch-invariantly, cache memory or none
+(``--prefix-cache-mb 0`` replays every continued prompt): a server's numbers never depend on its
+cache. Numbers differ in rounding from the same prompt sent without spans (one chunk).
 """
 
 from __future__ import annotations
@@ -91,7 +95,8 @@ class Entry:
 
 
 class PrefixCache:
-    """Finished sequences' keys and values by their tokens, least recently used out first; with
+    """Finished sequences' keys and values by their tokens, oldest out first, each taken by the
+    request that continues it; with
     a capacity of 0 it keeps nothing (every continued prompt is replayed).
 
     Only the engine's worker thread uses it."""
@@ -127,12 +132,13 @@ class PrefixCache:
     def lookup(self, prompt: tuple[int, ...], spans: tuple[Span, ...]) -> tuple[int, Entry | None]:
         """The longest cached prefix of `prompt` that was computed in the units `spans` give it
         (it ends where a sampled span's last token starts a chunk), as (its length, entry), or
-        (0, None)."""
+        (0, None). A hit takes the entry out of the cache (see the module docstring)."""
         for i in range(len(spans) - 1, -1, -1):
             cut = spans[i][1] - 1
             entry = self._entries.get(prompt[:cut])
             if entry is not None and entry.spans == spans[: i + 1]:
-                self._entries.move_to_end(prompt[:cut])
+                del self._entries[prompt[:cut]]
+                self._tokens -= cut
                 self.hits += 1
                 return cut, entry
         if spans:
