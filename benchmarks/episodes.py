@@ -35,6 +35,7 @@ from pathlib import Path
 from client_overhead import default_prompts, fmt
 from common import print_table, spread, write_results
 
+from grail.core.heap import frozen_heap
 from grail.envs import make_env
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import CompletionClient
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 await client.aclose()
 
-        single, multi, cached = asyncio.run(all_three())
+        with frozen_heap():  # as grail-train runs its iterations
+            single, multi, cached = asyncio.run(all_three())
         card = json.loads(urllib.request.urlopen(f"{server.base_url}/models", timeout=10).read())
         cache = card["data"][0].get("prefix_cache") or {}
     rate = {"single_turn": sampled / spread(single)["median"]}

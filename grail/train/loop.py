@@ -24,6 +24,7 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 
 from grail.core.config import Config
+from grail.core.heap import frozen_heap
 from grail.core.placement import trainer_ranks
 from grail.core.records import (
     CHECKPOINTS_DIR,
@@ -117,7 +118,7 @@ def train(
 ) -> dict[str, Any]:
     """Build the run's parts (grail/train/components.py), run the iterations, write the summary."""
     parts = build_run(cfg, run_dir, resume_from)
-    with parts.display, parts.source, parts.extra_rewards:
+    with parts.display, parts.source, parts.extra_rewards, frozen_heap():
         recorder = Recorder(run_dir, cfg, loggers, parts.display, part)
         run_iterations(cfg, run_dir, parts.trainer, parts.source, recorder)
 

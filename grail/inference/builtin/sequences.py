@@ -46,6 +46,15 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text_len: int = 0  # length of the decoded text at the last stop-string check
+    # Set once `future` is done (answered, failed or cancelled by the app when its client went
+    # away): read every step for every row, where `future.done()` takes the future's lock.
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(self._now_done)
+
+    def _now_done(self, _: concurrent.futures.Future[SequenceOutput]) -> None:
+        self.done = True
 
 
 @dataclass
@@ -58,7 +67,7 @@ class _Control:
 
 
 def _running(seq: _Sequence | None) -> bool:
-    return seq is not None and not seq.future.done()
+    return seq is not None and not seq.done
 
 
 def _resolve(future: concurrent.futures.Future[Any], value: Any) -> None:
