@@ -107,61 +107,87 @@ def room_for(length: int) -> int:
     return length + max(32, length // 2)
 
 
-def left_padded(
-    blocks: Sequence[tuple[int | slice, torch.Tensor, torch.Tensor]],
-    rows: int,
-    width: int,
-    room: int,
-) -> RoomyLayer:
-    """A layer of `rows` rows `width` positions long, with `room` more to grow: each block's
-    keys and values (rows `where`: one row, or a slice of rows; a block of one row may fill a
-    slice of several) written right-aligned, the padding before them zeros. One copy of each
-    value (padding, stacking or concatenating and selecting copied them up to four times). The
-    room is left as allocated: every step writes a position before anything reads it."""
-    _, first, _ = blocks[0]
-    shape = (rows, first.shape[-3], width + room, first.shape[-1])
-    keys, values = first.new_empty(shape), first.new_empty(shape)
-    for where, k, v in blocks:
-        start = width - k.shape[-2]
-        keys[where, :, :start] = 0
-        values[where, :, :start] = 0
-        keys[where, :, start:width] = k
-        values[where, :, start:width] = v
-    return RoomyLayer.over(keys, values, width)
+@dataclass(frozen=True)
+class KVRow:
+    """One sequence's keys and values where they lie: row `row` of per-layer tensors `layers`
+    (keys and values, [rows, kv_heads, positions, head_dim] each), from position `start` to
+    their end. Rows that lie side by side in the same tensors are copied together (`stacked`)."""
+
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    row: int
+    start: int
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0][0].shape[2]) - self.start
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `i`'s keys and values of this sequence, [kv_heads, tokens, head_dim] views."""
+        keys, values = self.layers[i]
+        return keys[self.row, :, self.start :], values[self.row, :, self.start :]
+
+
+def batch_rows(batch: Batch) -> list[KVRow]:
+    """Every row of `batch` as a `KVRow` (its tokens after its padding)."""
+    layers = [kv(layer) for layer in batch.cache.layers]
+    return [KVRow(layers, r, start) for r, start in enumerate(batch.pad_starts)]
+
+
+def stacked(picks: Sequence[KVRow], room: int | None = None) -> tuple[list[RoomyLayer], int]:
+    """The sequences `picks` as the rows of new per-layer tensors, right-aligned to the longest
+    (`width` positions, returned with them), the padding before them zeros, with `room` more
+    positions to grow (default `room_for`). Runs of picks that lie in consecutive rows of the
+    same tensors from the same position, and one pick repeated, are copied as one block:
+    copying rows one by one or by index took ~4x as long (a 256-row cache,
+    benchmarks/episodes.py). One copy of each value; the room is left as allocated, since every
+    step writes a position before anything reads it."""
+    width = max(p.length for p in picks)
+    room = room_for(width) - width if room is None else room
+    # (the run's first pick, picks in it, repeated: the first pick `count` times)
+    runs: list[tuple[KVRow, int, bool]] = []
+    for pick in picks:
+        if runs:
+            first, count, repeated = runs[-1]
+            same = pick.layers is first.layers and pick.start == first.start
+            if same and pick.row == first.row and (count == 1 or repeated):
+                runs[-1] = (first, count + 1, True)
+                continue
+            if same and not repeated and pick.row == first.row + count:
+                runs[-1] = (first, count + 1, False)
+                continue
+        runs.append((pick, 1, False))
+    out = []
+    for layer in range(len(picks[0].layers)):
+        like = picks[0].layers[layer][0]
+        shape = (len(picks), like.shape[1], width + room, like.shape[3])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
+        at = 0
+        for first, count, repeated in runs:
+            rows = slice(first.row, first.row + (1 if repeated else count))
+            k, v = first.layers[layer]
+            begin = width - first.length
+            where = slice(at, at + count)
+            if begin:
+                keys[where, :, :begin] = 0
+                values[where, :, :begin] = 0
+            keys[where, :, begin:width] = k[rows, :, first.start :]
+            values[where, :, begin:width] = v[rows, :, first.start :]
+            at += count
+        out.append(RoomyLayer.over(keys, values, width))
+    return out, width
 
 
 def assemble(picks: Sequence[tuple[Batch, int]]) -> Batch:
     """A batch whose row r is row `picks[r][1]` of batch `picks[r][0]` (rows of several
     batches, a row several times, rows dropped), left-padded to its longest row, each layer one
-    tensor with room to grow. Consecutive rows of one batch, and one row repeated, are copied as
-    one block: copying rows by index took ~4x as long as copying a slice (a 256-row cache,
-    benchmarks/episodes.py). Every layer must be a plain one (not a sliding window's)."""
-    lengths = [b.mask.shape[1] - b.pad_starts[r] for b, r in picks]
-    width = max(lengths)
-    # (batch, its first row, rows, repeated: the one row `rows` times)
-    runs: list[tuple[Batch, int, int, bool]] = []
-    for b, r in picks:
-        if runs:
-            src, first, count, repeated = runs[-1]
-            if src is b and r == first and (count == 1 or repeated):
-                runs[-1] = (b, first, count + 1, True)
-                continue
-            if src is b and not repeated and r == first + count:
-                runs[-1] = (b, first, count + 1, False)
-                continue
-        runs.append((b, r, 1, False))
-    layers = []
-    for layer in range(len(picks[0][0].cache.layers)):
-        blocks: list[tuple[int | slice, torch.Tensor, torch.Tensor]] = []
-        at = 0
-        for b, first, count, repeated in runs:
-            k, v = kv(b.cache.layers[layer])
-            source = slice(first, first + (1 if repeated else count))
-            start = min(b.pad_starts[source])  # shorter rows bring their own padding along
-            blocks.append((slice(at, at + count), k[source, :, start:], v[source, :, start:]))
-            at += count
-        layers.append(left_padded(blocks, len(picks), width, room_for(width) - width))
-    pad_starts = [width - n for n in lengths]
+    tensor with room to grow (`stacked`). Every layer must be a plain one (not a sliding
+    window's)."""
+    rows: dict[int, list[KVRow]] = {}
+    for b, _ in picks:
+        if id(b) not in rows:
+            rows[id(b)] = batch_rows(b)
+    layers, width = stacked([rows[id(b)][r] for b, r in picks])
+    pad_starts = [width - (b.mask.shape[1] - b.pad_starts[r]) for b, r in picks]
     device = picks[0][0].mask.device
     mask = torch.arange(width, device=device) >= torch.tensor(pad_starts, device=device)[:, None]
     return Batch(

@@ -24,46 +24,36 @@ from transformers import DynamicCache
 
 from grail.inference.builtin.batch import (
     Batch,
-    RoomyLayer,
+    KVRow,
     assemble,
     kv,
-    left_padded,
     merge,
     plain_layers,
     room_for,
     roomy,
     roomy_cache,
+    stacked,
 )
 from grail.inference.builtin.host import DecodeHost
-from grail.inference.builtin.prefix_cache import LayerKV, PrefixCache, Span, units
+from grail.inference.builtin.prefix_cache import PrefixCache, Span, units
 from grail.inference.builtin.sampling import SamplingParams, draw
 from grail.inference.builtin.sequences import EngineStopped, _running, _Sequence
 
 
 @dataclass
 class _Partial:
-    """A prompt being computed unit by unit: its keys and values so far (`length` tokens) and
-    the units to go; `logits` of its last position once computed."""
+    """A prompt being computed unit by unit: its keys and values so far (`length` tokens; None
+    before its first unit) and the units to go; `logits` of its last position once computed."""
 
     prompt: tuple[int, ...]
-    layers: list[LayerKV]
+    kv: KVRow | None
     length: int
     todo: list[tuple[int, int]]
     logits: torch.Tensor | None = None
 
-
-def _stacked(
-    parts: list[_Partial], width: int, index: list[int] | None = None, room: int = 0
-) -> list[RoomyLayer]:
-    """The keys and values of `parts` left-padded to `width` tokens, row r holding part
-    `index[r]` (default: one row each), each layer one tensor with `room` positions to grow."""
-    index = list(range(len(parts))) if index is None else index
-    return [
-        left_padded(
-            [(r, *parts[i].layers[layer]) for r, i in enumerate(index)], len(index), width, room
-        )
-        for layer in range(len(parts[0].layers))
-    ]
+    def computed(self) -> KVRow:
+        assert self.kv is not None  # every prompt's units are computed before it is stacked
+        return self.kv
 
 
 class EagerDecoder:
@@ -243,8 +233,7 @@ class EagerDecoder:
                 continue
             prompt = len(seq.prompt)
             spans = (*seq.spans, (prompt, prompt + len(seq.token_ids)))
-            kept = [(k[r, :, start:], v[r, :, start:]) for k, v in layers]
-            self.prefix_cache.store(tokens, spans, kept)
+            self.prefix_cache.store(tokens, spans, KVRow(layers, r, start))
 
     def _prefill_units(self, seqs: list[_Sequence]) -> Batch:
         """Compute the distinct prompts (with their spans) in their units (`prefix_cache`) from
@@ -259,7 +248,7 @@ class EagerDecoder:
         for prompt, spans in keys:
             done, entry = self.prefix_cache.lookup(prompt, spans)
             todo = [u for u in units(len(prompt), spans) if u[0] >= done]
-            partial.append(_Partial(prompt, entry.layers if entry else [], done, todo))
+            partial.append(_Partial(prompt, entry.kv if entry else None, done, todo))
         # One unit each, of one length, after cached keys and values (a hit, as every later
         # turn of an episode is): the round's own cache becomes the batch's, with room to grow,
         # instead of being copied into a new one.
@@ -282,7 +271,7 @@ class EagerDecoder:
         index += [0] * self._fill(len(index))
         select = torch.tensor(index, device=self.host.device)
         if not whole or cache is None:
-            cache = roomy_cache(_stacked(partial, width, index, room_for(width) - width))
+            cache = roomy_cache(stacked([partial[i].computed() for i in index])[0])
         mask = torch.zeros((len(partial), width), dtype=torch.long, device=self.host.device)
         for i, p in enumerate(partial):
             mask[i, width - p.length :] = 1
@@ -319,11 +308,11 @@ class EagerDecoder:
             cache = DynamicCache(config=self.host.model.config)
         else:
             room = room_for(past + size) - past if grow else size
-            cache = roomy_cache(_stacked(rows, past, room=room))
+            cache = roomy_cache(stacked([p.computed() for p in rows], room)[0])
         logits = self._forward(ids.to(dev), mask.to(dev), positions.to(dev), cache, pad_starts)
         layers = [kv(layer) for layer in cache.layers]
         for r, p in enumerate(group):
-            p.layers = [(k[r, :, pad_starts[r] :], v[r, :, pad_starts[r] :]) for k, v in layers]
+            p.kv = KVRow(layers, r, pad_starts[r])
             p.length += size
             p.todo.pop(0)
             p.logits = logits[r]

@@ -43,12 +43,10 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
+from grail.inference.builtin.batch import KVRow
 
 #: [start, end) positions of prompt tokens the policy sampled, as a request sends them.
 Span = tuple[int, int]
-#: One layer's keys and values of one sequence: [kv_heads, tokens, head_dim] each.
-LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
 def check_spans(spans: Sequence[Sequence[int]], length: int) -> tuple[Span, ...]:
@@ -88,10 +86,10 @@ def units(length: int, spans: Sequence[Span]) -> list[tuple[int, int]]:
 @dataclass
 class Entry:
     """What a finished sequence leaves: the spans it was computed with (its request's and its
-    own sampled tokens) and its keys and values, one `LayerKV` per layer."""
+    own sampled tokens) and its keys and values, where they lie in its batch's tensors."""
 
     spans: tuple[Span, ...]
-    layers: list[LayerKV]
+    kv: KVRow
 
 
 class PrefixCache:
@@ -114,16 +112,14 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def store(
-        self, tokens: tuple[int, ...], spans: tuple[Span, ...], layers: list[LayerKV]
-    ) -> None:
+    def store(self, tokens: tuple[int, ...], spans: tuple[Span, ...], kv: KVRow) -> None:
         """Keep the keys and values of `tokens` (computed in the units of `spans`)."""
         if not tokens or len(tokens) > self.capacity_tokens:
             return
         old = self._entries.pop(tokens, None)
         if old is not None:
             self._tokens -= len(tokens)
-        self._entries[tokens] = Entry(spans, layers)
+        self._entries[tokens] = Entry(spans, kv)
         self._tokens += len(tokens)
         while self._tokens > self.capacity_tokens:
             evicted, _ = self._entries.popitem(last=False)
