@@ -11,11 +11,11 @@ Episodes: copy_turns (grail/envs/copy_turns.py) with `--turns` turns, every turn
 twice: each turn's prompt sent as one chunk (generation.prefix_cache=false, the default), and
 with its sampled spans, continued from the server's prefix cache (generation.prefix_cache=true;
 grail/inference/builtin/prefix_cache.py), with the cache's hits and misses.
-Single-turn: copy_digits prompts, one request per 16 prompts x n as the harness sends them, each
-completion exactly turns x turn-tokens tokens. Both sample the same tokens per batch; the episodes
-also prefill the environment's turns. The three run in turns (a round: one batch of each), so that
-a noisy machine slows each alike; walls are medians [min-max] over the rounds after one warm-up,
-ratios the median of each round's ratio;
+Single-turn: copy_digits problems through the same harness (prompts rendered, n samples of 16
+prompts a request, completions scored), each completion exactly turns x turn-tokens tokens. Both
+sample the same tokens per batch; the episodes also prefill the environment's turns. The three run
+in turns (a round: one batch of each), so that a noisy machine slows each alike; walls are medians
+[min-max] over the rounds after one warm-up, ratios the median of each round's ratio;
 results go to benchmarks/results/episodes.json (`--out` elsewhere).
 """
 
@@ -32,7 +32,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from client_overhead import default_prompts, fmt
+from client_overhead import fmt
 from common import print_table, spread, write_results
 
 from grail.core.heap import frozen_heap
@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = ensure_tiny_model()
     tokenizer = load_tokenizer(str(model_dir))
-    prompts = default_prompts(model_dir, args.problems)
     per_turn = SamplingParams(max_tokens=args.turn_tokens, ignore_eos=True)
     whole = SamplingParams(max_tokens=args.turns * args.turn_tokens, ignore_eos=True)
     sampled = args.problems * args.episodes * args.turns * args.turn_tokens
@@ -94,10 +93,15 @@ def main(argv: list[str] | None = None) -> int:
 
         chunked_batch, continued_batch = episode_batches(False), episode_batches(True)
 
+        # The single-turn groups go through the harness as a single-turn run's do (prompts
+        # rendered, completions scored), as the episodes do.
+        single_turn = RolloutGenerator(make_env("copy_digits"), tokenizer, client, whole)
+
         async def single_batch(i: int) -> None:
-            seeds = [1000 * i + 17 * j for j in range(len(prompts))]
-            groups = await client.complete_many(prompts, args.episodes, whole, seeds)
-            assert sum(len(c.token_ids) for g in groups for c in g) == sampled
+            out = await single_turn.generate(
+                list(range(args.problems)), args.episodes, round_index=i
+            )
+            assert sum(len(s.completion_ids) for s in out.samples) == sampled
 
         async def all_three() -> tuple[list[float], list[float], list[float]]:
             """The three kinds of batch in turns, so that a noisy machine slows each alike."""
