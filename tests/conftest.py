@@ -116,32 +116,34 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # order (with --no-loadscope-reorder: xdist's own reorder puts files with MANY tests first, which
 # sent the few-but-long run tests to the end, where one worker ran them while the other sat idle:
 # the last 5% of a run took 3 of its 17.5 minutes). Longest first is the classic schedule that
-# keeps that tail short. Seconds per file measured with `uv run pytest --durations=150` on the
-# 2-core CI-like machine; a file not listed runs after these, in its usual order. The files whose
-# tests start from `warm_base` (lora, service, tinker) stand apart: the first builds it (~80 s),
-# and a worker that asks while the other builds waits idle (test_service's setup waited 40 s when
-# it came right after test_lora).
-HEAVIEST_FILES = (
-    "test_distributed_run.py",  # 247 s
-    "test_benchmarks.py",  # 204
-    "test_lora.py",  # 134 (builds the warm base)
-    "test_train_loop.py",  # 169
-    "test_episode_runs.py",  # 110 (its module fixture starts five runs at once)
-    "test_service.py",  # 114
-    "test_cli.py",  # 99
-    "test_two_nodes.py",  # 78
-    "test_resume.py",  # 76
+# keeps that tail short. Seconds per file measured with `uv run pytest --durations=0` (summed per
+# file) on the 2-core CI-like machine; a file not listed runs after these, in its usual order. The
+# files whose tests start from `warm_base` (lora, service, tinker) stand apart: the first builds
+# it (~80 s), and a worker that asks while the other builds waits idle (test_service's setup
+# waited 40 s when it came right after test_lora).
+HEAVIEST_FILES = (  # seconds per file, 2026-11-30
+    "test_distributed_run.py",  # 140
+    "test_benchmarks.py",  # 134
+    "test_lora.py",  # 86 (builds the warm base)
     "test_fleet.py",  # 71
-    "test_packing.py",  # 48
-    "test_external_servers.py",  # 47
-    "test_server_rollouts.py",  # 46
-    "test_server_hardening.py",  # 46
-    "test_race.py",  # 43
-    "test_ladder.py",  # 40 (2026-11-29)
-    "test_rollout_reuse.py",  # 40
-    "test_prune.py",  # 36
-    "test_tinker.py",  # 36
-    "test_fingerprint.py",  # 33
+    "test_cli.py",  # 46
+    "test_packing.py",  # 44
+    "test_service.py",  # 46
+    "test_ladder.py",  # 43
+    "test_server_rollouts.py",  # 41
+    "test_tinker.py",  # 38
+    "test_external_servers.py",  # 36
+    "test_train_loop.py",  # 32
+    "test_trl_parity.py",  # 31
+    "test_server_hardening.py",  # 30
+    "test_two_nodes.py",  # 30
+    "test_sweep.py",  # 26
+    "test_fingerprint.py",  # 25
+    "test_zygote.py",  # 25
+    "test_tinker_server_sampler.py",  # 24
+    "test_prune.py",  # 23
+    "test_run_safety.py",  # 23
+    "test_episode_runs.py",  # 23
 )
 
 
