@@ -91,6 +91,9 @@ def leaked_processes() -> dict[int, str]:
 
 @pytest.hookimpl(trylast=True)  # after the runner has torn down session-scoped fixtures
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    from helpers.forked import close_runner
+
+    close_runner()  # the forked runner is this session's own child, not a leak
     leaked = leaked_processes()
     if not leaked:
         return

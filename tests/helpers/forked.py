@@ -262,6 +262,17 @@ class _Runner:
             self.process.wait()
 
 
+def close_runner() -> None:
+    """Close this worker's runner, if one was started (the session's end does, before it looks
+    for processes left behind: at exit, the runner looked like one of them)."""
+    global _runner
+    with _runner_lock:
+        runner, _runner = _runner, None
+    if runner is not None:
+        atexit.unregister(runner.close)
+        runner.close()
+
+
 def _runner_for(env: dict[str, str], for_its_children: frozenset[str]) -> _Runner | None:
     """This worker's runner, started at the first request, if `env` may be forked from it."""
     global _runner
