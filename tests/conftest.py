@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,9 @@ def leaked_processes() -> dict[int, str]:
 
 @pytest.hookimpl(trylast=True)  # after the runner has torn down session-scoped fixtures
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from helpers.forked import close_runner
-
-    close_runner()  # the forked runner is this session's own child, not a leak
+    forked = sys.modules.get("helpers.forked")  # its runner is this session's child, no leak
+    if forked is not None:
+        forked.close_runner()
     leaked = leaked_processes()
     if not leaked:
         return
