@@ -89,17 +89,6 @@ class RoomyLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, : length + new], values[:, :, : length + new]
         return self.keys, self.values
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep rows `indices`, room and all: one copy (selecting the keys alone copied them,
-        and the next step copied them again to make room)."""
-        if not self._has_room():
-            super().batch_select_indices(indices)
-            return
-        length = self.keys.shape[-2]  # type: ignore[union-attr]
-        keys, values = self._room  # type: ignore[misc]
-        self._room = (keys[indices], values[indices])
-        self.keys, self.values = self._room[0][:, :, :length], self._room[1][:, :, :length]
-
 
 def room_for(length: int) -> int:
     """Positions to allocate for a cache of `length` tokens that grows a token a step: half as
@@ -120,11 +109,6 @@ class KVRow:
     @property
     def length(self) -> int:
         return int(self.layers[0][0].shape[2]) - self.start
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `i`'s keys and values of this sequence, [kv_heads, tokens, head_dim] views."""
-        keys, values = self.layers[i]
-        return keys[self.row, :, self.start :], values[self.row, :, self.start :]
 
 
 def batch_rows(batch: Batch) -> list[KVRow]:
@@ -186,8 +170,9 @@ def assemble(picks: Sequence[tuple[Batch, int]]) -> Batch:
     for b, _ in picks:
         if id(b) not in rows:
             rows[id(b)] = batch_rows(b)
-    layers, width = stacked([rows[id(b)][r] for b, r in picks])
-    pad_starts = [width - (b.mask.shape[1] - b.pad_starts[r]) for b, r in picks]
+    sequences = [rows[id(b)][r] for b, r in picks]
+    layers, width = stacked(sequences)
+    pad_starts = [width - sequence.length for sequence in sequences]
     device = picks[0][0].mask.device
     mask = torch.arange(width, device=device) >= torch.tensor(pad_starts, device=device)[:, None]
     return Batch(

@@ -253,7 +253,7 @@ class EagerDecoder:
         # turn of an episode is): the round's own cache becomes the batch's, with room to grow,
         # instead of being copied into a new one.
         sizes = {
-            u[1] - u[0] if len(p.todo) == 1 and p.length else None for p in partial for u in p.todo
+            p.todo[0][1] - p.todo[0][0] if len(p.todo) == 1 and p.length else None for p in partial
         }
         whole = len(partial) == len(seqs) and len(sizes) == 1 and None not in sizes
         cache = None
