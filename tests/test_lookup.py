@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import string
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,8 +28,9 @@ from grail.envs.tools import ToolBox, ToolTurn
 from grail.inference.backends.builtin import BuiltinServer
 from grail.inference.client import CompletionClient
 from grail.inference.completions import SamplingParams
-from grail.models.loading import load_tokenizer
+from grail.models.loading import load_model, load_tokenizer
 from grail.rollouts.batch import Sample
+from grail.rollouts.chat import ChatRenderer
 from grail.rollouts.episodes import EpisodeLimits
 from grail.rollouts.generation import RolloutGenerator
 
@@ -298,3 +300,60 @@ def test_a_real_episode_shows_the_tool_to_the_model_and_completes(
         assert sum(sample.sampled_mask) >= 1
         assert 0.0 <= sample.reward <= 1.0
         assert set(sample.components) == set(LookupEnv.components)
+
+
+# ---------------------------------------------------------------------------------------------
+# The documented warm start (examples/lookup_warm_start.py)
+
+
+@pytest.fixture(scope="module")
+def warm_start() -> Any:
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import lookup_warm_start  # examples/ is not a package
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    return lookup_warm_start
+
+
+def test_the_warm_starts_examples_are_the_episodes_the_turn_loop_makes(
+    tokenizer: Any, warm_start: Any
+) -> None:
+    """Token for token, with the loss on exactly the sampled turns: the supervised examples are
+    what a policy that calls with the asked key and then answers a digit samples in a run."""
+    renderer = ChatRenderer(tokenizer)
+    for digit in "07":
+
+        def policy(conversation: str, digit: str = digit) -> str:
+            return digit if _responses(conversation) else _call(_asked(conversation))
+
+        seeds = range(2_000_000, 2_000_006)
+        samples = _episodes(tokenizer, policy, max_turns=2, seeds=seeds)
+        for seed, sample in zip(seeds, samples, strict=True):
+            (prompt,) = [tokenizer.apply_chat_template(
+                LookupEnv().reset(seed).problem.prompt_messages,
+                tools=ToolBox(LookupEnv().reset(seed).tools).schemas,
+                add_generation_prompt=True, tokenize=False,
+            )]  # fmt: skip
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids, mask = warm_start.example(LookupEnv(), renderer, seed, digit)
+            assert ids == prompt_ids + sample.completion_ids
+            assert mask == [0] * len(prompt_ids) + sample.sampled_mask
+            assert sample.success == (digit == LookupEnv().reset(seed).problem.answer)
+
+
+def test_the_warm_start_writes_a_model_grail_loads(
+    tiny_model_dir: Path, tmp_path: Path, warm_start: Any
+) -> None:
+    out = tmp_path / "warm"
+    warm_start.main(
+        ["--out", str(out), "--base", str(tiny_model_dir), "--steps", "2", "--batch", "2"]
+    )
+    model = load_model(str(out))
+    assert model.config.vocab_size == len(load_tokenizer(str(out)))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+    manifest = json.loads((out / "grail_manifest.json").read_text())
+    assert manifest["warm_start"]["steps"] == 2
+    with pytest.raises(SystemExit):  # never over an existing model
+        warm_start.main(["--out", str(out), "--base", str(tiny_model_dir)])

@@ -21,10 +21,11 @@ torch reads ATEN_CPU_CAPABILITY at the first tensor operation and MKL its variab
 GEMM, which the runner never runs: a forked run picks its kernels from its own environment, as a
 new interpreter does (the fingerprint test checks it bitwise). grail-serve (`python -m
 grail.inference.builtin.server`) is forked the same way, as grail-train's zygote forks its
-servers, and so is a `python -c PROGRAM` that a test marks as running grail-train (`popen`'s
-`program`). What a forked process does not do is a new interpreter's own exit: it ends with
-os._exit after its atexit functions, without waiting for its non-daemon threads, so a test of
-how a process ends with a thread still running starts a new interpreter.
+servers, and so are grail-tinker (`python -m grail.tinker.cli`) and a `python -c PROGRAM` that a
+test marks as running grail-train (`popen`'s `program`). What a forked process does not do is a
+new interpreter's own exit: it ends with os._exit after its atexit functions, without waiting for
+its non-daemon threads, so a test of how a process ends with a thread still running starts a new
+interpreter.
 
 Exit statuses: the forked grail-train is the runner's child; the runner reaps it and sends its
 raw wait status over the request's connection, which `ForkedPopen._try_wait` reads where Popen
@@ -58,8 +59,23 @@ from grail.inference.zygote import (
 
 FORKED_MODULE = "grail.train.cli"
 # What else a request may run (`python -m MODULE`): grail-serve, which the runner imports for
-# grail-train's zygote anyway, and which grail-train's runs fork from their zygote just so.
-FORKED_MODULES = (FORKED_MODULE, "grail.inference.builtin.server")
+# grail-train's zygote anyway, and which grail-train's runs fork from their zygote just so; and
+# grail-tinker (~9 starts in the suite, each ~6 CPU-s of imports as a new interpreter).
+FORKED_MODULES = (FORKED_MODULE, "grail.inference.builtin.server", "grail.tinker.cli")
+# Imported by the runner beyond grail-train's imports, so that a forked process does not pay for
+# them each time: every resource of the openai SDK, which the client's first
+# `AsyncOpenAI.completions` imports (~0.5 s, ~520 modules, in each run), and what grail-tinker's
+# main imports after its argument checks.
+_PRELOADED = (
+    "openai.resources",
+    "uvicorn",
+    "grail.tinker.cli",
+    "grail.tinker.app",
+    "grail.tinker.checkpoints",
+    "grail.tinker.core",
+    "grail.tinker.sampler",
+    "grail.tinker.trainer",
+)
 # Variables read when they are used, not when a module is imported: a request may differ from
 # the runner in these and still be forked.
 LAZY = frozenset(
@@ -299,7 +315,7 @@ def _runner_main(address: str) -> None:
     import grail.train.loop  # noqa: F401
     from grail.inference import zygote
 
-    for module in zygote.FORKABLE:  # what a run's zygote imports before it forks
+    for module in (*zygote.FORKABLE, *_PRELOADED):  # FORKABLE: what a run's zygote imports
         __import__(module)
     setproctitle.setproctitle(f"grail test runner (of pid {os.getppid()})")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a test's Ctrl-C is for its grail-train
