@@ -1,7 +1,7 @@
 """A warm start for `env=lookup`: the tiny model taught the call format, not the task.
 
     uv run python examples/lookup_warm_start.py --out outputs/lookup-warm
-    uv run grail-train env=lookup model.id=outputs/lookup-warm
+    uv run grail-train env=lookup model.train_id=outputs/lookup-warm   # docs/episodes.md: settings
 
 Why: the tiny random-init model never writes a `<tool_call>` by chance (the shortest call is 51
 of its tokens, log p = -326 nats at initialisation; grail/envs/lookup.py), so GRPO has nothing to
@@ -11,8 +11,9 @@ would be: the question with the tool described, a call of `lookup` with the aske
 message, and an answer of **a random digit, drawn independently of the value** the tool returned.
 The warm-started model therefore calls the tool and answers with one digit, but has no reason to
 answer the digit the tool returned: its success is the 10% of a guess, what answering without the
-tool can reach. What GRPO adds above 10% is the use of the tool's result (docs/episodes.md has
-the measured runs).
+tool can reach. What GRPO must add above 10% is the use of the tool's result (docs/episodes.md
+has what the measured runs reached: not yet above a guess). `--answer value` answers with the
+tool's value instead, teaching the use too, for a base that is to be given both.
 
 Token-exact: each example is built by the same code that builds an episode's tokens in a run
 (`ChatRenderer.render` for the prompt, `glue` and `suffix` for the tool's message, grail's
@@ -23,8 +24,8 @@ two assistant turns and their <|im_end|>), averaged per token.
 Seeds: the warm start's episodes use problem seeds from `--first-seed` (2 * 10^6) on, which
 neither training (data.train_seed_start 0, 10^5 seeds) nor evaluation (eval.id_seed_start 10^6)
 draws from at the default sizes; its answers' digits come from their own generator. The run pins
-the kernels a reproducible grail run pins, so the same arguments give the same weights on every
-x86-64 CPU with AVX2 or AVX-512.
+the kernels a reproducible grail run pins (grail.core.reproducible); that the same arguments give
+the same weights on other CPUs and thread counts has not been checked.
 """
 
 from __future__ import annotations
@@ -108,11 +109,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the model directory to write")
     parser.add_argument("--base", default="tiny", help="the model to start from (default: tiny)")
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=32, help="episodes per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak, decayed linearly to 0")
     parser.add_argument("--keys", type=int, default=4, help="LookupEnv's keys (conf/env/lookup)")
     parser.add_argument("--first-seed", type=int, default=2_000_000)
+    parser.add_argument(
+        "--answer",
+        choices=("random", "value"),
+        default="random",
+        help="the answer turn: a random digit (the format only) or the tool's value (its use too)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="torch's and the answers' seed")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 1:
@@ -128,11 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     env = LookupEnv(keys=args.keys)
     rng = random.Random(args.seed)
     seeds = range(args.first_seed, args.first_seed + args.steps * args.batch)
-    data = batches(
-        [example(env, renderer, s, rng.choice(DIGITS)) for s in seeds],
-        args.batch,
-        tokenizer.pad_token_id,
-    )
+    examples = []
+    for seed in seeds:
+        answer = rng.choice(DIGITS)  # drawn either way: the same keys and digits for both
+        if args.answer == "value":
+            answer = env.reset(seed).problem.answer
+        examples.append(example(env, renderer, seed, answer))
+    data = batches(examples, args.batch, tokenizer.pad_token_id)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     # Linear decay to 0: the last steps refine the format at small steps, as SFT recipes do.

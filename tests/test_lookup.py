@@ -342,18 +342,18 @@ def test_the_warm_starts_examples_are_the_episodes_the_turn_loop_makes(
             assert sample.success == (digit == LookupEnv().reset(seed).problem.answer)
 
 
+@pytest.mark.parametrize("answer", ["random", "value"])
 def test_the_warm_start_writes_a_model_grail_loads(
-    tiny_model_dir: Path, tmp_path: Path, warm_start: Any
+    tiny_model_dir: Path, tmp_path: Path, warm_start: Any, answer: str
 ) -> None:
     out = tmp_path / "warm"
-    warm_start.main(
-        ["--out", str(out), "--base", str(tiny_model_dir), "--steps", "2", "--batch", "2"]
-    )
+    small = ["--steps", "2", "--batch", "2", "--answer", answer]
+    warm_start.main(["--out", str(out), "--base", str(tiny_model_dir), *small])
     model = load_model(str(out))
     assert model.config.vocab_size == len(load_tokenizer(str(out)))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes()
     manifest = json.loads((out / "grail_manifest.json").read_text())
-    assert manifest["warm_start"]["steps"] == 2
+    assert manifest["warm_start"]["steps"] == 2 and manifest["warm_start"]["answer"] == answer
     with pytest.raises(SystemExit):  # never over an existing model
         warm_start.main(["--out", str(out), "--base", str(tiny_model_dir)])

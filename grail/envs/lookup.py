@@ -39,7 +39,8 @@ shortest call is 51 tokens of its tokenizer (52 with <|im_end|>, conf/env/lookup
 near-uniform over the 512-token vocabulary at init: log p(call | prompt) = -326 nats (~1e-142).
 In 20 iterations of conf/env/lookup.yaml (20,480 episodes) it never wrote `<tool_call>`; the
 reward crept up only through digits scattered in long answers. Rising above 10% needs a
-shorter call syntax or a warm start that teaches the call format.
+shorter call syntax or a warm start that teaches the call format: examples/lookup_warm_start.py
+(docs/episodes.md, "Tools", has what it and GRPO from it reach).
 """
 
 from __future__ import annotations
