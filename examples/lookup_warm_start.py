@@ -62,10 +62,10 @@ def encode(renderer: ChatRenderer, text: str) -> list[int]:
 
 
 def example(
-    env: LookupEnv, renderer: ChatRenderer, seed: int, answer: str
+    env: LookupEnv, renderer: ChatRenderer, seed: int, answer: str | None
 ) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of problem `seed`'s episode: a call with the asked key, then
-    `answer`, whatever the tool returned."""
+    `answer`, whatever the tool returned (None: the episode's first turn alone)."""
     episode = env.reset(seed)
     toolbox = ToolBox(episode.tools)
     messages = list(episode.problem.prompt_messages)
@@ -76,6 +76,8 @@ def example(
 
     call_text = CALL.format(key=episode.problem.meta["key"])
     call = encode(renderer, call_text) + [end]
+    if answer is None:
+        return ids + call, mask + [1] * len(call)
     answered = asyncio.run(toolbox.answer(call_text, deadline_s=10.0))
     assert answered is not None and answered.errors == 0, call_text
     messages.append({"role": "assistant", "content": call_text})
@@ -116,9 +118,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--first-seed", type=int, default=2_000_000)
     parser.add_argument(
         "--answer",
-        choices=("random", "value"),
+        choices=("random", "value", "none"),
         default="random",
-        help="the answer turn: a random digit (the format only) or the tool's value (its use too)",
+        help="the answer turn: a random digit (the format only), the tool's value (its use too), "
+        "or none (the call alone, for a base whose own answers are to be kept)",
     )
     parser.add_argument("--seed", type=int, default=0, help="torch's and the answers' seed")
     args = parser.parse_args(argv)
@@ -137,10 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     seeds = range(args.first_seed, args.first_seed + args.steps * args.batch)
     examples = []
     for seed in seeds:
-        answer = rng.choice(DIGITS)  # drawn either way: the same keys and digits for both
-        if args.answer == "value":
-            answer = env.reset(seed).problem.answer
-        examples.append(example(env, renderer, seed, answer))
+        digit = rng.choice(DIGITS)  # drawn whatever the answer: the same draws for each
+        answer = {"random": digit, "value": env.reset(seed).problem.answer, "none": None}
+        examples.append(example(env, renderer, seed, answer[args.answer]))
     data = batches(examples, args.batch, tokenizer.pad_token_id)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

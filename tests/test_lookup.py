@@ -339,10 +339,16 @@ def test_the_warm_starts_examples_are_the_episodes_the_turn_loop_makes(
             ids, mask = warm_start.example(LookupEnv(), renderer, seed, digit)
             assert ids == prompt_ids + sample.completion_ids
             assert mask == [0] * len(prompt_ids) + sample.sampled_mask
+            first = sample.sampled_mask.index(0)  # the call: the first sampled turn
+            ids, mask = warm_start.example(LookupEnv(), renderer, seed, None)
+            assert (ids, mask) == (
+                prompt_ids + sample.completion_ids[:first],
+                [0] * len(prompt_ids) + [1] * first,
+            )
             assert sample.success == (digit == LookupEnv().reset(seed).problem.answer)
 
 
-@pytest.mark.parametrize("answer", ["random", "value"])
+@pytest.mark.parametrize("answer", ["random", "value", "none"])
 def test_the_warm_start_writes_a_model_grail_loads(
     tiny_model_dir: Path, tmp_path: Path, warm_start: Any, answer: str
 ) -> None:
