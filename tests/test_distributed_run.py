@@ -18,6 +18,7 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import forked
@@ -187,3 +188,36 @@ def ranks_of(sid: int) -> list[int]:
             if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 ranks.append(pid)
     return ranks
+
+
+def _failed_rank(tmp_path: Path, exitcode: int, raised: str | None) -> Any:
+    """torch's record of rank 1 ending with `exitcode`, after writing `raised` to its error file
+    as torch's error handler does (None: no error file, as when a signal kills the rank)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    if raised is not None:
+        info = {"py_callstack": f"Traceback (most recent call last):\n{raised}\n", "timestamp": "1"}
+        error_file.write_text(json.dumps({"message": {"message": raised, "extraInfo": info}}))
+    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=exitcode, error_file=str(error_file))
+    return ChildFailedError("rank_main", {1: failure})
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "raised", "cause"),
+    [
+        (1, "RuntimeError: boom", "RuntimeError: boom"),
+        # Seen in CI: the rank raised, wrote its error, then aborted as gloo tore down.
+        (-signal.SIGABRT, "RuntimeError: boom", "RuntimeError: boom"),
+        (-signal.SIGKILL, None, "killed by SIGKILL"),
+        (3, None, "exit code 3"),
+    ],
+)
+def test_a_failed_rank_is_reported_by_the_exception_it_raised_else_by_how_it_ended(
+    tmp_path: Path, exitcode: int, raised: str | None, cause: str
+) -> None:
+    from grail.train.distributed import RankFailed, raise_failure
+
+    with pytest.raises(RankFailed) as caught:
+        raise_failure(_failed_rank(tmp_path, exitcode, raised))
+    assert str(caught.value) == f"trainer rank 1 (pid 4242) failed: {cause}"

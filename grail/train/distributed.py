@@ -353,14 +353,25 @@ def raise_failure(
             raise Terminated(code - 128)  # someone signalled rank 0 itself
         sys.exit(code)  # rank 0 reported its own error
     _details_to_log_file(rank, failure)
-    if code < 0:
+    raised = _error_message(failure) if _recorded_an_error(failure) else ""
+    if raised:  # the rank's exception: a signal after it (SIGABRT as gloo tore down) is not why
+        cause = raised
+    elif code < 0:
         cause = f"killed by {signal.Signals(-code).name}"
     else:
-        cause = _error_message(failure) or f"exit code {code}"
+        cause = f"exit code {code}"
     differ = f"{NodesDiffer.__name__}: "
     if cause.startswith(differ):  # this node's first rank, as rank 0 reports it on node 0
         raise NodesDiffer(cause.removeprefix(differ))
     raise RankFailed(f"trainer rank {rank} (pid {failure.pid}) failed: {cause}")
+
+
+def _recorded_an_error(failure: Any) -> bool:
+    """Whether the rank wrote its exception to torch's error file before it ended (a rank killed
+    by a signal writes none: torch then makes up a message from the signal)."""
+    data = getattr(failure, "error_file_data", None)
+    # torch's placeholder for no error file is {"message": "<NONE>"} (errors._EMPTY_ERROR_DATA)
+    return isinstance(data, dict) and data.get("message") not in (None, "", "<NONE>")
 
 
 def _error_message(failure: Any) -> str:
