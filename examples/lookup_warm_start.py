@@ -141,8 +141,10 @@ def main(argv: list[str] | None = None) -> None:
     examples = []
     for seed in seeds:
         digit = rng.choice(DIGITS)  # drawn whatever the answer: the same draws for each
-        answer = {"random": digit, "value": env.reset(seed).problem.answer, "none": None}
-        examples.append(example(env, renderer, seed, answer[args.answer]))
+        answer = digit if args.answer == "random" else None
+        if args.answer == "value":
+            answer = env.reset(seed).problem.answer
+        examples.append(example(env, renderer, seed, answer))
     data = batches(examples, args.batch, tokenizer.pad_token_id)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

@@ -330,11 +330,13 @@ def test_the_warm_starts_examples_are_the_episodes_the_turn_loop_makes(
         seeds = range(2_000_000, 2_000_006)
         samples = _episodes(tokenizer, policy, max_turns=2, seeds=seeds)
         for seed, sample in zip(seeds, samples, strict=True):
-            (prompt,) = [tokenizer.apply_chat_template(
-                LookupEnv().reset(seed).problem.prompt_messages,
-                tools=ToolBox(LookupEnv().reset(seed).tools).schemas,
-                add_generation_prompt=True, tokenize=False,
-            )]  # fmt: skip
+            episode = LookupEnv().reset(seed)
+            prompt = tokenizer.apply_chat_template(
+                episode.problem.prompt_messages,
+                tools=ToolBox(episode.tools).schemas,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             ids, mask = warm_start.example(LookupEnv(), renderer, seed, digit)
             assert ids == prompt_ids + sample.completion_ids
@@ -345,7 +347,7 @@ def test_the_warm_starts_examples_are_the_episodes_the_turn_loop_makes(
                 prompt_ids + sample.completion_ids[:first],
                 [0] * len(prompt_ids) + [1] * first,
             )
-            assert sample.success == (digit == LookupEnv().reset(seed).problem.answer)
+            assert sample.success == (digit == episode.problem.answer)
 
 
 @pytest.mark.parametrize("answer", ["random", "value", "none"])

@@ -353,7 +353,7 @@ def raise_failure(
             raise Terminated(code - 128)  # someone signalled rank 0 itself
         sys.exit(code)  # rank 0 reported its own error
     _details_to_log_file(rank, failure)
-    raised = _error_message(failure) if _recorded_an_error(failure) else ""
+    raised = _error_message(failure)
     if raised:  # the rank's exception: a signal after it (SIGABRT as gloo tore down) is not why
         cause = raised
     elif code < 0:
@@ -366,16 +366,14 @@ def raise_failure(
     raise RankFailed(f"trainer rank {rank} (pid {failure.pid}) failed: {cause}")
 
 
-def _recorded_an_error(failure: Any) -> bool:
-    """Whether the rank wrote its exception to torch's error file before it ended (a rank killed
-    by a signal writes none: torch then makes up a message from the signal)."""
+def _error_message(failure: Any) -> str:
+    """The exception a rank raised, as `Type: message` on one line, from torch's error file; ""
+    where the rank wrote none (killed by a signal first: torch's `message` is then one it made
+    up, from the signal or a pointer to its docs)."""
     data = getattr(failure, "error_file_data", None)
     # torch's placeholder for no error file is {"message": "<NONE>"} (errors._EMPTY_ERROR_DATA)
-    return isinstance(data, dict) and data.get("message") not in (None, "", "<NONE>")
-
-
-def _error_message(failure: Any) -> str:
-    """The exception a rank raised, as `Type: message` on one line (from the agent's record)."""
+    if not isinstance(data, dict) or data.get("message") in (None, "", "<NONE>"):
+        return ""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
