@@ -350,12 +350,70 @@ def test_the_warm_starts_examples_are_the_episodes_the_turn_loop_makes(
             assert sample.success == (digit == episode.problem.answer)
 
 
+def test_the_warm_starts_repeats_are_copy_digits_episodes_answered(
+    tokenizer: Any, warm_start: Any
+) -> None:
+    renderer = ChatRenderer(tokenizer)
+    schemas = ToolBox(LookupEnv().reset(0).tools).schemas
+    for seed, digits, tools in ((3, 1, None), (4, 3, None), (5, 2, schemas)):
+        problem = CopyDigitsEnv(digits).problem(seed)
+        assert len(problem.answer) == digits
+        prompt = tokenizer.apply_chat_template(
+            problem.prompt_messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        assert prompt.startswith("<|im_start|>system\n# Tools") == (tools is not None)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        reply = tokenizer(problem.answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids, mask = warm_start.repeat_example(renderer, seed, digits, tools)
+        assert (ids, mask) == (prompt_ids + reply, [0] * len(prompt_ids) + [1] * len(reply))
+
+
+def test_the_warm_starts_shared_prefix_loss_is_the_full_forwards(
+    tiny_model_dir: Path, tokenizer: Any, warm_start: Any
+) -> None:
+    """Running the rows' common prefix once gives the loss and gradients of running every row
+    whole, and a batch with no common prefix (or a loss inside it) takes the plain path."""
+    import torch
+
+    renderer, env = ChatRenderer(tokenizer), LookupEnv()
+    model = load_model(str(tiny_model_dir))
+
+    def full(batch: Any) -> Any:
+        ids, attention, loss_mask = batch
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        return (nll * loss_mask[:, 1:].reshape(-1)).sum() / loss_mask[:, 1:].sum()
+
+    def loss_and_grads(loss_fn: Any) -> tuple[float, list[Any]]:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    lookups = [warm_start.example(env, renderer, s, "7") for s in range(3)]
+    lookups.append(warm_start.example(env, renderer, 3, None))
+    repeats = [warm_start.repeat_example(renderer, s, d, None) for s, d in ((0, 1), (1, 3))]
+    lookup_batch = warm_start.batch(lookups, tokenizer.pad_token_id)
+    assert warm_start.shared_prefix(*lookup_batch[:2]) > 400  # the tools' description and more
+    # Identical rows with a loss at their second token: no prefix to share without a loss in it.
+    lossy = [([5, 6, 7, 8], [0, 1, 1, 1])] * 2
+    for parts in ([lookups, repeats], [repeats], [lossy]):
+        batches = [warm_start.batch(part, tokenizer.pad_token_id) for part in parts]
+        want, want_grads = loss_and_grads(lambda b=batches: sum(map(full, b)) / len(b))
+        got, got_grads = loss_and_grads(lambda b=batches: warm_start.sft_loss(model, *b))
+        assert got == pytest.approx(want, rel=1e-5)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            assert torch.allclose(g, w, rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("answer", ["random", "value", "none"])
 def test_the_warm_start_writes_a_model_grail_loads(
     tiny_model_dir: Path, tmp_path: Path, warm_start: Any, answer: str
 ) -> None:
     out = tmp_path / "warm"
-    small = ["--steps", "2", "--batch", "2", "--answer", answer]
+    small = ["--steps", "2", "--batch", "2", "--answer", answer, "--repeats", "1"]
     warm_start.main(["--out", str(out), "--base", str(tiny_model_dir), *small])
     model = load_model(str(out))
     assert model.config.vocab_size == len(load_tokenizer(str(out)))

@@ -38,9 +38,9 @@ Learnability, measured on CPU: the tiny random-init model does not learn this fr
 shortest call is 51 tokens of its tokenizer (52 with <|im_end|>, conf/env/lookup.yaml), each
 near-uniform over the 512-token vocabulary at init: log p(call | prompt) = -326 nats (~1e-142).
 In 20 iterations of conf/env/lookup.yaml (20,480 episodes) it never wrote `<tool_call>`; the
-reward crept up only through digits scattered in long answers. Rising above 10% needs a
-shorter call syntax or a warm start that teaches the call format: examples/lookup_warm_start.py
-(docs/episodes.md, "Tools", has what it and GRPO from it reach).
+reward crept up only through digits scattered in long answers. examples/lookup_warm_start.py
+demonstrates the task in three supervised stages, after which held-out success is 0.91; GRPO
+from a warm start that teaches only the format stays at a guess (docs/episodes.md, "Tools").
 """
 
 from __future__ import annotations
