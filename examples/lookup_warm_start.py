@@ -137,7 +137,7 @@ def nll_sum(
 
     Why the prefix: every lookup example opens with the same system turn (the tool's
     description, ~430 of an episode's ~570 tokens), so running it once and handing its keys and
-    values to every row (gradients flow through them) makes a step ~8x cheaper on CPU; the loss
+    values to every row (gradients flow through them) makes a step ~4x cheaper on CPU; the loss
     is the full forward's (tests/test_lookup.py compares them). No loss falls in the prefix.
     """
     shared = min(shared_prefix(ids, attention), ids.shape[1] - 1)
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         "--repeats",
         type=int,
         default=0,
-        help="copy_digits episodes (1-3 digits, the tool offered, answered without it) beside "
-        "each step's lookup episodes: the copying an instruct model arrives with",
+        help="copy_digits episodes a step (1-3 digits, answered) beside the lookup episodes: "
+        "the copying of shown text an instruct model arrives with",
     )
     parser.add_argument(
         "--repeat-tools",
