@@ -224,10 +224,10 @@ def main(argv: list[str] | None = None) -> None:
             if args.answer == "value":
                 answer = env.reset(seed).problem.answer
             examples.append(example(env, renderer, seed, answer))
-        first = args.first_seed + step * args.repeats  # copy_digits' seeds: another task's
+        first_repeat = args.first_seed + step * args.repeats  # copy_digits' seeds: its own
         repeats = [
             repeat_example(renderer, seed, rng.randint(1, 3), tools)
-            for seed in range(first, first + args.repeats)
+            for seed in range(first_repeat, first_repeat + args.repeats)
         ]
         return [batch(part, tokenizer.pad_token_id) for part in (examples, repeats) if part]
 
