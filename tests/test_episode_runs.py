@@ -49,7 +49,7 @@ from grail.inference.errors import ServerDiedError
 from grail.models.loading import load_tokenizer
 from grail.rollouts.batch import GeneratedBatch
 from grail.rollouts.episodes import EpisodeLimits, turn_seed
-from grail.rollouts.fleet import FleetClient
+from grail.rollouts.fleet_client import FleetClient
 from grail.rollouts.generation import RolloutGenerator, render_prompt_ids
 from grail.rollouts.seeds import request_seed
 from grail.rollouts.server import iteration_seeds

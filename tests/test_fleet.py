@@ -24,10 +24,10 @@ from grail.core.errors import ConfigError
 from grail.core.validate import validate
 from grail.inference.completions import Completion, GenerationError, SamplingParams
 from grail.inference.errors import ServerDiedError
-from grail.rollouts import fleet as fleet_module
-from grail.rollouts import sizing
+from grail.rollouts import fleet_client, sizing
 from grail.rollouts.balance import Balancer
-from grail.rollouts.fleet import Fleet, FleetClient
+from grail.rollouts.fleet import Fleet
+from grail.rollouts.fleet_client import FleetClient
 from grail.train.cli import CONF_DIR
 from grail.train.loop import fleet_text, run
 
@@ -326,8 +326,8 @@ def test_a_request_any_server_would_refuse_is_not_retried_elsewhere() -> None:
     client = FleetClient([Refusing(0.0), other], window=8)  # type: ignore[list-item]
     with pytest.raises(GenerationError, match="HTTP 400"):
         _ask(client, 64)
-    assert fleet_module.is_server_fault(GenerationError("x", attempts=4, status_code=None))
-    assert not fleet_module.is_server_fault(GenerationError("x", attempts=1, status_code=400))
+    assert fleet_client.is_server_fault(GenerationError("x", attempts=4, status_code=None))
+    assert not fleet_client.is_server_fault(GenerationError("x", attempts=1, status_code=400))
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,8 @@ from grail.inference.completions import SamplingParams
 from grail.inference.errors import FleetGone, ServerDiedError, ServerTimeoutError
 from grail.inference.weights.policy import PolicyWeights
 from grail.inference.weights.syncer import WeightSyncer
-from grail.rollouts.fleet import Fleet, FleetClient
+from grail.rollouts.fleet import Fleet
+from grail.rollouts.fleet_client import FleetClient
 from grail.train.components import server_manager_from_config, weight_route_from_config
 
 

@@ -1,8 +1,8 @@
 """Which server of a fleet takes the next group: the fleet's balancer, pure decision logic.
 
-No I/O, no asyncio, no clock, no randomness: the fleet (grail/rollouts/fleet.py) tells the
-balancer what happened (a group sent, answered, failed; a server set aside or back) and asks it
-where the next group goes. The same object runs inside the simulated fleet of
+No I/O, no asyncio, no clock, no randomness: the fleet's client (grail/rollouts/fleet_client.py)
+tells the balancer what happened (a group sent, answered, failed; a server set aside or back)
+and asks it where the next group goes. The same object runs inside the simulated fleet of
 benchmarks/fleet_sim.py, which is where its rule and its window were chosen (docs/benchmarks.md,
 "A fleet of servers, simulated").
 

@@ -61,7 +61,7 @@ from grail.envs.tools import ToolBox, ToolTimeout, ToolTurn
 from grail.inference.completions import Completion, SamplingParams
 from grail.rollouts.batch import EpisodeStats, Group, Sample
 from grail.rollouts.chat import ChatRenderer
-from grail.rollouts.fleet import FleetClient
+from grail.rollouts.fleet_client import FleetClient
 from grail.rollouts.seeds import request_seed, stable_hash
 
 if TYPE_CHECKING:

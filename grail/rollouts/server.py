@@ -47,7 +47,8 @@ from grail.inference.weights.syncer import WeightSyncer
 from grail.rollouts import codec
 from grail.rollouts.batch import GeneratedBatch, Group, RolloutBatch, WeightSync
 from grail.rollouts.episodes import EpisodeLimits
-from grail.rollouts.fleet import Fleet, FleetClient
+from grail.rollouts.fleet import Fleet
+from grail.rollouts.fleet_client import FleetClient
 from grail.rollouts.generation import RolloutGenerator, fill_informative, sampling_params
 from grail.rollouts.seeds import stable_hash
 from grail.rollouts.sizing import request_size, window_for

@@ -1,5 +1,5 @@
 """How a fleet's batch is cut into requests and how many of them one server may hold: pure
-arithmetic, for the fleet's client (grail/rollouts/fleet.py) and the run that builds it
+arithmetic, for the fleet's client (grail/rollouts/fleet_client.py) and the run that builds it
 (grail/rollouts/server.py)."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from grail.rollouts.batch import (
     RolloutBatch,
     WeightSync,
 )
-from grail.rollouts.fleet import FleetClient
+from grail.rollouts.fleet_client import FleetClient
 from grail.rollouts.generation import sampling_params
 from grail.rollouts.server import ServerRollouts, fleet_delta, wait
 from grail.service.app import create_app
