@@ -15,8 +15,9 @@ an answer turn that is
 - `--answer none`: no answer turn (the call alone).
 `--repeats N` adds N copy_digits episodes a step ("Repeat: 4821" answered "4821"), with the
 tool's description before them under `--repeat-tools`: the copying of shown text an instruct
-model also brings. `--batch 0 --repeats N` trains on repeats alone. docs/episodes.md ("Tools")
-has what each stage and GRPO from it measured.
+model also brings. `--batch 0 --repeats N` trains on repeats alone; `--stop-after K` ends after K
+steps of the `--steps` schedule (a model part way through it). docs/episodes.md ("Tools") has what
+each stage and GRPO from it measured.
 
 Token-exact: each example is built by the same code that builds an episode's tokens in a run
 (`ChatRenderer.render` for the prompt, `glue` and `suffix` for the tool's message, grail's
@@ -197,10 +198,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="offer the lookup tool in the repeats too (its ~430-token description before them)",
     )
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        help="stop after this many of the --steps schedule's steps (a model part way through it)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="torch's and the answers' seed")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch < 0 or args.repeats < 0 or args.batch + args.repeats < 1:
         parser.error("--steps must be at least 1, --batch + --repeats at least 1 (each >= 0)")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        parser.error(f"--stop-after must be in 1..--steps ({args.steps}), got {args.stop_after}")
     if args.out.exists():
         parser.error(f"--out {args.out} exists; name a new directory")
 
@@ -236,13 +244,14 @@ def main(argv: list[str] | None = None) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / args.steps)
     model.train()
     started = time.perf_counter()
-    for step in range(args.steps):
+    last = args.steps if args.stop_after is None else args.stop_after
+    for step in range(last):
         loss = sft_loss(model, *step_batches(step))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
-        if step % 50 == 0 or step == args.steps - 1:
+        if step % 50 == 0 or step == last - 1:
             took = time.perf_counter() - started
             print(f"step {step:4d}  loss {loss.item():.4f}  ({took:.0f} s)", flush=True)
 

@@ -423,3 +423,17 @@ def test_the_warm_start_writes_a_model_grail_loads(
     assert manifest["warm_start"]["steps"] == 2 and manifest["warm_start"]["answer"] == answer
     with pytest.raises(SystemExit):  # never over an existing model
         warm_start.main(["--out", str(out), "--base", str(tiny_model_dir)])
+
+
+def test_the_warm_start_can_stop_part_way_through_its_schedule(
+    tiny_model_dir: Path, tmp_path: Path, warm_start: Any
+) -> None:
+    small = ["--base", str(tiny_model_dir), "--batch", "2", "--repeats", "1"]
+    warm_start.main(["--out", str(tmp_path / "two"), "--steps", "2", *small])
+    warm_start.main(["--out", str(tmp_path / "part"), "--steps", "4", "--stop-after", "2", *small])
+    weights = [(tmp_path / d / "model.safetensors").read_bytes() for d in ("two", "part")]
+    assert weights[0] != weights[1]  # the second step's learning rate is the longer schedule's
+    manifest = json.loads((tmp_path / "part" / "grail_manifest.json").read_text())
+    assert manifest["warm_start"]["stop_after"] == 2
+    with pytest.raises(SystemExit):
+        warm_start.main(["--out", str(tmp_path / "x"), "--steps", "4", "--stop-after", "5", *small])
