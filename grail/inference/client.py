@@ -47,6 +47,7 @@ from grail.inference.completions import (
     SamplingParams,
     check_prompt,
     check_seed,
+    check_seed_count,
     decode_json,
     error_message,
     parse_completions,
@@ -257,8 +258,7 @@ class CompletionClient:
         ids = [check_prompt(p, f"prompts[{j}]") for j, p in enumerate(prompts)]
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
-        if len(seeds) != len(ids):
-            raise ValueError(f"got {len(ids)} prompts but {len(seeds)} seeds (one per prompt)")
+        check_seed_count(ids, seeds)
         seeds = [check_seed(s, f"seeds[{j}]") for j, s in enumerate(seeds)]
         if spans is not None and len(spans) != len(ids):
             raise ValueError(f"got {len(ids)} prompts but {len(spans)} lists of spans")

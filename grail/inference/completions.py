@@ -143,6 +143,12 @@ def check_seed(seed: object, name: str) -> int:
     return seed
 
 
+def check_seed_count(prompts: Sequence[object], seeds: Sequence[object]) -> None:
+    """One seed per prompt (a client's `complete_many`, the fleet's before it splits a batch)."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
+
+
 def request_body(
     model: str,
     prompts: Sequence[Sequence[int]],

@@ -32,7 +32,12 @@ from typing import Any
 
 from grail.core.errors import first_line
 from grail.inference.client import CompletionClient, in_requests
-from grail.inference.completions import Completion, GenerationError, SamplingParams
+from grail.inference.completions import (
+    Completion,
+    GenerationError,
+    SamplingParams,
+    check_seed_count,
+)
 from grail.inference.errors import ServerDiedError
 from grail.rollouts.balance import Balancer
 from grail.rollouts.sizing import group_cost, request_size
@@ -60,11 +65,6 @@ def _seen(call: asyncio.Future[Any]) -> None:
     that asyncio does not log it as never retrieved."""
     if not call.cancelled():
         call.exception()
-
-
-def _check_seeds(prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> None:
-    if len(seeds) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds (one per prompt)")
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -122,7 +122,7 @@ class FleetClient:
     ) -> list[list[Completion]]:
         """As `CompletionClient.complete_many`: n completions of each prompt, in input order,
         sample i of prompt j seeded `seeds[j] + i`; the requests spread over the fleet."""
-        _check_seeds(prompts, seeds)
+        check_seed_count(prompts, seeds)
         self.new_batch(len(prompts), n, sampling)
         groups, _ = await self.complete_on(prompts, n, sampling, seeds, None, on_done, spans)
         return groups
@@ -153,7 +153,7 @@ class FleetClient:
         window, unless it is set aside or fails: then, as any request, to the server the
         balancer picks. Without, the requests spread over the fleet as `complete_many`'s.
         `spans`: as `CompletionClient.complete_many`'s."""
-        _check_seeds(prompts, seeds)
+        check_seed_count(prompts, seeds)
         if server is not None and not 0 <= server < len(self.clients):
             raise ValueError(f"server {server} is not in this fleet of {len(self.clients)}")
         if not prompts:
